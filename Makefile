@@ -1,0 +1,50 @@
+# hvdtrain: `make train` and `make test` install everything on first use (see README.md).
+SHELL := /bin/bash
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+# The stamp is newer than every file that defines the environment, or `make` reinstalls.
+STAMP := $(VENV)/.hvdtrain-installed
+NP ?= 2
+ARGS ?=
+PYTEST_ARGS ?=
+# OpenMPI refuses to start as root without these; harmless for other users.
+MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# The collective tests run once as 2 ranks. Oversubscribe: CI machines may have fewer cores.
+MPIRUN := $(MPI_ENV) mpirun -np 2 --oversubscribe --bind-to none
+
+.PHONY: install train test test-unit test-mpi bench slurm-up slurm-down clean distclean
+
+$(STAMP): setup.cfg scripts/install.sh scripts/constraints.txt
+	bash scripts/install.sh
+	touch $(STAMP)
+
+install:
+	bash scripts/install.sh
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(MPI_ENV) $(VENV)/bin/horovodrun -np $(NP) $(PYTHON) -m hvdtrain.cnn $(ARGS)
+
+test: test-unit test-mpi
+
+test-unit: $(STAMP)
+	$(PYTHON) -m pytest tests/ $(PYTEST_ARGS)
+
+test-mpi: $(STAMP)
+	$(MPIRUN) $(PYTHON) -m pytest tests/ -p no:cacheprovider --color=no $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(MPI_ENV) $(PYTHON) -m hvdtrain.bench all $(ARGS)
+
+slurm-up:
+	bash scripts/slurm-local.sh up
+
+slurm-down:
+	bash scripts/slurm-local.sh down
+
+clean:
+	rm -rf runs .pytest_cache build hvdtrain.egg-info
+	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Set up everything hvdtrain needs on a Debian machine that has only Python 3.11:
+#   1. system parts (OpenMPI, cmake, g++) via apt-get when root, else one line naming the packages;
+#   2. .venv with the pinned stack (shared/STACK.md, README "Version matrix");
+#   3. horovod 0.28.1 compiled against that exact TensorFlow, cached as a wheel so that the next
+#      install (or a new venv on this machine) reuses it in seconds;
+#   4. a check that horovod has TensorFlow, MPI and Gloo and that `import hvdtrain` works.
+# Idempotent: run it as often as you like (`make install` does).
+#
+# Environment knobs:
+#   HVDTRAIN_VENV         where the venv goes (default: .venv in the repository)
+#   HVDTRAIN_TF_FLAVOR    cpu (default) or gpu: gpu installs tensorflow[and-cuda] and builds
+#                         horovod with NCCL (needs the CUDA toolkit / nvcc on the machine)
+#   HVDTRAIN_WHEEL_CACHE  where compiled horovod wheels are kept (default ~/.cache/hvdtrain/wheels)
+#   PYTHON                the interpreter to build the venv from (default: python3.11)
+set -euo pipefail
+
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${HVDTRAIN_VENV:-$repo_root/.venv}
+flavor=${HVDTRAIN_TF_FLAVOR:-cpu}
+wheel_cache=${HVDTRAIN_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain/wheels}
+python=${PYTHON:-python3.11}
+
+TF_VERSION=2.18.1
+HOROVOD_VERSION=0.28.1
+
+say() { printf '[install] %s\n' "$*"; }
+die() { printf 'install: %s\n' "$*" >&2; exit 1; }
+
+case "$flavor" in
+  cpu) tf_requirement="tensorflow-cpu==$TF_VERSION" ;;
+  gpu) tf_requirement="tensorflow[and-cuda]==$TF_VERSION" ;;
+  *) die "HVDTRAIN_TF_FLAVOR must be cpu or gpu, got '$flavor'" ;;
+esac
+
+# --- 1. system packages ------------------------------------------------------------------------
+missing=()
+command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
+# libopenmpi-dev ships the mpicc wrapper and headers that horovod and mpi4py compile against.
+command -v mpicc >/dev/null 2>&1 || missing+=(libopenmpi-dev)
+command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+command -v g++ >/dev/null 2>&1 || missing+=(g++)
+command -v make >/dev/null 2>&1 || missing+=(make)
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    die "missing system packages; run: sudo apt-get install -y ${missing[*]}"
+  fi
+  say "apt-get install ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+command -v "$python" >/dev/null 2>&1 || die "$python not found; hvdtrain needs Python 3.11 (set PYTHON=...)"
+"$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
+  || die "$python is $("$python" -V 2>&1); the pinned stack needs Python 3.11"
+
+# --- 2. the virtual environment ----------------------------------------------------------------
+if [[ ! -x $venv/bin/python ]]; then
+  say "creating $venv"
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
+"${pip[@]}" install --upgrade pip "setuptools<81" wheel
+# The constraints file pins every transitive version that was verified together.
+constraints=("-c" "$repo_root/scripts/constraints.txt")
+say "installing $tf_requirement, tf_keras, mpi4py and the rest of the pinned stack"
+"${pip[@]}" install "${constraints[@]}" "$tf_requirement" \
+  tf_keras mpi4py scikit-learn matplotlib pytest pytest-timeout \
+  packaging cloudpickle psutil pyyaml cffi
+
+# --- 3. horovod, compiled once per (horovod, TF, Python, flavor, machine) ------------------------
+py_tag=$("$venv/bin/python" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
+key="horovod-${HOROVOD_VERSION}_tf-${TF_VERSION}_${py_tag}_${flavor}_$(uname -m)"
+cached_wheel_dir=$wheel_cache/$key
+installed_horovod=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
+if [[ $installed_horovod != "$HOROVOD_VERSION" ]]; then
+  if ! compgen -G "$cached_wheel_dir/horovod-*.whl" >/dev/null; then
+    say "compiling horovod $HOROVOD_VERSION against TensorFlow $TF_VERSION (takes ~3 minutes on 2 cores)"
+    build_dir=$(mktemp -d)
+    trap 'rm -rf "$build_dir"' EXIT
+    # Build isolation off: horovod must compile against the TensorFlow in this venv, not a fresh one.
+    # PyTorch/MXNet off: we only need the TensorFlow ops; MPI + Gloo controllers both on.
+    build_env=(HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1
+               HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+               MAKEFLAGS="-j$(nproc)")
+    if [[ $flavor == gpu ]]; then
+      build_env+=(HOROVOD_GPU_OPERATIONS=NCCL)
+    fi
+    env "${build_env[@]}" "$venv/bin/python" -m pip --disable-pip-version-check wheel \
+        --no-build-isolation --no-deps --no-cache-dir -w "$build_dir" "horovod==$HOROVOD_VERSION" \
+        >"$build_dir/build.log" 2>&1 \
+      || { tail -n 40 "$build_dir/build.log" >&2; die "horovod build failed (log above)"; }
+    # Publish atomically: a crash mid-build never leaves a half-written wheel in the cache.
+    mkdir -p "$wheel_cache"
+    staging=$(mktemp -d "$wheel_cache/.staging.XXXXXX")
+    cp "$build_dir"/horovod-*.whl "$staging/"
+    rm -rf "$cached_wheel_dir"
+    mv "$staging" "$cached_wheel_dir"
+  else
+    say "reusing cached horovod wheel from $cached_wheel_dir"
+  fi
+  "${pip[@]}" install "${constraints[@]}" "$cached_wheel_dir"/horovod-*.whl
+fi
+
+# --- 4. hvdtrain itself, then verify -----------------------------------------------------------
+"${pip[@]}" install --no-deps --no-build-isolation -e "$repo_root"
+
+check_build=$("$venv/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $check_build"
+for feature in TensorFlow MPI Gloo; do
+  grep -Eq "\[X\] $feature\b" <<<"$check_build" \
+    || die "horovod was built without $feature (horovodrun --check-build):"$'\n'"$check_build"
+done
+"$venv/bin/python" -c 'import hvdtrain' || die "import hvdtrain failed in $venv"
+say "ok: $("$venv/bin/python" -c 'import tensorflow as tf, horovod, tf_keras; print(f"TensorFlow {tf.__version__}, tf_keras {tf_keras.__version__}, horovod {horovod.__version__}")' 2>/dev/null) with MPI + Gloo in $venv"

@@ -1,0 +1,99 @@
+"""Test tiers and the helpers that keep multi-process tests from hanging.
+
+`pytest tests/` runs every tier in one process: pure logic, collective tests as a world of one,
+and integration tests that start their own horovodrun/mpirun/Slurm jobs.
+`mpirun -np 2 pytest tests/` runs the same files in two processes: the collective tests then run
+across 2 real ranks; integration tests skip there (they would start every job twice, competing
+for the same 2 cores) and pure tests simply run on both ranks.
+
+Collective tests never assert before the ranks have exchanged their results: `gather_checked`
+runs the local part, all-gathers (ok, error) from every rank, and only then asserts, so a failure
+on one rank fails the test on all ranks together instead of leaving the others waiting.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import hvdtrain  # noqa: F401  (selects Keras 2 before anything imports TensorFlow)
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+LAUNCHED_RANKS = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+
+integration = pytest.mark.skipif(
+    LAUNCHED_RANKS > 1, reason="integration tests start their own jobs; they run in the "
+                               "single-process pass (pytest tests/)")
+
+
+@pytest.fixture(scope="session")
+def runtime():
+    """This process's horovod runtime: a world of 1 under plain pytest, of N under mpirun."""
+    from hvdtrain.horovod_runtime import HorovodRuntime
+
+    return HorovodRuntime()
+
+
+def gather_checked(runtime, local: Callable[[], Any]) -> list[Any]:
+    """Run ``local()`` on every rank, gather the results, then fail together if any rank failed."""
+    try:
+        outcome = ("ok", local())
+    except Exception:  # noqa: BLE001 - reported below, on every rank
+        outcome = ("error", traceback.format_exc())
+    outcomes = runtime.allgather_object(outcome)
+    failures = [f"rank {rank}:\n{detail}" for rank, (status, detail) in enumerate(outcomes)
+                if status == "error"]
+    assert not failures, "\n".join(failures)
+    return [value for _, value in outcomes]
+
+
+@pytest.fixture
+def shared_dir(runtime, tmp_path_factory):
+    """One directory all ranks agree on (rank 0's temporary directory)."""
+    path = str(tmp_path_factory.mktemp("shared")) if runtime.world.is_chief else None
+    return Path(runtime.broadcast_object(path))
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for a job a test starts: none of this process's MPI/horovod identity."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_", "PMI_", "SLURM_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PATH=f"{VENV_BIN}:{env.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run_job(args: list[str], *, timeout: float, cwd: Path = REPO, env: dict | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command (a horovodrun job, a CLI) to completion, killing its process group on timeout."""
+    process = subprocess.Popen(args, cwd=cwd, env=env or clean_env(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(args)} did not finish in {timeout} s; output:\n{output[-4000:]}")
+    result = subprocess.CompletedProcess(args, process.returncode, output, None)
+    if check and result.returncode != 0:
+        pytest.fail(f"{' '.join(args)} exited {result.returncode}; output:\n{output[-6000:]}")
+    return result
+
+
+def horovodrun(np: int, module: str, *args: str, timeout: float = 300, check: bool = True,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_job([str(VENV_BIN / "horovodrun"), "-np", str(np), sys.executable, "-m", module,
+                    *args], timeout=timeout, check=check, env=env)
+
+
+def have_command(name: str) -> bool:
+    return shutil.which(name) is not None
