@@ -1,0 +1,72 @@
+"""How hvdtrain fails: one clear line, printed once, a non-zero exit, never a traceback wall.
+
+Every rank of a data-parallel job runs the same code on the same inputs, so most mistakes (a missing
+data directory, a bad flag) are found by every rank at the same moment. Those raise ``UserError``:
+rank 0 prints the one line and every rank exits 2 together, so no rank is left waiting in a
+collective. A mistake that only one rank can see (its GPU is missing) raises ``RankError``, which
+that rank prints with its rank number.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from typing import Callable, Iterator, Mapping
+
+#: Exit status for bad input or environment (argparse's convention).
+EXIT_USAGE = 2
+#: Exit status for "stopped on a preemption signal, checkpoint written, run me again" (EX_TEMPFAIL).
+EXIT_PREEMPTED = 75
+
+# Rank variables set by the launchers before the program starts, in order of trust: horovodrun
+# (Gloo), OpenMPI's mpirun, PMIx (srun --mpi=pmix), PMI-1/2. Read only to decide who prints an
+# error that happens before (or instead of) the runtime starting; the runtime asks horovod.
+_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
+class UserError(Exception):
+    """A mistake in the user's input or environment, the same on every rank. One line, exit 2."""
+
+
+class RankError(UserError):
+    """A mistake only this rank can see (its own GPU, its own shard). Printed by this rank."""
+
+
+def launch_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's global rank as the launcher announced it (0 when not launched by one)."""
+    env = os.environ if env is None else env
+    for name in _RANK_VARIABLES:
+        value = env.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+@contextlib.contextmanager
+def reported(program: str, rank: Callable[[], int] = launch_rank) -> Iterator[None]:
+    """Turn exceptions into the project's failure contract (see module docstring).
+
+    ``rank`` is asked only when something fails, so it can report the runtime's rank once the
+    runtime is up and the launcher's before that.
+    """
+    try:
+        yield
+    except RankError as error:
+        print(f"{program}: error on rank {rank()}: {error}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
+    except UserError as error:
+        if rank() == 0:
+            print(f"{program}: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as error:  # a bug: rank 0 shows where, the others one line each
+        this_rank = rank()
+        if this_rank == 0 or os.environ.get("HVDTRAIN_TRACEBACKS") == "all":
+            traceback.print_exc()
+        else:
+            print(f"{program}: rank {this_rank} failed: {type(error).__name__}: {error} "
+                  "(HVDTRAIN_TRACEBACKS=all shows every rank's traceback)",
+                  file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -1,0 +1,1 @@
+"""Model families. Each is its own module with one ``build_*`` function; entry points pick one."""

@@ -1,0 +1,141 @@
+"""The data-parallel arithmetic, in one pure function: batch sizes, learning rate, steps.
+
+Nothing here touches TensorFlow or horovod, so every rule is unit-tested on its own and rank 0 can
+print exactly what the job will do before it starts.
+
+Conventions (the README's "Scaling" section explains them for users):
+
+* A *worker* is one model replica: a horovod rank, or one device of a tf.distribute strategy.
+* ``--batch-size`` is the batch the base learning rate was tuned for. Its meaning depends on the
+  batch policy: per worker (the global batch grows with workers) or for the whole job.
+* One optimizer *update* consumes ``global_batch_size * grad_accum_steps`` samples. The learning
+  rate is scaled by that number relative to ``--batch-size`` (linearly, by square root, or not).
+* Every worker runs the same number of steps per epoch, computed from the *global* sample count,
+  so a shard that is one sample shorter than another can never leave a rank waiting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    num_workers: int
+    """Model replicas taking part (horovod ranks x devices per rank)."""
+    per_worker_batch_size: int
+    """Samples each worker processes per step."""
+    global_batch_size: int
+    """Samples processed per step by all workers together."""
+    grad_accum_steps: int
+    """Steps (backward passes) per optimizer update."""
+    samples_per_update: int
+    """global_batch_size x grad_accum_steps: what the learning rate is scaled for."""
+    base_learning_rate: float
+    learning_rate: float
+    """The scaled learning rate reached after warm-up."""
+    lr_scale_factor: float
+    steps_per_epoch: int
+    """Batches per worker per epoch, identical on every worker."""
+    updates_per_epoch: float
+    warmup_updates: int
+    total_updates: int
+    validation_batch_size: int
+    """Per-worker validation batch (smaller than the training batch only for tiny sets)."""
+    validation_steps: int
+    """Validation batches per worker per epoch; 0 means no validation."""
+    num_train_samples: int
+    num_validation_samples: int
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.steps_per_epoch * self.global_batch_size
+
+    def describe(self) -> list[str]:
+        """The start-up banner lines rank 0 prints."""
+        lines = [
+            f"workers: {self.num_workers}",
+            f"batch: {self.per_worker_batch_size} per worker x {self.num_workers} workers = "
+            f"{self.global_batch_size} global"
+            + (f", x {self.grad_accum_steps} accumulation steps = {self.samples_per_update} "
+               "samples per update" if self.grad_accum_steps > 1 else ""),
+            f"learning rate: {self.base_learning_rate:g} x {self.lr_scale_factor:g} = "
+            f"{self.learning_rate:g}"
+            + (f", warm-up over {self.warmup_updates} updates" if self.warmup_updates else ""),
+            f"steps per epoch: {self.steps_per_epoch} ({self.samples_per_epoch} of "
+            f"{self.num_train_samples} training samples)",
+        ]
+        if self.validation_steps:
+            used = self.validation_steps * self.validation_batch_size * self.num_workers
+            lines.append(f"validation: {self.validation_steps} steps of "
+                         f"{self.validation_batch_size} per worker ({used} of "
+                         f"{self.num_validation_samples} samples)")
+        else:
+            lines.append("validation: none (no held-out samples)")
+        return lines
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def make_plan(*, batch_size: int, batch_policy: str, learning_rate: float, lr_scaling: str,
+              warmup_epochs: float, grad_accum_steps: int, epochs: int, num_workers: int,
+              num_train_samples: int, num_validation_samples: int,
+              steps_per_epoch: int | None = None) -> TrainingPlan:
+    """Derive everything the job needs from the user's numbers; ``ValueError`` when impossible."""
+    if num_workers < 1:
+        raise ValueError(f"need at least one worker, got {num_workers}")
+    if batch_policy == "per-worker":
+        per_worker_batch_size = batch_size
+    elif batch_policy == "global":
+        if batch_size % num_workers:
+            raise ValueError(
+                f"global batch {batch_size} does not divide by {num_workers} workers; use a "
+                f"multiple of {num_workers} or --batch-policy per-worker")
+        per_worker_batch_size = batch_size // num_workers
+    else:
+        raise ValueError(f"unknown batch policy {batch_policy!r}")
+    global_batch_size = per_worker_batch_size * num_workers
+    if num_train_samples < global_batch_size:
+        raise ValueError(
+            f"{num_train_samples} training samples are fewer than one global batch "
+            f"({per_worker_batch_size} per worker x {num_workers} workers = {global_batch_size}); "
+            "use a smaller --batch-size or fewer workers")
+
+    samples_per_update = global_batch_size * grad_accum_steps
+    ratio = samples_per_update / batch_size
+    lr_scale_factor = {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[lr_scaling]
+
+    # Every worker takes the same number of steps, derived from the global count: the shards may
+    # differ by one sample, and a rank that stops early would leave the others in an allreduce.
+    derived_steps = num_train_samples // global_batch_size
+    steps = steps_per_epoch or derived_steps
+    updates_per_epoch = steps / grad_accum_steps
+    total_updates = max(1, int(epochs * updates_per_epoch))
+    # Warm-up ends at least one update before the end, so the scaled rate is actually reached.
+    warmup_updates = max(0, min(math.ceil(warmup_epochs * updates_per_epoch), total_updates - 1))
+
+    # Validation also uses whole batches of the same size on every worker (metrics are averaged
+    # across ranks as equals); tiny sets fall back to smaller batches rather than to nothing.
+    validation_batch_size = min(per_worker_batch_size, num_validation_samples // num_workers)
+    validation_steps = (num_validation_samples // (validation_batch_size * num_workers)
+                        if validation_batch_size else 0)
+    return TrainingPlan(
+        num_workers=num_workers,
+        per_worker_batch_size=per_worker_batch_size,
+        global_batch_size=global_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        samples_per_update=samples_per_update,
+        base_learning_rate=learning_rate,
+        learning_rate=learning_rate * lr_scale_factor,
+        lr_scale_factor=lr_scale_factor,
+        steps_per_epoch=steps,
+        updates_per_epoch=updates_per_epoch,
+        warmup_updates=warmup_updates,
+        total_updates=total_updates,
+        validation_batch_size=validation_batch_size,
+        validation_steps=validation_steps,
+        num_train_samples=num_train_samples,
+        num_validation_samples=num_validation_samples,
+    )

@@ -1,0 +1,284 @@
+"""Where a job runs: the world's facts and the backend that owns them.
+
+Training code sees one object, a ``Runtime``: its ``world`` (rank, size, ...) and a handful of
+methods (wrap the optimizer, broadcast, agree). Which backend stands behind it is decided once, by
+``select_backend``; the backends are
+
+* ``single``   one process, one device (this class itself);
+* ``horovod``  one process per device, MPI/Gloo collectives (``hvdtrain.horovod_runtime``, the only
+               module that imports horovod, imported only when chosen: TPU VMs usually lack it);
+* ``mirrored`` ``tf.distribute.MirroredStrategy`` over this host's GPUs, no MPI;
+* ``tpu``      ``tf.distribute.TPUStrategy`` through a TPU cluster resolver.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from hvdtrain.errors import RankError, UserError
+
+# Launcher variables that mean "this process is one rank of a horovod job": horovodrun (Gloo),
+# OpenMPI's mpirun, PMIx (srun --mpi=pmix), PMI-1/2 (srun --mpi=pmi2, MPICH/Intel MPI).
+_HOROVOD_LAUNCH_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
+# What a TPU looks like from the host: a named TPU (Cloud TPU node / TPU VM), a Colab TPU, or the
+# local device files of a TPU VM (/dev/accel* on v2-v4, /dev/vfio/* on v5e and later; VFIO is also
+# used for other passthrough devices, so it only counts where libtpu is installed).
+_TPU_VARIABLES = ("TPU_NAME", "COLAB_TPU_ADDR")
+
+
+@dataclass(frozen=True)
+class World:
+    """The facts about this process that every other module asks for, and nothing more."""
+
+    rank: int = 0
+    """Index of this process among the processes feeding data (0 = chief)."""
+    local_rank: int = 0
+    """Index of this process among those on this node (picks the GPU)."""
+    size: int = 1
+    """Number of processes feeding data."""
+    local_size: int = 1
+    """Number of those processes on this node."""
+    replicas_per_process: int = 1
+    """Model replicas each process drives (devices of a tf.distribute strategy; 1 for horovod)."""
+    backend: str = "single"
+
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel width: the ``workers`` of the batch and learning-rate arithmetic."""
+        return self.size * self.replicas_per_process
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+
+def select_backend(requested: str, env: Mapping[str, str] | None = None,
+                   tpu_devices: Callable[[], list[str]] | None = None) -> str:
+    """Resolve ``--backend auto``: TPU if one is visible, horovod if launched as ranks, else single."""
+    if requested != "auto":
+        return requested
+    env = os.environ if env is None else env
+    find_tpu_devices = tpu_devices or local_tpu_devices
+    if any(env.get(name) for name in _TPU_VARIABLES) or find_tpu_devices():
+        return "tpu"
+    if any(name in env for name in _HOROVOD_LAUNCH_VARIABLES):
+        return "horovod"
+    return "single"
+
+
+def local_tpu_devices() -> list[str]:
+    devices = glob.glob("/dev/accel*")
+    if importlib.util.find_spec("libtpu") is not None:
+        devices += glob.glob("/dev/vfio/[0-9]*")
+    return sorted(devices)
+
+
+def cpu_threads_per_worker(available_cores: int, machine_cores: int, local_size: int) -> int:
+    """Intra-op threads for one rank on CPU.
+
+    When the launcher already bound this rank to a subset of cores (mpirun --bind-to core, srun
+    --cpus-per-task), that subset is this rank's share. Otherwise the node's cores are split
+    evenly between its ranks so that N ranks never oversubscribe the CPU.
+    """
+    if available_cores < machine_cores:
+        return max(1, available_cores)
+    return max(1, available_cores // max(1, local_size))
+
+
+def choose_gpu(num_visible_gpus: int, local_rank: int, local_size: int,
+               cuda_visible_devices: str | None) -> int | None:
+    """Which of the visible GPUs this rank uses; ``None`` on a machine without GPUs.
+
+    One GPU per local rank. When the scheduler already isolated one GPU per task (srun
+    --gpus-per-task / --gpu-bind, so CUDA_VISIBLE_DEVICES names a single device), that GPU is
+    this rank's.
+    """
+    if num_visible_gpus == 0:
+        return None
+    if local_rank < num_visible_gpus:
+        return local_rank
+    isolated = cuda_visible_devices is not None and len(cuda_visible_devices.split(",")) == 1
+    if num_visible_gpus == 1 and isolated:
+        return 0
+    raise RankError(
+        f"local rank {local_rank} has no GPU: this node shows {num_visible_gpus} GPU(s) to "
+        f"{local_size} local ranks; launch at most {num_visible_gpus} ranks per node")
+
+
+def configure_devices(world: World, threads_per_worker: int | None) -> str:
+    """Pin this rank to its GPU, or size its CPU thread pools; returns a one-line description.
+
+    Must run before TensorFlow creates its runtime. A process that already did (a test that
+    trains twice) keeps its first configuration.
+    """
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    index = choose_gpu(len(gpus), world.local_rank, world.local_size,
+                       os.environ.get("CUDA_VISIBLE_DEVICES"))
+    try:
+        if index is not None:
+            # One GPU per rank; memory growth so a rank never grabs memory it doesn't use.
+            tf.config.experimental.set_memory_growth(gpus[index], True)
+            tf.config.set_visible_devices(gpus[index], "GPU")
+            return f"GPU {index} of {len(gpus)}"
+        threads = threads_per_worker or cpu_threads_per_worker(
+            len(os.sched_getaffinity(0)), os.cpu_count() or 1, world.local_size)
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        # Ops mostly run one after another in a small model; more inter-op threads than cores
+        # only adds contention between ranks sharing the node.
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+        return f"CPU, {threads} thread(s)"
+    except RuntimeError:  # TensorFlow already initialised in this process
+        return "CPU/GPU as configured earlier in this process"
+
+
+class Runtime:
+    """One process, one device: no collectives. Every other backend refines this."""
+
+    def __init__(self, world: World, device_description: str = ""):
+        self.world = world
+        self.device_description = device_description
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Context in which models and optimizers are built (a strategy's scope)."""
+        return contextlib.nullcontext()
+
+    def distribute_optimizer(self, optimizer, *, fp16_allreduce: bool, grad_accum_steps: int):
+        if fp16_allreduce or grad_accum_steps > 1:
+            raise UserError(f"--fp16-allreduce and --grad-accum-steps need the horovod backend; "
+                            f"this run uses '{self.world.backend}'")
+        return optimizer
+
+    def broadcast_variables(self, variables: list) -> None:
+        """Make every rank hold rank 0's values."""
+
+    def sync_callbacks(self) -> list:
+        """Keras callbacks that must come first in the list (metric averaging)."""
+        return []
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def allgather_object(self, obj: Any) -> list:
+        return [obj]
+
+    def max_over_ranks(self, value: int) -> int:
+        """The largest ``value`` any rank passed, on every rank. A collective: all ranks call it."""
+        return value
+
+    def default_steps_per_execution(self) -> int:
+        return 1
+
+    def default_precision(self) -> str:
+        return "fp32"
+
+    def print0(self, *args: Any) -> None:
+        """Print from the chief only, flushed (ranks' stdout is interleaved by the launcher)."""
+        if self.world.is_chief:
+            print(*args, flush=True)
+
+    def shutdown(self) -> None:
+        """Release the backend's resources (nothing for one process)."""
+
+
+class StrategyRuntime(Runtime):
+    """One process driving several replicas through a tf.distribute strategy (mirrored, TPU)."""
+
+    def __init__(self, strategy, backend: str, device_description: str):
+        self.strategy = strategy
+        world = World(replicas_per_process=strategy.num_replicas_in_sync, backend=backend)
+        super().__init__(world, device_description)
+
+    def scope(self):
+        # Variables created in the scope are mirrored on every replica; Keras fit then splits
+        # each global batch between the replicas and all-reduces the gradients itself.
+        return self.strategy.scope()
+
+    def default_steps_per_execution(self) -> int:
+        # Each host -> TPU round trip costs milliseconds; run many steps per call on TPU.
+        return 32 if self.world.backend == "tpu" else 1
+
+    def default_precision(self) -> str:
+        # TPUs compute in bfloat16 natively and need no loss scaling for it.
+        return "mixed_bfloat16" if self.world.backend == "tpu" else "fp32"
+
+
+def make_runtime(backend: str, *, threads_per_worker: int | None = None) -> Runtime:
+    """Start the runtime for ``--backend`` (after ``auto`` is resolved)."""
+    chosen = select_backend(backend)
+    if chosen == "horovod":
+        try:
+            from hvdtrain.horovod_runtime import HorovodRuntime
+        except ImportError as error:
+            raise UserError(f"the horovod backend needs horovod ({error}); run `make install`, "
+                            "or use --backend single") from None
+        return HorovodRuntime(threads_per_worker=threads_per_worker)
+    if chosen == "tpu":
+        return _tpu_runtime()
+    if chosen == "mirrored":
+        return _mirrored_runtime(threads_per_worker)
+    if chosen == "single":
+        world = World()
+        return Runtime(world, configure_devices(world, threads_per_worker))
+    raise UserError(f"unknown backend {chosen!r}")
+
+
+def _mirrored_runtime(threads_per_worker: int | None) -> StrategyRuntime:
+    import tensorflow as tf
+
+    world = World(backend="mirrored")
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        devices = None  # all of this host's GPUs
+        description = f"{len(gpus)} GPU(s)"
+    else:
+        # Without GPUs, HVDTRAIN_CPU_REPLICAS splits the CPU into that many logical devices: it
+        # is how the mirrored path is exercised for real on a laptop or CI.
+        replicas = int(os.environ.get("HVDTRAIN_CPU_REPLICAS", "1"))
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+        except RuntimeError:
+            pass  # already initialised in this process; use the devices it has
+        configure_devices(world, threads_per_worker)
+        devices = [d.name for d in tf.config.list_logical_devices("CPU")][:replicas]
+        description = f"{len(devices)} logical CPU device(s)"
+    strategy = tf.distribute.MirroredStrategy(devices=devices)
+    return StrategyRuntime(strategy, "mirrored", description)
+
+
+def tpu_address(env: Mapping[str, str], tpu_devices: list[str]) -> str | None:
+    """What to hand TPUClusterResolver, or None when no TPU is in sight."""
+    if env.get("TPU_NAME"):
+        return env["TPU_NAME"]
+    if env.get("COLAB_TPU_ADDR"):
+        return "grpc://" + env["COLAB_TPU_ADDR"]
+    if tpu_devices:
+        return "local"  # a TPU VM: the TPU is attached to this host
+    return None
+
+
+def _tpu_runtime() -> StrategyRuntime:
+    address = tpu_address(os.environ, local_tpu_devices())
+    if address is None:
+        raise UserError("--backend tpu: no TPU found (looked for $TPU_NAME, $COLAB_TPU_ADDR and "
+                        "TPU device files /dev/accel*, /dev/vfio/*)")
+    import tensorflow as tf
+
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, RuntimeError, tf.errors.OpError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"--backend tpu: could not connect to TPU '{address}': {first_line}") from None
+    strategy = tf.distribute.TPUStrategy(resolver)
+    cores = strategy.num_replicas_in_sync
+    return StrategyRuntime(strategy, "tpu", f"TPU '{address}', {cores} cores")
+

@@ -1,0 +1,164 @@
+"""Listing, splitting and sharding the data, with every rank simulated in one process."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hvdtrain.config import TrainConfig
+from hvdtrain.data import (build_pipelines, list_data, list_image_folder, list_tfrecords,
+                           shard_records, split_indices)
+from hvdtrain.errors import UserError
+from hvdtrain.runtime import World
+from hvdtrain.tfrecords import convert
+from images import make_image_folder
+
+
+def ids_of(dataset) -> list[int]:
+    return [int(source) for source, _ in dataset.as_numpy_iterator()]
+
+
+def test_digits_are_real_embedded_data():
+    listing = list_data(TrainConfig())
+    assert listing.image_shape == (8, 8, 1)
+    assert len(listing.class_names) == 10
+    assert listing.train.num_samples + listing.validation.num_samples == 1797
+    assert listing.images.dtype == np.uint8 and listing.images.max() == 255
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    train, validation = split_indices(1000, 0.2, seed=7)
+    again_train, _ = split_indices(1000, 0.2, seed=7)
+    assert np.array_equal(train, again_train)
+    assert len(validation) == 200
+    assert sorted(np.concatenate([train, validation])) == list(range(1000))
+    assert not np.array_equal(train, split_indices(1000, 0.2, seed=8)[0])
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_shards_are_disjoint_and_cover_the_split(size):
+    listing = list_data(TrainConfig())
+    shards = [ids_of(shard_records(listing.train, World(rank=r, size=size), seed=0,
+                                   by_file=False)) for r in range(size)]
+    flat = [i for shard in shards for i in shard]
+    assert len(flat) == len(set(flat)), "a sample is in two shards"
+    assert sorted(flat) == sorted(listing.train.sources.tolist())
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+@pytest.mark.parametrize("samples", [7, 10, 13, 29])
+@pytest.mark.parametrize("size", [2, 3])
+def test_uneven_shards_still_give_every_rank_the_planned_steps(samples, size):
+    config = TrainConfig(data="synthetic", synthetic_samples=samples, validation_fraction=0.0)
+    listing = list_data(config)
+    batch = 2
+    steps = samples // (batch * size)
+    for rank in range(size):
+        pipelines = build_pipelines(listing, World(rank=rank, size=size),
+                                    per_worker_batch_size=batch, validation_batch_size=batch,
+                                    validation_steps=0, seed=0, cache=True)
+        # Two epochs' worth: the training stream repeats, so no rank can run dry.
+        batches = list(pipelines.train.take(2 * steps).as_numpy_iterator())
+        assert len(batches) == 2 * steps
+        assert all(images.shape == (batch, 8, 8, 1) for images, _ in batches)
+
+
+def test_image_folder_png_and_jpeg_of_any_size(tmp_path):
+    root = make_image_folder(tmp_path / "images", classes=3, per_class=12)
+    listing = list_image_folder(str(root), image_size=16, validation_fraction=0.25, seed=0,
+                                on_bad_image="skip")
+    assert listing.class_names == ("one", "two", "zero")
+    assert listing.train.num_samples + listing.validation.num_samples == 36
+    pipelines = build_pipelines(listing, World(), per_worker_batch_size=4,
+                                validation_batch_size=4, validation_steps=2, seed=0, cache=True)
+    images, labels = next(iter(pipelines.train))
+    assert images.shape == (4, 16, 16, 3) and images.dtype.name == "uint8"
+    assert set(labels.numpy()) <= {0, 1, 2}
+    assert len(list(pipelines.validation)) == 2
+
+
+@pytest.mark.parametrize("make_bad, message", [
+    (lambda root: None, "no such directory"),
+    (lambda root: root.mkdir(), "no class sub-folders"),
+    (lambda root: make_image_folder(root, classes=1, per_class=3), "only one class folder"),
+    (lambda root: (make_image_folder(root, classes=2, per_class=3), (root / "empty").mkdir()),
+     "has no PNG/JPEG/GIF/BMP images"),
+])
+def test_unusable_folders_are_one_line_errors(tmp_path, make_bad, message):
+    root = tmp_path / "data"
+    make_bad(root)
+    with pytest.raises(UserError, match=message) as error:
+        list_image_folder(str(root), image_size=None, validation_fraction=0.2, seed=0,
+                          on_bad_image="skip")
+    assert "\n" not in str(error.value)
+
+
+def test_non_image_files_are_skipped_and_counted_or_fatal(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, per_class=5)
+    (root / "zero" / "notes.txt").write_text("not an image")
+    (root / "one" / "broken.png").write_bytes(b"garbage that is not a PNG")
+    listing = list_image_folder(str(root), image_size=None, validation_fraction=0.2, seed=0,
+                                on_bad_image="skip")
+    assert listing.train.num_samples + listing.validation.num_samples == 10
+    assert listing.notes and "skipped 2 file(s)" in listing.notes[0]
+    with pytest.raises(UserError, match="2 file.*--on-bad-image skip"):
+        list_image_folder(str(root), image_size=None, validation_fraction=0.2, seed=0,
+                          on_bad_image="fail")
+
+
+def test_truncated_image_with_a_valid_header_is_dropped_in_skip_mode(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, per_class=8)
+    good = next((root / "zero").glob("*.png")).read_bytes()
+    (root / "zero" / "truncated.png").write_bytes(good[:40])
+    listing = list_image_folder(str(root), image_size=8, validation_fraction=0.0, seed=0,
+                                on_bad_image="skip")
+    pipelines = build_pipelines(listing, World(), per_worker_batch_size=1,
+                                validation_batch_size=1, validation_steps=0, seed=0, cache=True)
+    decoded = list(pipelines.train.take(17).as_numpy_iterator())
+    assert len(decoded) == 17  # 16 good files per pass, the truncated one dropped, repeating
+
+
+def test_tfrecords_round_trip_and_file_sharding(tmp_path):
+    root = make_image_folder(tmp_path / "images", classes=3, per_class=10)
+    metadata = convert(str(root), str(tmp_path / "records"), shards=3, validation_shards=1,
+                       validation_fraction=0.2, seed=42, image_size=16)
+    assert sum(metadata["counts"].values()) == 30
+    assert json.loads((tmp_path / "records" / "dataset.json").read_text())["class_names"] == [
+        "one", "two", "zero"]
+    listing = list_tfrecords(str(tmp_path / "records"), image_size=None)
+    assert listing.image_shape == (16, 16, 3)
+    assert (listing.train.num_samples, listing.validation.num_samples) == (24, 6)
+    # File sharding: 3 ranks, one whole shard each, all records read exactly once.
+    seen = []
+    for rank in range(3):
+        records = shard_records(listing.train, World(rank=rank, size=3), seed=0, by_file=True)
+        seen.append(sum(1 for _ in records))
+    assert seen == [8, 8, 8]
+    pipelines = build_pipelines(listing, World(rank=1, size=3), per_worker_batch_size=4,
+                                validation_batch_size=2, validation_steps=1, seed=0, cache=True)
+    images, labels = next(iter(pipelines.train))
+    assert images.shape == (4, 16, 16, 3)
+
+
+def test_more_ranks_than_tfrecord_files_is_refused(tmp_path):
+    root = make_image_folder(tmp_path / "images", classes=2, per_class=6)
+    convert(str(root), str(tmp_path / "records"), shards=2, validation_shards=1,
+            validation_fraction=0.2, seed=0, image_size=8)
+    listing = list_tfrecords(str(tmp_path / "records"), image_size=None)
+    with pytest.raises(UserError, match="3 ranks but only 2 training TFRecord file"):
+        build_pipelines(listing, World(rank=0, size=3), per_worker_batch_size=1,
+                        validation_batch_size=1, validation_steps=0, seed=0, cache=True)
+    # Sharding by example works with any number of ranks.
+    build_pipelines(listing, World(rank=2, size=3), per_worker_batch_size=1,
+                    validation_batch_size=1, validation_steps=0, seed=0, cache=True,
+                    tfrecord_sharding="example")
+
+
+def test_converter_refuses_to_overwrite(tmp_path):
+    root = make_image_folder(tmp_path / "images", classes=2, per_class=4)
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "keep.txt").write_text("x")
+    with pytest.raises(UserError, match="not empty"):
+        convert(str(root), str(tmp_path / "records"), shards=1, validation_shards=1,
+                validation_fraction=0.2, seed=0, image_size=8)

@@ -1,0 +1,77 @@
+"""`horovodrun -np N python -m hvdtrain.cnn` end to end, as users run it (integration tier)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import horovodrun, integration, run_job
+from images import make_image_folder
+
+pytestmark = [integration, pytest.mark.timeout(600)]
+
+
+def final_metrics(run_dir) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())[-1]
+
+
+def test_two_ranks_tiny_preset_writes_every_output(tmp_path):
+    run_dir = tmp_path / "run"
+    result = horovodrun(2, "hvdtrain.cnn", "--preset", "tiny", "--run-dir", str(run_dir))
+    assert "backend horovod | 2 process(es), 2 worker(s)" in result.stdout
+    assert "32 per worker x 2 workers = 64 global" in result.stdout
+    assert result.stdout.count("Epoch 3/3") == 1  # progress from rank 0 only
+    for name in ("config.json", "metrics.csv", "metrics.json", "curves.png", "model.keras",
+                 "checkpoints/checkpoint"):
+        assert (run_dir / name).is_file(), name
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["world"]["size"] == 2 and config["plan"]["global_batch_size"] == 64
+    rows = json.loads((run_dir / "metrics.json").read_text())
+    assert [row["epoch"] for row in rows] == [1, 2, 3]
+    assert all(row["samples_per_sec"] > 0 and row["epoch_seconds"] > 0 for row in rows)
+    # The exported model loads on its own and predicts one row of logits per image.
+    check = subprocess.run(
+        [sys.executable, "-c", "import hvdtrain, numpy as np, tf_keras as k; "
+         f"m = k.models.load_model('{run_dir / 'model.keras'}'); "
+         "print(m.predict(np.zeros((3, 8, 8, 1), 'uint8'), verbose=0).shape)"],
+        capture_output=True, text=True, timeout=120)
+    assert "(3, 10)" in check.stdout, check.stderr[-2000:]
+
+
+def test_one_and_two_ranks_both_converge_to_the_same_accuracy(tmp_path):
+    accuracy = {}
+    for np_ in (1, 2):
+        horovodrun(np_, "hvdtrain.cnn", "--run-dir", str(tmp_path / f"np{np_}"),
+                   "--no-tensorboard")
+        accuracy[np_] = final_metrics(tmp_path / f"np{np_}")["val_accuracy"]
+    assert accuracy[1] >= 0.95 and accuracy[2] >= 0.95, accuracy
+    assert abs(accuracy[1] - accuracy[2]) <= 0.02, accuracy
+
+
+def test_four_ranks_on_two_cores(tmp_path):
+    result = horovodrun(4, "hvdtrain.cnn", "--preset", "tiny", "--run-dir", str(tmp_path / "r"))
+    assert "4 process(es), 4 worker(s)" in result.stdout
+    assert "32 per worker x 4 workers = 128 global" in result.stdout
+    assert final_metrics(tmp_path / "r")["epoch"] == 3
+
+
+def test_image_folder_then_tfrecords(tmp_path):
+    images = make_image_folder(tmp_path / "images", classes=3, per_class=60)
+    common = ["--preset", "tiny", "--image-size", "16", "--epochs", "6", "--batch-size", "8",
+              "--no-tensorboard"]
+    horovodrun(2, "hvdtrain.cnn", "--data-dir", str(images), "--run-dir",
+               str(tmp_path / "folder"), *common)
+    folder_accuracy = final_metrics(tmp_path / "folder")["val_accuracy"]
+
+    run_job([sys.executable, "-m", "hvdtrain.tfrecords", "--data-dir", str(images), "--out",
+             str(tmp_path / "records"), "--shards", "4", "--image-size", "16"], timeout=120)
+    result = horovodrun(2, "hvdtrain.cnn", "--tfrecords", str(tmp_path / "records"),
+                        "--run-dir", str(tmp_path / "tfr"), *common)
+    assert "4 training shard(s) with 144 records" in result.stdout
+    tfrecord_accuracy = final_metrics(tmp_path / "tfr")["val_accuracy"]
+    # Three easy digit classes: both routes learn them (chance is 33%).
+    assert folder_accuracy >= 0.8 and tfrecord_accuracy >= 0.8, (folder_accuracy,
+                                                                 tfrecord_accuracy)
+

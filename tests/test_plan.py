@@ -1,0 +1,85 @@
+"""The data-parallel arithmetic (pure: no TensorFlow, no horovod)."""
+import math
+
+import pytest
+
+from hvdtrain.plan import make_plan
+
+BASE = dict(batch_size=32, batch_policy="per-worker", learning_rate=1e-3, lr_scaling="linear",
+            warmup_epochs=1.0, grad_accum_steps=1, epochs=10, num_workers=1,
+            num_train_samples=1438, num_validation_samples=359)
+
+
+def plan(**changes):
+    return make_plan(**{**BASE, **changes})
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4, 64])
+def test_per_worker_policy_grows_global_batch_and_scales_lr_linearly(workers):
+    p = plan(num_workers=workers, num_train_samples=100_000)
+    assert p.per_worker_batch_size == 32
+    assert p.global_batch_size == 32 * workers
+    assert p.learning_rate == pytest.approx(1e-3 * workers)
+    assert p.steps_per_epoch == 100_000 // (32 * workers)
+
+
+def test_global_policy_splits_the_batch_and_keeps_the_rate():
+    p = plan(batch_policy="global", batch_size=64, num_workers=4)
+    assert (p.per_worker_batch_size, p.global_batch_size) == (16, 64)
+    assert p.learning_rate == pytest.approx(1e-3)
+
+
+def test_global_batch_must_divide_by_workers():
+    with pytest.raises(ValueError, match="does not divide by 3 workers"):
+        plan(batch_policy="global", batch_size=64, num_workers=3)
+
+
+def test_sqrt_and_none_scaling():
+    assert plan(num_workers=4, lr_scaling="sqrt").learning_rate == pytest.approx(2e-3)
+    assert plan(num_workers=4, lr_scaling="none").learning_rate == pytest.approx(1e-3)
+
+
+def test_gradient_accumulation_scales_by_samples_per_update():
+    p = plan(num_workers=2, grad_accum_steps=4, num_train_samples=10_000)
+    assert p.samples_per_update == 32 * 2 * 4
+    assert p.learning_rate == pytest.approx(8e-3)
+    assert p.updates_per_epoch == p.steps_per_epoch / 4
+
+
+@pytest.mark.parametrize("samples", range(64, 200, 7))
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_steps_come_from_the_global_count_so_every_shard_can_supply_them(samples, workers):
+    p = plan(num_workers=workers, batch_size=8, num_train_samples=samples)
+    smallest_shard = samples // workers
+    assert p.steps_per_epoch == samples // (8 * workers)
+    assert p.steps_per_epoch * p.per_worker_batch_size <= smallest_shard
+
+
+def test_fewer_samples_than_one_global_batch_is_refused():
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        plan(num_workers=4, num_train_samples=100)
+
+
+def test_warmup_is_counted_in_updates_and_ends_before_training_does():
+    p = plan(num_workers=2, warmup_epochs=2)
+    assert p.warmup_updates == math.ceil(2 * p.updates_per_epoch)
+    short = plan(epochs=1, warmup_epochs=5)
+    assert short.warmup_updates == short.total_updates - 1
+
+
+def test_validation_uses_whole_equal_batches_and_shrinks_for_tiny_sets():
+    p = plan(num_workers=2)
+    assert p.validation_batch_size == 32
+    assert p.validation_steps == 359 // 64
+    tiny = plan(num_workers=4, batch_size=1, num_train_samples=8, num_validation_samples=5)
+    assert (tiny.validation_batch_size, tiny.validation_steps) == (1, 1)
+    none = plan(num_workers=4, batch_size=1, num_train_samples=8, num_validation_samples=3)
+    assert none.validation_steps == 0
+    assert "validation: none" in none.describe()[-1]
+
+
+def test_banner_states_the_numbers():
+    text = "\n".join(plan(num_workers=4, num_train_samples=10_000).describe())
+    assert "32 per worker x 4 workers = 128 global" in text
+    assert "0.001 x 4 = 0.004" in text
+    assert "steps per epoch: 78" in text

@@ -1,0 +1,73 @@
+"""Backend selection, GPU choice and CPU thread shares: decided without touching hardware."""
+import pytest
+
+from hvdtrain.errors import RankError, UserError
+from hvdtrain.runtime import (choose_gpu, cpu_threads_per_worker, make_runtime, select_backend,
+                              tpu_address)
+
+NO_TPU = lambda: []  # noqa: E731
+A_TPU_VM = lambda: ["/dev/accel0"]  # noqa: E731
+
+
+@pytest.mark.parametrize("env, devices, expected", [
+    ({}, NO_TPU, "single"),
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, NO_TPU, "horovod"),  # horovodrun --gloo
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"}, NO_TPU, "horovod"),  # mpirun
+    ({"PMIX_RANK": "0", "SLURM_PROCID": "0"}, NO_TPU, "horovod"),  # srun --mpi=pmix
+    ({"PMI_SIZE": "2", "PMI_RANK": "1"}, NO_TPU, "horovod"),  # srun --mpi=pmi2
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, NO_TPU, "single"),  # batch script, no step
+    ({"TPU_NAME": "my-tpu"}, NO_TPU, "tpu"),
+    ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, NO_TPU, "tpu"),
+    ({}, A_TPU_VM, "tpu"),
+    ({"TPU_NAME": "t", "OMPI_COMM_WORLD_SIZE": "2"}, NO_TPU, "tpu"),  # a TPU wins
+])
+def test_auto_backend(env, devices, expected):
+    assert select_backend("auto", env, devices) == expected
+
+
+@pytest.mark.parametrize("requested", ["horovod", "tpu", "mirrored", "single"])
+def test_explicit_backend_is_kept(requested):
+    assert select_backend(requested, {"TPU_NAME": "x", "HOROVOD_RANK": "0"}, A_TPU_VM) == requested
+
+
+def test_tpu_address():
+    assert tpu_address({"TPU_NAME": "pod"}, []) == "pod"
+    assert tpu_address({"COLAB_TPU_ADDR": "1.2.3.4:8470"}, []) == "grpc://1.2.3.4:8470"
+    assert tpu_address({}, ["/dev/accel0"]) == "local"
+    assert tpu_address({}, []) is None
+
+
+def test_tpu_backend_without_a_tpu_says_what_it_looked_for(monkeypatch):
+    for name in ("TPU_NAME", "COLAB_TPU_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UserError) as error:
+        make_runtime("tpu")
+    assert "no TPU found" in str(error.value) and "TPU_NAME" in str(error.value)
+    assert "/dev/accel" in str(error.value)
+
+
+@pytest.mark.parametrize("gpus, local_rank, local_size, visible, expected", [
+    (0, 0, 4, None, None),
+    (4, 0, 4, None, 0),
+    (4, 3, 4, None, 3),
+    (8, 2, 4, None, 2),
+    (1, 3, 4, "3", 0),  # srun --gpus-per-task: each task sees only its own GPU
+])
+def test_one_gpu_per_local_rank(gpus, local_rank, local_size, visible, expected):
+    assert choose_gpu(gpus, local_rank, local_size, visible) == expected
+
+
+def test_more_local_ranks_than_gpus_names_the_rank():
+    with pytest.raises(RankError, match="local rank 2 has no GPU.*2 GPU"):
+        choose_gpu(2, 2, 4, None)
+
+
+@pytest.mark.parametrize("available, machine, local_size, expected", [
+    (2, 2, 1, 2),
+    (2, 2, 2, 1),
+    (2, 2, 4, 1),  # never 0
+    (64, 64, 4, 16),
+    (4, 64, 4, 4),  # the launcher bound this rank to 4 cores: they are its share
+])
+def test_cpu_threads_never_oversubscribe(available, machine, local_size, expected):
+    assert cpu_threads_per_worker(available, machine, local_size) == expected
