@@ -109,8 +109,35 @@ def choose_gpu(num_visible_gpus: int, local_rank: int, local_size: int,
         f"{local_size} local ranks; launch at most {num_visible_gpus} ranks per node")
 
 
-def configure_devices(world: World, threads_per_worker: int | None) -> str:
-    """Pin this rank to its GPU, or size its CPU thread pools; returns a one-line description.
+def placement(host_of_rank: list[str]) -> str:
+    """'node1[0-3] node2[4-7]': which ranks run where (ranks listed in rank order)."""
+    groups: dict[str, list[int]] = {}
+    for rank, host in enumerate(host_of_rank):
+        groups.setdefault(host, []).append(rank)
+    return " ".join(f"{host}[{_ranges(ranks)}]" for host, ranks in groups.items())
+
+
+def _ranges(numbers: list[int]) -> str:
+    parts, start = [], numbers[0]
+    for previous, current in zip(numbers, numbers[1:] + [None]):
+        if current != previous + 1:
+            parts.append(f"{start}" if start == previous else f"{start}-{previous}")
+            start = current
+    return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class Devices:
+    """What this process computes on."""
+
+    kind: str
+    """'cpu', 'gpu' or 'tpu' (names output files such as the autoencoder's cpu.png)."""
+    description: str
+    """One line for the start-up banner."""
+
+
+def configure_devices(world: World, threads_per_worker: int | None) -> Devices:
+    """Pin this rank to its GPU, or size its CPU thread pools.
 
     Must run before TensorFlow creates its runtime. A process that already did (a test that
     trains twice) keeps its first configuration.
@@ -125,24 +152,25 @@ def configure_devices(world: World, threads_per_worker: int | None) -> str:
             # One GPU per rank; memory growth so a rank never grabs memory it doesn't use.
             tf.config.experimental.set_memory_growth(gpus[index], True)
             tf.config.set_visible_devices(gpus[index], "GPU")
-            return f"GPU {index} of {len(gpus)}"
+            return Devices("gpu", f"GPU {index} of {len(gpus)}")
         threads = threads_per_worker or cpu_threads_per_worker(
             len(os.sched_getaffinity(0)), os.cpu_count() or 1, world.local_size)
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         # Ops mostly run one after another in a small model; more inter-op threads than cores
         # only adds contention between ranks sharing the node.
         tf.config.threading.set_inter_op_parallelism_threads(threads)
-        return f"CPU, {threads} thread(s)"
-    except RuntimeError:  # TensorFlow already initialised in this process
-        return "CPU/GPU as configured earlier in this process"
+        return Devices("cpu", f"CPU, {threads} thread(s)")
+    except RuntimeError:  # TensorFlow already initialised in this process: keep its settings
+        kind = "gpu" if tf.config.get_visible_devices("GPU") else "cpu"
+        return Devices(kind, f"{kind.upper()} as configured earlier in this process")
 
 
 class Runtime:
     """One process, one device: no collectives. Every other backend refines this."""
 
-    def __init__(self, world: World, device_description: str = ""):
+    def __init__(self, world: World, devices: Devices):
         self.world = world
-        self.device_description = device_description
+        self.devices = devices
 
     def scope(self) -> contextlib.AbstractContextManager:
         """Context in which models and optimizers are built (a strategy's scope)."""
@@ -189,10 +217,10 @@ class Runtime:
 class StrategyRuntime(Runtime):
     """One process driving several replicas through a tf.distribute strategy (mirrored, TPU)."""
 
-    def __init__(self, strategy, backend: str, device_description: str):
+    def __init__(self, strategy, backend: str, devices: Devices):
         self.strategy = strategy
         world = World(replicas_per_process=strategy.num_replicas_in_sync, backend=backend)
-        super().__init__(world, device_description)
+        super().__init__(world, devices)
 
     def scope(self):
         # Variables created in the scope are mirrored on every replica; Keras fit then splits
@@ -235,7 +263,7 @@ def _mirrored_runtime(threads_per_worker: int | None) -> StrategyRuntime:
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         devices = None  # all of this host's GPUs
-        description = f"{len(gpus)} GPU(s)"
+        described = Devices("gpu", f"{len(gpus)} GPU(s)")
     else:
         # Without GPUs, HVDTRAIN_CPU_REPLICAS splits the CPU into that many logical devices: it
         # is how the mirrored path is exercised for real on a laptop or CI.
@@ -248,9 +276,9 @@ def _mirrored_runtime(threads_per_worker: int | None) -> StrategyRuntime:
             pass  # already initialised in this process; use the devices it has
         configure_devices(world, threads_per_worker)
         devices = [d.name for d in tf.config.list_logical_devices("CPU")][:replicas]
-        description = f"{len(devices)} logical CPU device(s)"
+        described = Devices("cpu", f"{len(devices)} logical CPU device(s)")
     strategy = tf.distribute.MirroredStrategy(devices=devices)
-    return StrategyRuntime(strategy, "mirrored", description)
+    return StrategyRuntime(strategy, "mirrored", described)
 
 
 def tpu_address(env: Mapping[str, str], tpu_devices: list[str]) -> str | None:
@@ -280,5 +308,5 @@ def _tpu_runtime() -> StrategyRuntime:
         raise UserError(f"--backend tpu: could not connect to TPU '{address}': {first_line}") from None
     strategy = tf.distribute.TPUStrategy(resolver)
     cores = strategy.num_replicas_in_sync
-    return StrategyRuntime(strategy, "tpu", f"TPU '{address}', {cores} cores")
+    return StrategyRuntime(strategy, "tpu", Devices("tpu", f"TPU '{address}', {cores} cores"))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -24,7 +25,7 @@ from hvdtrain.data import Listing, Pipelines, build_pipelines, load_listing
 from hvdtrain.errors import EXIT_PREEMPTED, UserError
 from hvdtrain.plan import TrainingPlan, make_plan
 from hvdtrain.rundir import RunDir, ensure_writable
-from hvdtrain.runtime import Runtime
+from hvdtrain.runtime import Runtime, placement
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,11 @@ def make_pipelines(config: TrainConfig, runtime: Runtime, listing: Listing,
 
 def banner(program: str, runtime: Runtime, listing: Listing, plan: TrainingPlan,
            config: TrainConfig) -> str:
+    """The start-up summary. A collective (it gathers every rank's host): call it on all ranks."""
     world = runtime.world
     lines = [f"{program} | backend {world.backend} | {world.size} process(es), "
-             f"{world.num_replicas} worker(s) | {runtime.device_description}",
+             f"{world.num_replicas} worker(s) | {runtime.devices.description}",
+             f"placement: {placement(runtime.allgather_object(socket.gethostname()))}",
              f"data: {listing.description}", *listing.notes, *plan.describe(),
              f"run dir: {config.run_dir}"]
     return "\n".join(lines)

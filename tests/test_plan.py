@@ -83,3 +83,4 @@ def test_banner_states_the_numbers():
     assert "32 per worker x 4 workers = 128 global" in text
     assert "0.001 x 4 = 0.004" in text
     assert "steps per epoch: 78" in text
+

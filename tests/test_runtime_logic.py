@@ -2,8 +2,8 @@
 import pytest
 
 from hvdtrain.errors import RankError, UserError
-from hvdtrain.runtime import (choose_gpu, cpu_threads_per_worker, make_runtime, select_backend,
-                              tpu_address)
+from hvdtrain.runtime import (choose_gpu, cpu_threads_per_worker, make_runtime, placement,
+                              select_backend, tpu_address)
 
 NO_TPU = lambda: []  # noqa: E731
 A_TPU_VM = lambda: ["/dev/accel0"]  # noqa: E731
@@ -71,3 +71,9 @@ def test_more_local_ranks_than_gpus_names_the_rank():
 ])
 def test_cpu_threads_never_oversubscribe(available, machine, local_size, expected):
     assert cpu_threads_per_worker(available, machine, local_size) == expected
+
+
+def test_placement_groups_ranks_by_host():
+    assert placement(["vm"]) == "vm[0]"
+    assert placement(["a", "a", "b", "b"]) == "a[0-1] b[2-3]"
+    assert placement(["a", "b", "a", "b", "a"]) == "a[0,2,4] b[1,3]"

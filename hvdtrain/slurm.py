@@ -1,0 +1,285 @@
+"""Everything hvdtrain knows about Slurm: reading an allocation, and writing sbatch scripts.
+
+* ``Allocation.from_env`` maps the ``SLURM_*`` variables of a job to hosts, tasks and GPUs per host
+  (hostnames via ``scontrol show hostnames``, Slurm's own expander). The launcher uses it; training
+  code never reads ``SLURM_*``.
+* ``SbatchJob`` + ``render`` write a complete, commented sbatch script. The templates shipped in
+  ``slurm/`` are exactly what ``render`` produces for ``TEMPLATES`` (a golden-file test keeps them in
+  step); ``python -m hvdtrain.slurm render ...`` writes a custom one.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from hvdtrain.errors import UserError, reported
+
+PROGRAM = "hvdtrain.slurm"
+REPO_SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
+
+
+# --- reading an allocation -------------------------------------------------------------------------
+def scontrol_show_hostnames(nodelist: str) -> list[str]:
+    try:
+        output = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                                capture_output=True, text=True, timeout=30).stdout
+    except FileNotFoundError:
+        raise UserError("inside a Slurm job but `scontrol` is not on PATH; cannot expand "
+                        f"SLURM_JOB_NODELIST={nodelist}") from None
+    except subprocess.CalledProcessError as error:
+        raise UserError(f"scontrol show hostnames {nodelist} failed: "
+                        f"{error.stderr.strip() or error}") from None
+    return output.split()
+
+
+def expand_tasks_per_node(value: str) -> list[int]:
+    """Slurm's compressed counts, e.g. '4(x2),2' -> [4, 4, 2]."""
+    counts = []
+    for part in value.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise UserError(f"cannot read SLURM_TASKS_PER_NODE={value!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def gpus_from_env(env: Mapping[str, str]) -> int | None:
+    """GPUs per node Slurm granted, or None when the job asked for none."""
+    if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        return int(env["SLURM_GPUS_ON_NODE"])
+    for name in ("SLURM_GPUS_PER_NODE", "SLURM_JOB_GPUS_PER_NODE"):
+        match = re.search(r"(\d+)$", env.get(name, ""))  # "4" or "a100:4"
+        if match:
+            return int(match.group(1))
+    if env.get("SLURM_JOB_GPUS"):  # "0,1,2,3"
+        return len(env["SLURM_JOB_GPUS"].split(","))
+    return None
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The hosts of a job and how many ranks and GPUs each one has."""
+
+    hosts: tuple[str, ...]
+    slots: tuple[int, ...]
+    """Tasks (ranks) per host, in host order."""
+    gpus_per_host: int | None = None
+    job_id: str | None = None
+
+    @property
+    def num_tasks(self) -> int:
+        return sum(self.slots)
+
+    @property
+    def max_slots_per_host(self) -> int:
+        return max(self.slots)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str],
+                 expand_hostnames: Callable[[str], list[str]] = scontrol_show_hostnames
+                 ) -> Allocation | None:
+        """The allocation this process runs in, or None outside Slurm."""
+        if not env.get("SLURM_JOB_ID"):
+            return None
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodelist:
+            raise UserError("SLURM_JOB_ID is set but SLURM_JOB_NODELIST is not")
+        hosts = expand_hostnames(nodelist)
+        tasks_value = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_JOB_TASKS_PER_NODE")
+        if tasks_value:
+            slots = expand_tasks_per_node(tasks_value)
+        elif env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+            slots = [int(env["SLURM_NTASKS_PER_NODE"])] * len(hosts)
+        else:
+            slots = [1] * len(hosts)
+        if len(slots) != len(hosts):
+            raise UserError(f"Slurm lists {len(hosts)} host(s) ({nodelist}) but task counts for "
+                            f"{len(slots)} ({tasks_value})")
+        return cls(tuple(hosts), tuple(slots), gpus_from_env(env), env.get("SLURM_JOB_ID"))
+
+    def host_slots(self) -> str:
+        """horovodrun/mpirun -H syntax: 'node1:4,node2:4'."""
+        return ",".join(f"{host}:{slots}" for host, slots in zip(self.hosts, self.slots))
+
+
+# --- writing sbatch scripts ------------------------------------------------------------------------
+@dataclass(kw_only=True, frozen=True)
+class SbatchJob:
+    name: str
+    """Slurm job name (also names the run directory and log file)."""
+    description: str = "hvdtrain data-parallel training job"
+    nodes: int = 1
+    gpus_per_node: int = 0
+    """GPUs per node (--gres=gpu:N); 0 for a CPU job."""
+    tasks_per_node: int | None = None
+    """Ranks per node; default one per GPU (or 4 on CPU)."""
+    cpus_per_task: int = 8
+    """CPU cores per rank: input pipeline and TensorFlow threads."""
+    time: str = "02:00:00"
+    partition: str | None = None
+    """Leave unset to take it from `sbatch -p` or $SBATCH_PARTITION at submission."""
+    account: str | None = None
+    """Leave unset to take it from `sbatch -A` or $SBATCH_ACCOUNT at submission."""
+    module: str = "hvdtrain.cnn"
+    args: tuple[str, ...] = ()
+    """Training arguments baked into the script (more can follow `sbatch script.sh ...`)."""
+    signal_seconds: int = 120
+    """Seconds before the time limit Slurm sends USR1: time to finish a step and checkpoint."""
+    via: str = "horovodrun"
+    """How the launcher starts the ranks: horovodrun, mpirun or srun."""
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.gpus_per_node < 0 or self.cpus_per_task < 1:
+            raise ValueError("nodes and cpus_per_task must be >= 1, gpus_per_node >= 0")
+        if self.tasks_per_node is not None and self.tasks_per_node < 1:
+            raise ValueError("tasks_per_node must be >= 1")
+        if self.via not in ("horovodrun", "mpirun", "srun"):
+            raise ValueError(f"via must be horovodrun, mpirun or srun, got {self.via!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise ValueError(f"job name {self.name!r}: use letters, digits, '.', '_' or '-'")
+        if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", self.time):
+            raise ValueError(f"time {self.time!r}: use [days-]hours:minutes:seconds")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tasks_per_node or self.gpus_per_node or 4
+
+
+TEMPLATES: dict[str, SbatchJob] = {
+    "1gpu.sh": SbatchJob(name="hvdtrain-1gpu", description="one GPU, one rank",
+                         gpus_per_node=1),
+    "2gpu.sh": SbatchJob(name="hvdtrain-2gpu", description="one node, 2 GPUs, 2 ranks",
+                         gpus_per_node=2),
+    "4gpu.sh": SbatchJob(name="hvdtrain-4gpu", description="one node, 4 GPUs, 4 ranks",
+                         gpus_per_node=4),
+    # Across nodes, mpirun starts its remote daemons through Slurm itself; horovodrun would first
+    # insist on ssh access to every node.
+    "multinode.sh": SbatchJob(name="hvdtrain-multinode",
+                              description="N nodes x 4 GPUs (default 2 nodes; sbatch -N 8 for 8)",
+                              nodes=2, gpus_per_node=4, via="mpirun"),
+    "cpu.sh": SbatchJob(name="hvdtrain-cpu", description="one node, 4 CPU ranks, no GPU",
+                        gpus_per_node=0, tasks_per_node=4, cpus_per_task=2),
+}
+
+
+def render(job: SbatchJob) -> str:
+    """The complete sbatch script for ``job``. Every job-specific value is shell-quoted."""
+    q = shlex.quote
+    directives = [
+        f"--job-name={job.name}",
+        f"--nodes={job.nodes}",
+        f"--ntasks-per-node={job.ranks_per_node}",
+        *([f"--gres=gpu:{job.gpus_per_node}"] if job.gpus_per_node else []),
+        f"--cpus-per-task={job.cpus_per_task}",
+        f"--time={job.time}",
+        *([f"--partition={job.partition}"] if job.partition else []),
+        *([f"--account={job.account}"] if job.account else []),
+        # Slurm signals the batch shell (B:) this long before the time limit; the trap below
+        # forwards it to the ranks, which checkpoint and exit 75; the script then requeues.
+        f"--signal=B:USR1@{job.signal_seconds}",
+        "--requeue",
+        "--open-mode=append",  # a requeued run appends to the same log
+        "--output=slurm-%x-%j.out",
+    ]
+    baked_args = " ".join(q(arg) for arg in job.args)
+    lines = [
+        "#!/bin/bash",
+        f"# {job.description}.",
+        "# Generated by `python -m hvdtrain.slurm` - edit hvdtrain/slurm.py, not this file.",
+        "#",
+        "# Submit from the repository root (after `make install`):",
+        "#   sbatch path/to/this/script.sh [training flags...]",
+        "# Override without editing: sbatch flags (-p PARTITION -A ACCOUNT -t TIME -N NODES ...),",
+        "# $SBATCH_PARTITION / $SBATCH_ACCOUNT, and these variables:",
+        f"#   HVDTRAIN_MODULE   training module (default {job.module})",
+        "#   HVDTRAIN_ARGS     extra training flags, split on whitespace",
+        "#   HVDTRAIN_RUN_DIR  run directory (default runs/<job name>-<job id>; kept on requeue,",
+        "#                     so a requeued job resumes from its checkpoint)",
+        "#   HVDTRAIN_PYTHON   interpreter with hvdtrain installed (default .venv/bin/python)",
+        *[f"#SBATCH {directive}" for directive in directives],
+        "",
+        "set -euo pipefail",
+        'cd "${SLURM_SUBMIT_DIR:-.}"',
+        f'module="${{HVDTRAIN_MODULE:-{job.module}}}"',
+        'run_dir="${HVDTRAIN_RUN_DIR:-runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}"',
+        'python="${HVDTRAIN_PYTHON:-.venv/bin/python}"',
+        'read -r -a env_args <<< "${HVDTRAIN_ARGS:-}"',
+        'echo "[$(date -Is)] job ${SLURM_JOB_ID} run ${SLURM_RESTART_COUNT:-0} on '
+        '${SLURM_JOB_NODELIST}: $module"',
+        "",
+        "# The launcher reads the allocation (hosts, tasks and GPUs per node) and starts the ranks.",
+        f'"$python" -m hvdtrain.launch --via {job.via} -- "$module" --run-dir "$run_dir" '
+        + (baked_args + " " if baked_args else "") + '"${env_args[@]}" "$@" &',
+        "launcher=$!",
+        "trap 'kill -USR1 \"$launcher\" 2>/dev/null || true' USR1",
+        "# `wait` returns early whenever the trap runs: wait until the launcher is gone, then",
+        "# collect its exit status (bash remembers it).",
+        'while kill -0 "$launcher" 2>/dev/null; do wait "$launcher" || true; done',
+        'status=0',
+        'wait "$launcher" || status=$?',
+        "",
+        "if [ \"$status\" -eq 75 ]; then  # 75: stopped by the signal, checkpoint written",
+        '    echo "[$(date -Is)] requeueing job ${SLURM_JOB_ID}; the next run resumes from '
+        '$run_dir"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_templates(directory: Path = REPO_SLURM_DIR) -> list[Path]:
+    written = []
+    for file_name, job in TEMPLATES.items():
+        path = directory / file_name
+        path.write_text(render(job))
+        path.chmod(0o755)
+        written.append(path)
+    return written
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {PROGRAM}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    render_parser = commands.add_parser("render", help="print an sbatch script")
+    for spec in fields(SbatchJob):
+        if spec.name in ("description", "args"):
+            continue
+        kind = int if spec.name in ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task",
+                                    "signal_seconds") else str
+        render_parser.add_argument("--" + spec.name.replace("_", "-"), type=kind,
+                                   required=spec.name == "name",
+                                   default=None if spec.default is MISSING else spec.default)
+    render_parser.add_argument("args", nargs=argparse.REMAINDER,
+                               help="training flags baked into the script (after --)")
+    commands.add_parser("write-templates", help="regenerate slurm/*.sh from TEMPLATES")
+    options = parser.parse_args(argv)
+    if options.command == "write-templates":
+        for path in write_templates():
+            print(path)
+        return 0
+    values = {k: v for k, v in vars(options).items() if k not in ("command", "args")}
+    args = tuple(a for a in options.args if a != "--")
+    try:
+        job = SbatchJob(description=f"{values['name']}: custom hvdtrain job", args=args, **values)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    sys.stdout.write(render(job))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    with reported(PROGRAM):
+        sys.exit(run(argv))
+
+
+if __name__ == "__main__":
+    main()

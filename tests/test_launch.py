@@ -1,0 +1,186 @@
+"""Launcher and Slurm renderer: allocation -> command, preflight, quoting, golden templates."""
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from hvdtrain.errors import UserError
+from hvdtrain.launch import (Build, LaunchOptions, build_launch, describe, preflight,
+                             horovod_tuning_env)
+from hvdtrain.slurm import TEMPLATES, Allocation, SbatchJob, expand_tasks_per_node, render
+
+GOOD_BUILD = Build(tensorflow=True, mpi=True, gloo=True)
+PY = "/venv/bin/python"
+
+
+def fake_expand(nodelist):
+    """Stands in for `scontrol show hostnames` in the pure tests (a real one is tested below)."""
+    return {"gpu[01-02]": ["gpu01", "gpu02"], "gpu01": ["gpu01"],
+            "cpu[1-3]": ["cpu1", "cpu2", "cpu3"]}[nodelist]
+
+
+def allocation(**env):
+    return Allocation.from_env({"SLURM_JOB_ID": "42", **env}, expand_hostnames=fake_expand)
+
+
+def options(**changes) -> LaunchOptions:
+    return LaunchOptions(**{"module": "hvdtrain.cnn", "python": PY, **changes})
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("4", [4]), ("4(x2)", [4, 4]), ("4(x2),2", [4, 4, 2]), ("1,2,3", [1, 2, 3])])
+def test_tasks_per_node(value, expected):
+    assert expand_tasks_per_node(value) == expected
+
+
+def test_outside_slurm_is_horovodrun_on_localhost():
+    launch = build_launch(options(np=3), None, gpus=0)
+    assert launch.argv[1:5] == ("-np", "3", "-H", "localhost:3")
+    assert launch.argv[-3:] == (PY, "-m", "hvdtrain.cnn")
+
+
+def test_outside_slurm_defaults_to_one_rank_per_gpu_or_one_on_cpu():
+    assert build_launch(options(), None, gpus=4).argv[1:5] == ("-np", "4", "-H", "localhost:4")
+    assert build_launch(options(), None, gpus=0).argv[1:3] == ("-np", "1")
+
+
+def test_single_node_allocation():
+    alloc = allocation(SLURM_JOB_NODELIST="gpu01", SLURM_TASKS_PER_NODE="4",
+                       SLURM_GPUS_ON_NODE="4")
+    launch = build_launch(options(), alloc, gpus=4)
+    assert launch.argv[1:5] == ("-np", "4", "-H", "gpu01:4")
+
+
+def test_two_node_allocation_gives_np_and_hosts():
+    alloc = allocation(SLURM_JOB_NODELIST="gpu[01-02]", SLURM_TASKS_PER_NODE="4(x2)",
+                       SLURM_GPUS_PER_NODE="a100:4")
+    assert alloc.gpus_per_host == 4
+    horovodrun = build_launch(options(), alloc, gpus=4).argv
+    assert horovodrun[1:5] == ("-np", "8", "-H", "gpu01:4,gpu02:4")
+    mpirun = build_launch(options(via="mpirun"), alloc, gpus=4).argv
+    assert mpirun[:3] == ("mpirun", "-np", "8") and "-H" not in mpirun  # OpenMPI reads Slurm
+    srun = build_launch(options(via="srun"), alloc, gpus=4).argv
+    assert srun[:3] == ("srun", "--mpi=pmix", "--ntasks=8")
+
+
+def test_cpu_allocation_with_uneven_tasks():
+    alloc = allocation(SLURM_JOB_NODELIST="cpu[1-3]", SLURM_TASKS_PER_NODE="2(x2),1")
+    assert alloc.gpus_per_host is None
+    assert build_launch(options(), alloc, gpus=0).argv[1:5] == ("-np", "5", "-H",
+                                                                "cpu1:2,cpu2:2,cpu3:1")
+
+
+def test_tuning_reaches_every_rank_as_horovod_variables():
+    env = horovod_tuning_env(options(fusion_threshold_mb=32, cycle_time_ms=0.5, autotune=True,
+                                     timeline_filename="/tmp/t.json", no_stall_check=True,
+                                     stall_check_shutdown_seconds=90))
+    assert env == {"HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024), "HOROVOD_CYCLE_TIME": "0.5",
+                   "HOROVOD_AUTOTUNE": "1", "HOROVOD_TIMELINE": "/tmp/t.json",
+                   "HOROVOD_STALL_CHECK_DISABLE": "1",
+                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90"}
+    mpirun = build_launch(options(via="mpirun", fusion_threshold_mb=32), None, gpus=0).argv
+    assert ("-x", "HOROVOD_FUSION_THRESHOLD") == mpirun[mpirun.index("-x"):][:2]
+
+
+def test_hostile_values_are_quoted_never_interpreted():
+    hostile = "x; rm -rf / #"
+    launch = build_launch(options(module_args=("--run-dir", hostile, "$(reboot)")), None,
+                          gpus=0)
+    assert launch.argv[-3:] == ("--run-dir", hostile, "$(reboot)")  # one argv entry each
+    printed = describe(launch).splitlines()[-1]
+    assert shlex.split(printed)[-3:] == ["--run-dir", hostile, "$(reboot)"]
+    script = render(SbatchJob(name="job", args=("--run-dir", hostile, "`reboot`")))
+    assert "'x; rm -rf / #'" in script and "'`reboot`'" in script
+
+
+@pytest.mark.parametrize("build, alloc_env, np, via, message", [
+    (Build(tensorflow=False, mpi=False, gloo=False, error="ImportError: no module"), None, None,
+     "horovodrun", "horovod cannot run TensorFlow jobs"),
+    (Build(tensorflow=False, mpi=False, gloo=False,
+           error="NotFoundError: mpi_lib.so: undefined symbol: _ZN10tensorflow8OpKernel"),
+     None, None, "horovodrun", "compiled against a different TensorFlow"),
+    (Build(tensorflow=True, mpi=False, gloo=False), None, None, "horovodrun",
+     "built without a controller"),
+    (Build(tensorflow=True, mpi=False, gloo=True), None, None, "mpirun", "needs horovod built with MPI"),
+    (GOOD_BUILD, dict(SLURM_JOB_NODELIST="gpu01", SLURM_TASKS_PER_NODE="4"), 8, "horovodrun",
+     "--np 8 but the Slurm allocation has 4 task(s)"),
+    (GOOD_BUILD, dict(SLURM_JOB_NODELIST="gpu01", SLURM_TASKS_PER_NODE="4",
+                      SLURM_GPUS_ON_NODE="2"), None, "horovodrun",
+     "4 ranks per node but only 2 GPU(s) per node"),
+    (Build(tensorflow=True, mpi=True, gloo=True, gpus=2), None, 4, "horovodrun",
+     "this machine has 2 GPU(s)"),
+])
+def test_preflight_problems_are_one_line_each(build, alloc_env, np, via, message):
+    alloc = allocation(**alloc_env) if alloc_env else None
+    problems = preflight(build, alloc, np, options(via=via), running_as_root=False, env={})
+    assert len(problems) == 1 and message in problems[0], problems
+    assert "\n" not in problems[0]
+
+
+def test_preflight_accepts_a_good_setup():
+    alloc = allocation(SLURM_JOB_NODELIST="gpu01", SLURM_TASKS_PER_NODE="4",
+                       SLURM_GPUS_ON_NODE="4")
+    assert preflight(GOOD_BUILD, alloc, None, options(), running_as_root=False, env={}) == []
+
+
+def test_mpirun_as_root_needs_the_openmpi_variables_or_the_flag():
+    problems = preflight(GOOD_BUILD, None, 2, options(via="mpirun"), running_as_root=True, env={})
+    assert "OMPI_ALLOW_RUN_AS_ROOT=1" in problems[0]
+    root_env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    assert preflight(GOOD_BUILD, None, 2, options(via="mpirun"), running_as_root=True,
+                     env=root_env) == []
+    flagged = options(via="mpirun", allow_run_as_root=True)
+    assert preflight(GOOD_BUILD, None, 2, flagged, running_as_root=True, env={}) == []
+    assert "--allow-run-as-root" in build_launch(flagged, None, 0, running_as_root=True).argv
+    # horovodrun adds the flag itself.
+    assert preflight(GOOD_BUILD, None, 2, options(), running_as_root=True, env={}) == []
+
+
+def test_srun_outside_slurm_and_gloo_with_mpirun_are_refused():
+    with pytest.raises(UserError, match="needs a Slurm allocation"):
+        build_launch(options(via="srun"), None, gpus=0)
+    with pytest.raises(UserError, match="--controller gloo needs --via horovodrun"):
+        build_launch(options(via="mpirun", controller="gloo"), None, gpus=0)
+
+
+@pytest.mark.parametrize("file_name", sorted(TEMPLATES))
+def test_shipped_templates_are_what_the_renderer_writes(file_name):
+    shipped = (REPO / "slurm" / file_name).read_text()
+    assert shipped == render(TEMPLATES[file_name]), (
+        f"slurm/{file_name} is out of date: run `python -m hvdtrain.slurm write-templates`")
+
+
+@pytest.mark.parametrize("file_name", sorted(TEMPLATES))
+def test_templates_are_valid_bash_with_requeue_and_signal(file_name):
+    path = REPO / "slurm" / file_name
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    text = path.read_text()
+    for directive in ("--signal=B:USR1@", "--requeue", "--open-mode=append"):
+        assert f"#SBATCH {directive}" in text
+    assert text.count("-m hvdtrain.launch") == 1
+    assert "-np" not in text  # the launcher derives it from the allocation
+
+
+def test_4gpu_template_matches_the_promise():
+    text = (REPO / "slurm" / "4gpu.sh").read_text()
+    assert "#SBATCH --nodes=1\n" in text and "#SBATCH --ntasks-per-node=4\n" in text
+    assert "#SBATCH --gres=gpu:4\n" in text
+
+
+def test_render_cli_writes_a_custom_script():
+    result = subprocess.run(
+        [sys.executable, "-m", "hvdtrain.slurm", "render", "--name", "big", "--nodes", "8",
+         "--gpus-per-node", "8", "--time", "1-00:00:00", "--partition", "a100",
+         "--", "--epochs", "90"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --nodes=8" in result.stdout and "#SBATCH --gres=gpu:8" in result.stdout
+    assert "#SBATCH --partition=a100" in result.stdout
+    assert "--run-dir \"$run_dir\" --epochs 90" in result.stdout
+    bad = subprocess.run([sys.executable, "-m", "hvdtrain.slurm", "render", "--name", "a b"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "job name" in bad.stderr
+

@@ -1,0 +1,137 @@
+"""Against a real Slurm (slurmctld + slurmd + munge on this machine, scripts/slurm-local.sh).
+
+The session fixture brings the cluster up (installing Slurm when missing and allowed) and takes it
+down again if it started it. Jobs run the shipped templates unedited; each test cancels its jobs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, VENV_BIN, clean_env, integration, run_job
+
+pytestmark = [integration, pytest.mark.timeout(900)]
+SLURM_LOCAL = REPO / "scripts" / "slurm-local.sh"
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    was_up = subprocess.run(["bash", str(SLURM_LOCAL), "status"], capture_output=True,
+                            timeout=60).returncode == 0
+    if not was_up:
+        up = subprocess.run(["bash", str(SLURM_LOCAL), "up"], capture_output=True, text=True,
+                            timeout=900)
+        if up.returncode != 0:
+            message = f"no local Slurm: {(up.stdout + up.stderr).strip().splitlines()[-1:]}"
+            if os.environ.get("CI"):
+                pytest.fail(message)  # CI runs as root and must exercise the real cluster
+            pytest.skip(message)
+    yield
+    if not was_up:
+        subprocess.run(["bash", str(SLURM_LOCAL), "down"], capture_output=True, timeout=300)
+
+
+class Job:
+    def __init__(self, job_id: str, log: Path):
+        self.id, self.log = job_id, log
+
+    def field(self, name: str) -> str:
+        shown = subprocess.run(["scontrol", "show", "job", self.id], capture_output=True,
+                               text=True, timeout=30).stdout
+        match = re.search(rf"\b{name}=(\S+)", shown)
+        return match.group(1) if match else ""
+
+    def wait(self, *, until: str = "COMPLETED", restarts: int = 0, timeout: float = 600) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.field("JobState")
+            if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                break
+            if state == until and int(self.field("Restarts") or 0) >= restarts:
+                return state
+            time.sleep(2)
+        pytest.fail(f"job {self.id} is {self.field('JobState')} (wanted {until}); log:\n"
+                    f"{self.text()[-5000:]}")
+
+    def text(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+
+@pytest.fixture
+def submit(slurm_cluster, tmp_path):
+    jobs = []
+
+    def sbatch(*args: str, run_dir: Path | None = None) -> Job:
+        log = tmp_path / f"slurm-{len(jobs)}.out"
+        env = clean_env(HVDTRAIN_RUN_DIR=str(run_dir or tmp_path / "run"))
+        job_id = run_job(["sbatch", "--parsable", f"--output={log}", *args], timeout=60,
+                         env=env).stdout.strip().split(";")[0]
+        jobs.append(job_id)
+        return Job(job_id, log)
+
+    yield sbatch
+    for job_id in jobs:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+
+
+def test_sbatch_4gpu_template_runs_four_ranks(submit, tmp_path):
+    job = submit("slurm/4gpu.sh", "--preset", "tiny", "--no-tensorboard")
+    job.wait()
+    log = job.text()
+    assert "-np 4 -H" in log  # derived from the allocation, not written in the script
+    assert "backend horovod | 4 process(es), 4 worker(s)" in log
+    placement = re.search(r"placement: (\S+)\[0-3\]", log)
+    assert placement, log[-3000:]
+    assert "done: 3 epoch(s)" in log
+    assert (tmp_path / "run" / "checkpoints" / "checkpoint").is_file()
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["world"]["size"] == 4
+
+
+def test_usr1_checkpoints_requeues_and_resumes(submit, tmp_path):
+    run_dir = tmp_path / "run"
+    job = submit("slurm/4gpu.sh", "--preset", "tiny", "--no-tensorboard", "--epochs", "12",
+                 run_dir=run_dir)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.json").exists():  # at least one epoch done
+        assert time.monotonic() < deadline, job.text()[-3000:]
+        time.sleep(0.5)
+    # What Slurm does at --signal=B:USR1@120, delivered now: USR1 to the batch shell only.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job.id], check=True, timeout=30)
+    job.wait(restarts=1, timeout=600)
+    log = job.text()
+    stopped = re.search(r"stopped by SIGUSR1 in epoch (\d+)", log)
+    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", log)
+    assert stopped and resumed, log[-5000:]
+    assert f"requeueing job {job.id}" in log
+    assert f"job {job.id} run 1 on" in log  # the second run of the same job
+    assert int(resumed.group(1)) in (int(stopped.group(1)) - 1, int(stopped.group(1)))
+    epochs = [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())]
+    assert epochs == list(range(1, 13)), epochs  # no epoch lost or logged twice
+    assert "done: 12 epoch(s)" in log
+
+
+@pytest.mark.parametrize("via", ["mpirun", "srun"])
+def test_launcher_inside_an_allocation_via_mpirun_and_srun(submit, tmp_path, via):
+    command = (f"{VENV_BIN / 'python'} -m hvdtrain.launch --via {via} -- hvdtrain.cnn "
+               f"--preset tiny --epochs 1 --no-tensorboard --run-dir {tmp_path / 'run'}")
+    job = submit("-n", "2", "--cpus-per-task=1", f"--chdir={REPO}", "--wrap", command)
+    job.wait()
+    log = job.text()
+    assert "backend horovod | 2 process(es)" in log, log[-3000:]
+    assert "done: 1 epoch(s)" in log
+
+
+def test_dry_run_for_a_simulated_two_node_allocation(slurm_cluster):
+    env = clean_env(SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="node[07-08]",
+                    SLURM_TASKS_PER_NODE="4(x2)", SLURM_GPUS_ON_NODE="4")
+    result = run_job([str(VENV_BIN / "python"), "-m", "hvdtrain.launch", "--dry-run",
+                      "--skip-preflight", "--", "hvdtrain.cnn", "--epochs", "2"],
+                     timeout=60, env=env)
+    assert "-np 8 -H node07:4,node08:4" in result.stdout  # scontrol show hostnames expanded it
+    assert "# Slurm job 1234: 2 node(s)" in result.stdout
