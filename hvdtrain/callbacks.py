@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import tf_keras as keras
 
+from hvdtrain.plots import plot_curves
 from hvdtrain.rundir import RunDir
 
 
@@ -147,29 +148,3 @@ class MetricsLog(keras.callbacks.Callback):
         self.run_dir.write_json("metrics.json", self.rows)
         self.run_dir.write_with("curves.png", lambda path: plot_curves(self.rows, path))
 
-
-def plot_curves(rows: list[dict], path: str) -> None:
-    """One panel per metric (training and validation), against epochs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    skip = {"epoch", "samples_per_sec", "train_seconds", "epoch_seconds", "cpu_seconds",
-            "learning_rate"}
-    names = [k for k in rows[0] if k not in skip and not k.startswith("val_")] if rows else []
-    figure, axes = plt.subplots(1, max(1, len(names)), figsize=(5 * max(1, len(names)), 3.6),
-                                squeeze=False)
-    epochs = [row["epoch"] for row in rows]
-    for axis, name in zip(axes[0], names):
-        axis.plot(epochs, [row[name] for row in rows], marker="o", label=f"train {name}")
-        if f"val_{name}" in rows[0]:
-            axis.plot(epochs, [row[f"val_{name}"] for row in rows], marker="o",
-                      label=f"validation {name}")
-        axis.set_xlabel("epoch")
-        axis.set_title(name)
-        axis.grid(alpha=0.3)
-        axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100, format="png")
-    plt.close(figure)

@@ -42,6 +42,7 @@ class Task:
 class TrainingResult:
     model: keras.Model
     plan: TrainingPlan
+    pipelines: Pipelines
     run_dir: RunDir
     initial_epoch: int
     """Epochs already completed when this run started (from a checkpoint)."""
@@ -250,14 +251,14 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         # SIGUSR1 (Slurm's warning before the time limit) asks to be run again: exit 75, which
         # the sbatch templates answer with `scontrol requeue`. SIGTERM is a plain stop.
         exit_code = EXIT_PREEMPTED if request.agreed == signal.SIGUSR1 else 128 + request.agreed
-        return TrainingResult(model, plan, run_dir, initial_epoch, rows, exit_code)
+        return TrainingResult(model, plan, pipelines, run_dir, initial_epoch, rows, exit_code)
     if config.export and world.is_chief:
         # The exported model carries no optimizer: the distributed optimizer is a class horovod
         # makes on the fly, which a serving or fine-tuning process could not deserialize.
         inference_model = keras.models.clone_model(model)
         inference_model.set_weights(model.get_weights())
         run_dir.write_with(run_dir.model_file.name, inference_model.save, suffix=".keras")
-    return TrainingResult(model, plan, run_dir, initial_epoch, rows, 0)
+    return TrainingResult(model, plan, pipelines, run_dir, initial_epoch, rows, 0)
 
 
 def summary(result: TrainingResult) -> str:

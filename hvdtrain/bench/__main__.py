@@ -1,0 +1,3 @@
+from hvdtrain.bench import main
+
+main()

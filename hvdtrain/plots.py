@@ -1,0 +1,60 @@
+"""Pictures a run leaves behind (drawn off-screen; written through RunDir, so by rank 0 only)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def plot_curves(rows: list[dict], path: str) -> None:
+    """One panel per metric (training and validation), against epochs."""
+    plt = _pyplot()
+    skip = {"epoch", "samples_per_sec", "train_seconds", "epoch_seconds", "cpu_seconds",
+            "learning_rate"}
+    names = [k for k in rows[0] if k not in skip and not k.startswith("val_")] if rows else []
+    figure, axes = plt.subplots(1, max(1, len(names)), figsize=(5 * max(1, len(names)), 3.6),
+                                squeeze=False)
+    epochs = [row["epoch"] for row in rows]
+    for axis, name in zip(axes[0], names):
+        axis.plot(epochs, [row[name] for row in rows], marker="o", label=f"train {name}")
+        if f"val_{name}" in rows[0]:
+            axis.plot(epochs, [row[f"val_{name}"] for row in rows], marker="o",
+                      label=f"validation {name}")
+        axis.set_xlabel("epoch")
+        axis.set_title(name)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, format="png")
+    plt.close(figure)
+
+
+def plot_reconstructions(originals: np.ndarray, reconstructions: np.ndarray, title: str,
+                         path: str) -> None:
+    """Inputs in the top row, the model's reconstructions below (the autoencoder article's grid)."""
+    plt = _pyplot()
+    count = len(originals)
+    figure, axes = plt.subplots(2, count, figsize=(1.2 * count, 2.8), squeeze=False)
+    for column in range(count):
+        for row, images in enumerate((originals, reconstructions)):
+            image = np.asarray(images[column], dtype=np.float32)
+            if image.max() > 1.0:
+                image = image / 255.0
+            axis = axes[row][column]
+            axis.imshow(image.squeeze(-1) if image.shape[-1] == 1 else image,
+                        cmap="gray" if image.shape[-1] == 1 else None, vmin=0, vmax=1)
+            axis.set_xticks([])
+            axis.set_yticks([])
+    axes[0][0].set_ylabel("input")
+    axes[1][0].set_ylabel("output")
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, format="png")
+    plt.close(figure)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on cluster nodes
+    import matplotlib.pyplot as plt
+
+    return plt
