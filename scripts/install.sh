@@ -59,12 +59,17 @@ if [[ ! -x $venv/bin/python ]]; then
   say "creating $venv"
   "$python" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
-"${pip[@]}" install --upgrade pip "setuptools<81" wheel
+pip() {
+  # Some machines configure extra package indexes that do not exist; pip then warns once per
+  # package. Those lines say nothing about this install, so they are dropped; the rest is shown.
+  "$venv/bin/python" -m pip --disable-pip-version-check --quiet "$@" \
+    2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
+}
+pip install --upgrade pip "setuptools<81" wheel
 # The constraints file pins every transitive version that was verified together.
 constraints=("-c" "$repo_root/scripts/constraints.txt")
 say "installing $tf_requirement, tf_keras, mpi4py and the rest of the pinned stack"
-"${pip[@]}" install "${constraints[@]}" "$tf_requirement" \
+pip install "${constraints[@]}" "$tf_requirement" \
   tf_keras mpi4py scikit-learn matplotlib pytest pytest-timeout \
   packaging cloudpickle psutil pyyaml cffi
 
@@ -99,11 +104,11 @@ if [[ $installed_horovod != "$HOROVOD_VERSION" ]]; then
   else
     say "reusing cached horovod wheel from $cached_wheel_dir"
   fi
-  "${pip[@]}" install "${constraints[@]}" "$cached_wheel_dir"/horovod-*.whl
+  pip install "${constraints[@]}" "$cached_wheel_dir"/horovod-*.whl
 fi
 
 # --- 4. hvdtrain itself, then verify -----------------------------------------------------------
-"${pip[@]}" install --no-deps --no-build-isolation -e "$repo_root"
+pip install --no-deps --no-build-isolation -e "$repo_root"
 
 check_build=$("$venv/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $check_build"
 for feature in TensorFlow MPI Gloo; do
