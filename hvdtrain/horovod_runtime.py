@@ -65,6 +65,10 @@ class HorovodRuntime(Runtime):
         return int(hvd_tf.allreduce(tf.constant(value, tf.int32), op=hvd_tf.Max,
                                     name="hvdtrain_max_over_ranks"))
 
+    def barrier(self) -> None:
+        # Horovod 0.28 has no TensorFlow barrier op; a one-element allreduce is one.
+        self.max_over_ranks(0)
+
     def allreduce(self, tensor, *, fp16_compression: bool = False, name: str | None = None):
         """Average a tensor over ranks (used by the allreduce benchmark)."""
         compression = hvd_tf.Compression.fp16 if fp16_compression else hvd_tf.Compression.none

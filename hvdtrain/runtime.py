@@ -195,6 +195,9 @@ class Runtime:
     def allgather_object(self, obj: Any) -> list:
         return [obj]
 
+    def barrier(self) -> None:
+        """Return on every rank only once all ranks got here."""
+
     def max_over_ranks(self, value: int) -> int:
         """The largest ``value`` any rank passed, on every rank. A collective: all ranks call it."""
         return value

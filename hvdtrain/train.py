@@ -248,6 +248,9 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
     if request.agreed:
         runtime.print0(f"stopped by {_signal_name(request.agreed)} in epoch "
                        f"{request.epoch + 1}; checkpoint written, rerun to resume")
+        # Rank 0 wrote the checkpoint at the end of fit. Nobody leaves before it is done: the
+        # ranks exit non-zero, and mpirun kills the rest of a job as soon as one rank does so.
+        runtime.barrier()
         # SIGUSR1 (Slurm's warning before the time limit) asks to be run again: exit 75, which
         # the sbatch templates answer with `scontrol requeue`. SIGTERM is a plain stop.
         exit_code = EXIT_PREEMPTED if request.agreed == signal.SIGUSR1 else 128 + request.agreed
