@@ -208,7 +208,10 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
     elif options.via == "srun":
         if allocation is None:
             raise UserError("--via srun needs a Slurm allocation (run it inside sbatch/salloc)")
-        argv = ["srun", "--mpi=pmix", f"--ntasks={np}", *binding, *program]
+        # A rank that dies must end the step: by default srun lets the others run on, and they
+        # would wait in their next allreduce forever.
+        argv = ["srun", "--mpi=pmix", f"--ntasks={np}", "--kill-on-bad-exit=1", *binding,
+                *program]
     else:
         raise UserError(f"--via must be one of {', '.join(VIAS)}, got {options.via!r}")
     return Launch(tuple(argv), env, tuple(notes))

@@ -6,6 +6,10 @@ results before asserting (conftest.gather_checked), so a failure fails all ranks
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -156,3 +160,39 @@ def test_compression_accumulation_and_mixed_precision_keep_ranks_in_step(runtime
     chief_losses = results[0][1]
     assert len(chief_losses) == 1 and np.isfinite(chief_losses[0])
     keras.mixed_precision.set_global_policy("float32")
+
+
+def _send_usr1_once_training_listens():
+    """SIGUSR1 to this process as soon as fit's handler is installed (as Slurm would send it)."""
+    deadline = time.monotonic() + 120
+    while signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN, None):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_only_rank_0_writes_in_every_path(runtime, tmp_path):
+    """Autoencoder picture, a signal-stopped run with its checkpoint, exports: rank 0 only."""
+    from hvdtrain.autoencoder import RECONSTRUCTOR, write_reconstructions
+    from hvdtrain.autoencoder import tiny as autoencoder_tiny
+
+    def run_every_path():
+        autoencoder = dataclasses.replace(autoencoder_tiny(), epochs=1,
+                                          run_dir=str(tmp_path / "autoencoder"))
+        write_reconstructions(train.run("test", autoencoder, runtime, RECONSTRUCTOR), runtime)
+        # Only the last rank receives the signal; all ranks must still stop together.
+        if runtime.world.rank == runtime.world.size - 1:
+            threading.Thread(target=_send_usr1_once_training_listens, daemon=True).start()
+        stopped = train.run("test", config_in(tmp_path / "stopped", epochs=50), runtime,
+                            CLASSIFIER)
+        files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+        return stopped.exit_code, files
+
+    results = gather_checked(runtime, run_every_path)
+    assert [code for code, _ in results] == [75] * runtime.world.size
+    chief_files = results[0][1]
+    assert "autoencoder/cpu.png" in chief_files and "autoencoder/model.keras" in chief_files
+    assert "stopped/checkpoints/checkpoint" in chief_files
+    assert "stopped/model.keras" not in chief_files  # a stopped run exports nothing
+    assert [files for _, files in results[1:]] == [[]] * (runtime.world.size - 1)

@@ -64,7 +64,7 @@ def test_two_node_allocation_gives_np_and_hosts():
     mpirun = build_launch(options(via="mpirun"), alloc, gpus=4).argv
     assert mpirun[:3] == ("mpirun", "-np", "8") and "-H" not in mpirun  # OpenMPI reads Slurm
     srun = build_launch(options(via="srun"), alloc, gpus=4).argv
-    assert srun[:3] == ("srun", "--mpi=pmix", "--ntasks=8")
+    assert srun[:4] == ("srun", "--mpi=pmix", "--ntasks=8", "--kill-on-bad-exit=1")
 
 
 def test_cpu_allocation_with_uneven_tasks():

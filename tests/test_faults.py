@@ -1,0 +1,243 @@
+"""Faults and bad input: never hang, never lose a checkpoint, always say what is wrong.
+
+Integration tier: every test starts its own real jobs (horovodrun, the CLI, the launcher) and
+kills and cleans up everything it starts, within a time limit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, VENV_BIN, clean_env, horovodrun, integration, run_job
+from images import make_image_folder
+
+pytestmark = [integration, pytest.mark.timeout(600)]
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """{rank: pid} of the running ranks whose command line contains ``marker``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker not in command or "-m hvdtrain.cnn" not in command:
+            continue
+        for variable in environ:
+            if variable.startswith(b"OMPI_COMM_WORLD_RANK="):
+                found[int(variable.split(b"=")[1])] = int(entry.name)
+    return found
+
+
+@pytest.mark.parametrize("np_, victim", [(2, 1), (2, 0), (3, 2)])
+def test_a_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, np_, victim):
+    run_dir = tmp_path / "run"
+    command = [str(VENV_BIN / "horovodrun"), "-np", str(np_), sys.executable, "-m",
+               "hvdtrain.cnn", "--preset", "tiny", "--epochs", "200", "--run-dir", str(run_dir)]
+    job = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.json").exists():  # at least one epoch checkpointed
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+            time.sleep(0.2)
+        time.sleep(0.5)  # mid-epoch
+        ranks = rank_pids(str(run_dir))
+        assert sorted(ranks) == list(range(np_)), ranks
+        epochs_before = len(json.loads((run_dir / "metrics.json").read_text()))
+        killed_at = time.monotonic()
+        os.kill(ranks[victim], signal.SIGKILL)
+        output, _ = job.communicate(timeout=60)  # the whole job must be gone within 60 s
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode != 0
+    assert elapsed < 60
+    # mpirun names the rank (its PID field reads 0 in OpenMPI 4.1 for a killed rank).
+    assert re.search(rf"process rank {victim} with PID \d+ on node \S+ exited on signal 9",
+                     output), output[-3000:]
+    assert not rank_pids(str(run_dir)), "ranks outlived the job"
+
+    # The same command again resumes from the last checkpoint, losing at most one epoch.
+    rerun = horovodrun(np_, "hvdtrain.cnn", "--preset", "tiny", "--epochs",
+                       str(epochs_before + 1), "--run-dir", str(run_dir))
+    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", rerun.stdout)
+    assert resumed and int(resumed.group(1)) >= epochs_before, rerun.stdout[-3000:]
+    assert f"done: {epochs_before + 1} epoch(s)" in rerun.stdout
+
+
+def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_loadable(tmp_path):
+    run_dir = tmp_path / "run"
+    writer = subprocess.Popen([sys.executable, str(SCRIPTS / "checkpoint_writer.py"),
+                               str(run_dir)], stdout=subprocess.PIPE, text=True,
+                              env=clean_env(), start_new_session=True)
+    try:
+        first = writer.stdout.readline()
+        assert first.startswith("first saved"), first
+        checksum = float(first.split()[-1])
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "ckpt-2_temp").exists():
+            assert time.monotonic() < deadline and writer.poll() is None
+            time.sleep(0.005)
+        os.killpg(writer.pid, signal.SIGKILL)  # in the middle of writing checkpoint 2
+        rest, _ = writer.communicate(timeout=30)
+    finally:
+        if writer.poll() is None:
+            os.killpg(writer.pid, signal.SIGKILL)
+    assert "second saved" not in rest  # really interrupted, not finished
+    assert not (run_dir / "checkpoints" / "ckpt-2.index").exists()
+    check = (
+        "import sys, numpy as np, hvdtrain, tf_keras as keras\n"
+        "from hvdtrain.rundir import RunDir\nfrom hvdtrain.train import Checkpoints\n"
+        "m = keras.Sequential([keras.Input((4000,)), keras.layers.Dense(16000)])\n"
+        "m.compile(optimizer=keras.optimizers.Adam(), loss='mse')\n"
+        "m.optimizer.build(m.trainable_variables)\n"
+        f"epoch, path = Checkpoints(RunDir({str(run_dir)!r}, is_chief=True), m, 3)"
+        ".restore_latest()\n"
+        "print(epoch, path, float(np.sum(m.layers[0].kernel.numpy(), dtype=np.float64)))\n")
+    restored = run_job([sys.executable, "-c", check], timeout=180).stdout.split()
+    assert restored[-3:-1] == ["1", str(run_dir / "checkpoints" / "ckpt-1")]
+    assert float(restored[-1]) == pytest.approx(checksum, rel=1e-6)
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_every_data_set_size_finishes_or_is_refused_clearly(tmp_path, np_):
+    result = run_job([str(VENV_BIN / "horovodrun"), "-np", str(np_), sys.executable,
+                      str(SCRIPTS / "uneven_sizes.py"), str(tmp_path)], timeout=500)
+    line = next(l for l in result.stdout.splitlines() if "OUTCOMES " in l)
+    # raw_decode: mpirun may glue the next line's "[1,0]<stdout>:" tag onto this one.
+    per_rank, _ = json.JSONDecoder().raw_decode(line.split("OUTCOMES ", 1)[1])
+    chief = per_rank[0]
+    assert sorted(map(int, chief)) == list(range(1, 3 * np_ + 2))
+    for size, outcome in chief.items():
+        # The ranks agree on every size, and a size ends one way or the other.
+        assert all(rank_outcomes[size].split()[0] == outcome.split()[0]
+                   for rank_outcomes in per_rank)
+        if outcome.startswith("refused"):
+            assert "fewer than one global batch" in outcome, outcome
+        else:
+            assert outcome == "finished 2 epochs", outcome
+    training_samples = {int(s): int(s) - max(1, round(int(s) * 0.25)) if int(s) > 1 else 1
+                        for s in chief}
+    for size, outcome in chief.items():
+        assert outcome.startswith("refused") == (training_samples[int(size)] < np_), (size,
+                                                                                   outcome)
+
+
+def test_unwritable_or_full_run_directory_is_found_before_training(tmp_path):
+    from hvdtrain.rundir import RunDir
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = horovodrun(2, "hvdtrain.cnn", "--preset", "tiny", "--run-dir",
+                        str(blocker / "run"), check=False)
+    errors = [l for l in result.stdout.splitlines() if "hvdtrain.cnn: error:" in l]
+    assert result.returncode != 0 and len(errors) == 1, result.stdout[-3000:]
+    assert "is not writable" in errors[0] and "Epoch 1" not in result.stdout
+    # Full: ask for more room than the file system has (a real statvfs, nothing faked).
+    free = shutil.disk_usage(tmp_path).free
+    problem = RunDir(tmp_path / "run", is_chief=True).problem(bytes_needed=free + 2**30)
+    assert problem and "MiB free; checkpoints need about" in problem
+
+
+def one_error(result: subprocess.CompletedProcess, program: str = "hvdtrain.cnn") -> str:
+    """The single error line of a failed run, checking there is exactly one and no traceback."""
+    errors = [l for l in result.stdout.splitlines() if f"{program}: error" in l]
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert len(errors) == 1, result.stdout[-4000:]
+    assert "Traceback" not in result.stdout, result.stdout[-4000:]
+    return errors[0]
+
+
+BAD_INPUT = [
+    (["--data-dir", "/nonexistent/images"], "no such directory"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--batch-policy", "global", "--batch-size", "33"], "global batch 33 does not divide by 2"),
+    (["--batch-size", "2000"], "fewer than one global batch"),
+    (["--backend", "tpu"], "no TPU found"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT, ids=[m for _, m in BAD_INPUT])
+def test_bad_input_is_one_line_printed_once_and_writes_nothing(tmp_path, args, message):
+    run_dir = tmp_path / "run"
+    result = horovodrun(2, "hvdtrain.cnn", *args, "--run-dir", str(run_dir), check=False)
+    assert message in one_error(result)
+    assert not run_dir.exists()
+
+
+def test_bad_image_folders_under_two_ranks(tmp_path):
+    empty_class = make_image_folder(tmp_path / "empty", classes=2, per_class=4)
+    (empty_class / "nine").mkdir()
+    single = make_image_folder(tmp_path / "single", classes=1, per_class=4)
+    corrupt = make_image_folder(tmp_path / "corrupt", classes=2, per_class=20)
+    (corrupt / "zero" / "notes.txt").write_text("not an image")
+    cases = [(empty_class, [], "has no PNG/JPEG/GIF/BMP images"),
+             (single, [], "only one class folder"),
+             (corrupt, ["--on-bad-image", "fail"], "not PNG/JPEG/GIF/BMP images")]
+    for folder, extra, message in cases:
+        result = horovodrun(2, "hvdtrain.cnn", "--data-dir", str(folder), *extra,
+                            "--run-dir", str(tmp_path / "run"), check=False)
+        assert message in one_error(result)
+    assert not (tmp_path / "run").exists()
+    # Skipping is the default: the job trains and says how many files it left out, once.
+    skipped = horovodrun(2, "hvdtrain.cnn", "--data-dir", str(corrupt), "--preset", "tiny",
+                         "--epochs", "1", "--batch-size", "4", "--image-size", "8",
+                         "--run-dir", str(tmp_path / "ok"))
+    assert skipped.stdout.count("skipped 1 file(s)") == 1
+
+
+def test_more_ranks_than_tfrecord_files(tmp_path):
+    from hvdtrain.tfrecords import convert
+
+    images = make_image_folder(tmp_path / "images", classes=2, per_class=10)
+    convert(str(images), str(tmp_path / "records"), shards=2, validation_shards=1,
+            validation_fraction=0.2, seed=0, image_size=8)
+    result = horovodrun(3, "hvdtrain.cnn", "--tfrecords", str(tmp_path / "records"),
+                        "--batch-size", "2", "--run-dir", str(tmp_path / "run"), check=False)
+    assert "3 ranks but only 2 training TFRecord file(s)" in one_error(result)
+
+
+def test_launcher_refuses_horovod_without_its_tensorflow_extension(tmp_path):
+    """A horovod whose TensorFlow library is absent, as a build without TensorFlow leaves it."""
+    import horovod
+
+    crippled = tmp_path / "site"
+    shutil.copytree(Path(horovod.__file__).parent, crippled / "horovod")
+    for library in (crippled / "horovod" / "tensorflow").glob("mpi_lib*.so"):
+        library.unlink()
+    result = run_job([sys.executable, "-m", "hvdtrain.launch", "--np", "1", "--",
+                      "hvdtrain.cnn"], timeout=120, check=False,
+                     env=clean_env(PYTHONPATH=str(crippled)))
+    assert result.returncode == 2
+    line = one_error(result, "hvdtrain.launch")
+    assert "horovod cannot run TensorFlow jobs" in line and "make install" in line
+
+
+def test_launcher_as_root_without_the_openmpi_variables(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("only root is refused by OpenMPI")
+    env = {k: v for k, v in clean_env().items() if not k.startswith("OMPI_ALLOW")}
+    result = run_job([sys.executable, "-m", "hvdtrain.launch", "--via", "mpirun", "--np", "2",
+                      "--", "hvdtrain.cnn", "--run-dir", str(tmp_path / "run")], timeout=120,
+                     check=False, env=env)
+    assert result.returncode == 2
+    assert "OMPI_ALLOW_RUN_AS_ROOT=1" in one_error(result, "hvdtrain.launch")
+    assert not (tmp_path / "run").exists()
