@@ -43,6 +43,8 @@ class PreemptionCheck(keras.callbacks.Callback):
 
     def __init__(self, runtime, request: StopRequest, check_every: int):
         super().__init__()
+        # Reads no metrics per batch: Keras then need not copy them out of the step every batch.
+        self._supports_tf_logs = True
         self.runtime = runtime
         self.request = request
         self.check_every = check_every
@@ -84,6 +86,7 @@ class Throughput(keras.callbacks.Callback):
 
     def __init__(self, global_batch_size: int):
         super().__init__()
+        self._supports_tf_logs = True  # as PreemptionCheck: batch hooks read no metrics
         self.global_batch_size = global_batch_size
         self.timings: dict[str, float] = {}
 

@@ -6,6 +6,7 @@ exists.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import horovod.tensorflow as hvd_tf
@@ -17,6 +18,11 @@ from hvdtrain.runtime import Runtime, World, configure_devices
 
 class HorovodRuntime(Runtime):
     def __init__(self, *, threads_per_worker: int | None = None):
+        # OpenMPI busy-polls while a rank waits for its peers. Horovod waits on a background
+        # thread that shares the cores with TensorFlow's compute threads, so that polling steals
+        # the cores the model needs: on 2 cores, 2 ranks ran at 1.0x one rank with it and 1.9x
+        # without it (docs/benchmarks.md). Yielding costs microseconds. Set it to 0 to override.
+        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
         # Horovod: start the MPI/Gloo controller; it learns rank and size from the launcher.
         hvd.init()
         world = World(rank=hvd.rank(), local_rank=hvd.local_rank(), size=hvd.size(),
@@ -25,6 +31,10 @@ class HorovodRuntime(Runtime):
         super().__init__(world, configure_devices(world, threads_per_worker))
 
     def distribute_optimizer(self, optimizer, *, fp16_allreduce: bool, grad_accum_steps: int):
+        if self.world.size == 1 and grad_accum_steps == 1:
+            # A world of one has nothing to average; horovod's allreduce would still pass every
+            # step through its background thread (up to a 1 ms cycle of latency per step).
+            return optimizer
         # Horovod: average the gradients of all ranks with an allreduce before each update, so
         # every rank applies the same update and the replicas stay identical.
         compression = hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none
@@ -47,6 +57,8 @@ class HorovodRuntime(Runtime):
             hvd_tf.broadcast_variables(variables, root_rank=0)
 
     def sync_callbacks(self) -> list:
+        if self.world.size == 1:
+            return []  # one rank's metrics are already the job's
         # Horovod: average the epoch's metrics over ranks before any later callback (checkpoint,
         # CSV, early stopping) reads them; each rank only saw its own shard.
         return [hvd.callbacks.MetricAverageCallback()]
