@@ -1,6 +1,16 @@
-"""Benchmarks: `python -m hvdtrain.bench <name> [options]` (`make bench` runs them all).
+"""Benchmarks: `python -m hvdtrain.bench <name> [options]` (`make bench` runs `all`).
 
+    all         every comparison below, then results.json, results.md and plots in --out
+    scaling     weak scaling np=2 vs np=1 (synthetic and embedded data); processes vs threads
+    tax         hvdtrain at np=1 against a plain tf_keras model.fit
+    allreduce   horovod allreduce vs mpi4py (MPI controller) and over Gloo, 1-256 MiB
+    mwms        hvdtrain np=2 vs MultiWorkerMirroredStrategy with 2 local workers
+    input       real vs synthetic data step time; input pipeline alone vs the model
+    workers     speedup against the number of workers (1, 2, 4)
     matmul      the article's `w @ x + b` device timing on the backend's device
+
+Variants are separate processes, interleaved, repeated (--repeats, default 5), first epochs and a
+warm-up round dropped; see hvdtrain/bench/harness.py and docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -28,6 +38,47 @@ def _matmul(args) -> int:
     return 0
 
 
+SUITES = ("scaling", "tax", "allreduce", "mwms", "input", "workers")
+
+
+def _suite(args) -> int:
+    import dataclasses
+    import tempfile
+
+    from hvdtrain.bench import report, suite
+
+    settings = suite.QUICK if args.quick else suite.Settings()
+    if args.repeats:
+        settings = dataclasses.replace(settings, repeats=args.repeats)
+    names = SUITES if args.command == "all" else (args.command,)
+    out = Path(args.out)
+    comparisons, speedup, allreduce_rounds = [], None, None
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as scratch:
+        workdir = Path(scratch)
+        for name in names:
+            if name == "scaling":
+                comparisons += suite.weak_scaling(settings, workdir, log)
+            elif name == "tax":
+                comparisons += suite.framework_tax(settings, workdir, log)
+            elif name == "mwms":
+                comparisons += suite.against_tf_distribute(settings, workdir, log)
+            elif name == "input":
+                comparisons += suite.input_pipeline(settings, workdir, log)
+            elif name == "workers":
+                speedup = suite.speedup_vs_workers(settings, workdir, log)
+            elif name == "allreduce":
+                allreduce_rounds = suite.allreduce(settings, workdir, log)
+                comparisons += suite.allreduce_comparisons(allreduce_rounds)
+    report.write(out, dataclasses.asdict(settings), comparisons, speedup, allreduce_rounds)
+    print(report.markdown(comparisons, speedup))
+    print(f"results in {out}/ (results.json, results.md, *.png)")
+    return 0
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {PROGRAM}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,8 +91,16 @@ def run(argv: Sequence[str] | None = None) -> int:
                         choices=("auto", "horovod", "tpu", "mirrored", "single"))
     matmul.add_argument("--out", help="directory for matmul.json")
     matmul.set_defaults(handler=_matmul)
+    for name in ("all", *SUITES):
+        command = commands.add_parser(name, help=f"run the {name} comparison(s)")
+        command.add_argument("--out", default="bench-results",
+                             help="results directory (default bench-results)")
+        command.add_argument("--repeats", type=int, help="interleaved rounds (default 5)")
+        command.add_argument("--quick", action="store_true",
+                             help="tiny sizes and 1 round: checks the harness, measures nothing")
+        command.set_defaults(handler=_suite)
     args = parser.parse_args(argv)
-    if getattr(args, "batch", 1) < 1 or getattr(args, "repeats", 1) < 1:
+    if getattr(args, "batch", 1) < 1 or (getattr(args, "repeats", 1) or 1) < 1:
         raise UserError("--batch and --repeats must be at least 1")
     return args.handler(args)
 

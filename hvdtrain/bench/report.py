@@ -1,0 +1,147 @@
+"""Benchmark results as JSON (everything measured), a markdown table and PNG plots."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+from hvdtrain.bench.harness import Comparison
+
+
+def machine() -> dict:
+    def first_line(argv: list[str]) -> str:
+        try:
+            output = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+            return (output.stdout or output.stderr).strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.TimeoutExpired):
+            return "unknown"
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for module in ("tensorflow", "tf_keras", "horovod", "mpi4py", "numpy"):
+        try:
+            from importlib.metadata import version
+
+            versions[module] = version(module if module != "tensorflow" else "tensorflow")
+        except Exception:  # noqa: BLE001 - missing is reported as missing
+            versions[module] = "missing"
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "cpu": cpu, "cores": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+                                1),
+            "kernel": platform.release(), "python": platform.python_version(),
+            "openmpi": first_line(["mpirun", "--version"]), **versions}
+
+
+def markdown(comparisons: list[Comparison], speedup: dict | None) -> str:
+    lines = ["| comparison | variant A | median A | variant B | median B | A/B (medians) | "
+             "A/B (paired median) | spread A, B | target | met |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in comparisons:
+        a, b = c.summaries[c.numerator], c.summaries[c.denominator]
+        target = "" if c.target is None else ("≤ " if c.lower_is_better else "≥ ") + f"{c.target:g}"
+        met = {True: "yes", False: "**no**", None: ""}[c.met]
+        lines.append(
+            f"| {c.name} | {c.numerator} | {a.median:.4g} {c.unit} | {c.denominator} | "
+            f"{b.median:.4g} {c.unit} | {c.result.of_medians:.3f} | "
+            f"{c.result.paired_median:.3f} | {a.spread:.0%}, {b.spread:.0%} | {target} | {met} |")
+    if speedup:
+        lines += ["", "| workers | speedup over 1 | efficiency |", "|---|---|---|"]
+        lines += [f"| {n} | {value:.2f}x | {value / int(n):.0%} |"
+                  for n, value in speedup["speedup"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, settings: dict, comparisons: list[Comparison], speedup: dict | None,
+          allreduce_rounds: dict | None, extra: dict | None = None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"machine": machine(), "settings": settings,
+            "comparisons": [c.to_dict() for c in comparisons],
+            "speedup_vs_workers": speedup, "allreduce_raw": allreduce_rounds, **(extra or {})}
+    (out / "results.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    (out / "results.md").write_text(markdown(comparisons, speedup))
+    plot_ratios(comparisons, out / "ratios.png")
+    allreduce = [c for c in comparisons if c.name.startswith("allreduce ")]
+    if allreduce:
+        plot_allreduce(allreduce, out / "allreduce.png")
+    if speedup:
+        plot_speedup(speedup, out / "speedup.png")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ratios(comparisons: list[Comparison], path: Path) -> None:
+    plt = _pyplot()
+    rows = [c for c in comparisons if c.target is not None]
+    if not rows:
+        return
+    figure, axis = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    for index, c in enumerate(rows):
+        paired = c.result.paired
+        axis.plot([min(paired), max(paired)], [index, index], color="0.6")
+        axis.plot(c.result.of_medians, index, "o", color="tab:green" if c.met else "tab:red")
+        axis.plot(c.target, index, "|", color="black", markersize=14)
+    axis.set_yticks(range(len(rows)), [c.name for c in rows])
+    axis.set_xlabel("ratio A/B: dot = ratio of medians, line = range of per-round ratios, "
+                    "| = target")
+    axis.grid(axis="x", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def plot_allreduce(comparisons: list[Comparison], path: Path) -> None:
+    plt = _pyplot()
+    sizes = [float(c.name.split()[1]) for c in comparisons]
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for variant in comparisons[0].summaries:
+        axis.plot(sizes, [c.summaries[variant].median for c in comparisons], marker="o",
+                  label=variant)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("buffer (MiB, fp32)")
+    axis.set_ylabel("GB/s (algorithm bandwidth, median)")
+    axis.set_title("2-rank allreduce on this machine")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def plot_speedup(speedup: dict, path: Path) -> None:
+    """In the style of the source article's figure: speedup against the number of workers."""
+    plt = _pyplot()
+    workers = [int(n) for n in speedup["speedup"]]
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot(workers, list(speedup["speedup"].values()), marker="o",
+              label="hvdtrain on this 2-core machine")
+    axis.plot(workers, workers, "--", color="0.5", label="ideal")
+    textbook = {1: 1.0, 2: 2.0, 4: 3.8, 8: 7.3}
+    axis.plot([n for n in textbook if n <= max(workers)],
+              [v for n, v in textbook.items() if n <= max(workers)], ":", color="tab:orange",
+              label="textbook GPU figures (2: 2x, 4: 3.8x)")
+    axis.set_xlabel("workers (ranks, 1 thread each)")
+    axis.set_ylabel("speedup over 1 worker (samples/s)")
+    axis.set_xticks(workers)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

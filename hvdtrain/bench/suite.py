@@ -1,0 +1,301 @@
+"""The comparisons of `python -m hvdtrain.bench all`, each a set of interleaved real runs.
+
+Every training variant is a separate process started exactly as a user would start it
+(`horovodrun -np N python -m hvdtrain.cnn ...`, the plain Keras script, two MultiWorkerMirrored
+workers), so start-up and tracing are excluded only by dropping each run's first epoch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from hvdtrain.bench.harness import Comparison, interleave
+
+BIN = Path(sys.executable).parent
+
+
+@dataclass(frozen=True)
+class Settings:
+    repeats: int = 5
+    warmup: int = 1
+    """Whole rounds discarded before the repeats (file caches, CPU frequency)."""
+    epochs: int = 4
+    """Per run; the first is tracing and warm-up, the rest are measured."""
+    steps_per_epoch: int = 40
+    batch_size: int = 64
+    """Per worker, the same in every variant."""
+    image_size: int = 32
+    allreduce_sizes_mb: tuple[float, ...] = (1, 4, 16, 64, 256)
+    allreduce_rounds: int = 3
+    allreduce_repeats: int = 5
+    workers: tuple[int, ...] = (1, 2, 4)
+    timeout: float = 900
+
+
+QUICK = Settings(repeats=1, warmup=0, epochs=2, steps_per_epoch=3, batch_size=8, image_size=8,
+                 allreduce_sizes_mb=(0.25, 1), allreduce_rounds=1, allreduce_repeats=2,
+                 workers=(1, 2), timeout=300)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_", "PMIX_", "HOROVOD_RANK", "HOROVOD_SIZE"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               TF_CPP_MIN_LOG_LEVEL="3")
+    return env
+
+
+def _run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> float:
+    start = time.perf_counter()
+    completed = subprocess.run(argv, env=env or _env(), capture_output=True, text=True,
+                               timeout=timeout)
+    if completed.returncode:
+        raise RuntimeError(f"{' '.join(argv)} exited {completed.returncode}:\n"
+                           f"{(completed.stdout + completed.stderr)[-3000:]}")
+    return time.perf_counter() - start
+
+
+def steady_state(rows: list[dict], wall_seconds: float) -> dict:
+    """Medians over the epochs after the first (which includes tracing)."""
+    steady = rows[1:] or rows
+    return {
+        "samples_per_sec": statistics.median(r["samples_per_sec"] for r in steady),
+        "cpu_per_wall": statistics.median(r["cpu_seconds"] / r["epoch_seconds"] for r in steady),
+        "first_epoch_samples_per_sec": rows[0]["samples_per_sec"],
+        "loss": rows[-1]["loss"],
+        "process_seconds": wall_seconds,
+    }
+
+
+def _training_args(s: Settings, data: str, data_dir: str | None = None) -> list[str]:
+    source = ["--data-dir", data_dir] if data_dir else ["--data", data]
+    return [*source, "--image-size", str(s.image_size), "--validation-fraction", "0",
+            "--epochs", str(s.epochs), "--steps-per-epoch", str(s.steps_per_epoch),
+            "--batch-size", str(s.batch_size), "--warmup-epochs", "0", "--lr-decay", "constant",
+            "--no-tensorboard", "--no-export"]
+
+
+def hvdtrain_run(s: Settings, workdir: Path, *, np: int, threads: int, data: str = "synthetic",
+                 data_dir: str | None = None) -> dict:
+    run_dir = Path(tempfile.mkdtemp(dir=workdir))
+    wall = _run([str(BIN / "horovodrun"), "-np", str(np), sys.executable, "-m", "hvdtrain.cnn",
+                 *_training_args(s, data, data_dir), "--threads-per-worker", str(threads),
+                 "--run-dir", str(run_dir)], s.timeout)
+    return steady_state(json.loads((run_dir / "metrics.json").read_text()), wall)
+
+
+def plain_keras_run(s: Settings, workdir: Path, *, data: str = "synthetic") -> dict:
+    out = Path(tempfile.mkdtemp(dir=workdir)) / "metrics.json"
+    wall = _run([sys.executable, "-m", "hvdtrain.bench.plain_keras", "--data", data,
+                 "--image-size", str(s.image_size), "--epochs", str(s.epochs),
+                 "--steps-per-epoch", str(s.steps_per_epoch), "--batch-size", str(s.batch_size),
+                 "--threads", "1", "--json", str(out)], s.timeout)
+    return steady_state(json.loads(out.read_text()), wall)
+
+
+def mwms_run(s: Settings, workdir: Path, *, workers: int = 2) -> dict:
+    from hvdtrain.bench.mwms import start_workers
+
+    out = Path(tempfile.mkdtemp(dir=workdir)) / "metrics.json"
+    start = time.perf_counter()
+    code = start_workers(workers, [
+        "--data", "synthetic", "--image-size", str(s.image_size), "--epochs", str(s.epochs),
+        "--steps-per-epoch", str(s.steps_per_epoch), "--batch-size", str(s.batch_size),
+        "--threads", "1", "--json", str(out)], _env(), s.timeout)
+    if code:
+        raise RuntimeError(f"MultiWorkerMirroredStrategy workers exited {code}")
+    return steady_state(json.loads(out.read_text()), time.perf_counter() - start)
+
+
+def pipeline_run(s: Settings, *, data: str = "digits", data_dir: str | None = None) -> dict:
+    """Samples per second the input pipeline alone delivers (one process, one thread)."""
+    code = (
+        "import json, sys, time, hvdtrain\n"
+        "from hvdtrain.config import TrainConfig\n"
+        "from hvdtrain.data import list_data, build_pipelines\n"
+        "from hvdtrain.runtime import World, configure_devices\n"
+        "configure_devices(World(), 1)\n"
+        f"config = TrainConfig(data={data!r}, data_dir={data_dir!r}, "
+        f"image_size={s.image_size}, validation_fraction=0.0)\n"
+        "listing = list_data(config)\n"
+        f"train = build_pipelines(listing, World(), per_worker_batch_size={s.batch_size}, "
+        "validation_batch_size=1, validation_steps=0, seed=0, cache=True, threads=1).train\n"
+        f"steps = {s.epochs * s.steps_per_epoch}\n"
+        "iterator = iter(train)\n"
+        "for _ in range(steps): next(iterator)  # first pass: decode and fill the cache\n"
+        "start = time.perf_counter()\n"
+        "for _ in range(steps): next(iterator)\n"
+        f"print(json.dumps({{'samples_per_sec': steps * {s.batch_size} / "
+        "(time.perf_counter() - start)}))\n")
+    completed = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                               text=True, timeout=s.timeout)
+    if completed.returncode:
+        raise RuntimeError(completed.stderr[-3000:])
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def make_image_folder(root: Path, image_size: int) -> Path:
+    """The embedded digits as PNG files, one folder per class: real files to decode."""
+    import numpy as np
+    import tensorflow as tf
+
+    from hvdtrain.data import load_embedded
+
+    arrays = load_embedded("digits", image_size=image_size)
+    for index, (image, label) in enumerate(zip(arrays.images, arrays.labels)):
+        folder = root / arrays.class_names[label]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{index:05d}.png").write_bytes(tf.io.encode_png(np.asarray(image)).numpy())
+    return root
+
+
+# --- the comparisons ------------------------------------------------------------------------------
+def weak_scaling(s: Settings, workdir: Path, log: Callable[[str], None]) -> list[Comparison]:
+    comparisons = []
+    for data in ("synthetic", "digits"):
+        log(f"weak scaling, {data}: np=2 x 1 thread, np=1 x 1 thread, np=1 x 2 threads")
+        runs = interleave({
+            "np2 x 1 thread": lambda: hvdtrain_run(s, workdir, np=2, threads=1, data=data),
+            "np1 x 1 thread": lambda: hvdtrain_run(s, workdir, np=1, threads=1, data=data),
+            "np1 x 2 threads": lambda: hvdtrain_run(s, workdir, np=1, threads=2, data=data),
+        }, repeats=s.repeats, warmup=s.warmup, log=log)
+        comparisons.append(Comparison(
+            f"weak scaling ({data})", "samples_per_sec", "samples/s", runs,
+            "np2 x 1 thread", "np1 x 1 thread", target=1.85,
+            note="same per-worker batch; efficiency = ratio / 2"))
+        comparisons.append(Comparison(
+            f"processes vs threads ({data})", "samples_per_sec", "samples/s", runs,
+            "np2 x 1 thread", "np1 x 2 threads",
+            note="2 horovod ranks of 1 thread against 1 rank with 2 intra-op threads"))
+    return comparisons
+
+
+def framework_tax(s: Settings, workdir: Path, log: Callable[[str], None]) -> list[Comparison]:
+    log("framework tax: hvdtrain at np=1 against a plain tf_keras model.fit")
+    runs = interleave({
+        "hvdtrain np=1": lambda: hvdtrain_run(s, workdir, np=1, threads=1),
+        "plain tf_keras": lambda: plain_keras_run(s, workdir),
+    }, repeats=s.repeats, warmup=s.warmup, log=log)
+    return [Comparison("framework tax", "samples_per_sec", "samples/s", runs, "hvdtrain np=1",
+                       "plain tf_keras", target=0.97,
+                       note="same model, data, batch, threads; hvdtrain also checkpoints")]
+
+
+def against_tf_distribute(s: Settings, workdir: Path,
+                          log: Callable[[str], None]) -> list[Comparison]:
+    log("against tf.distribute: hvdtrain np=2 vs MultiWorkerMirroredStrategy, 2 workers")
+    runs = interleave({
+        "hvdtrain np=2": lambda: hvdtrain_run(s, workdir, np=2, threads=1),
+        "MultiWorkerMirrored x2": lambda: mwms_run(s, workdir),
+    }, repeats=s.repeats, warmup=s.warmup, log=log)
+    return [
+        Comparison("vs MultiWorkerMirroredStrategy", "samples_per_sec", "samples/s", runs,
+                   "hvdtrain np=2", "MultiWorkerMirrored x2", target=1.2,
+                   note="same model, data, per-worker batch, threads, scaled LR"),
+        Comparison("loss after the same steps", "loss", "loss", runs, "hvdtrain np=2",
+                   "MultiWorkerMirrored x2", note="ratio near 1: the same training"),
+    ]
+
+
+def input_pipeline(s: Settings, workdir: Path, log: Callable[[str], None]) -> list[Comparison]:
+    folder = str(make_image_folder(workdir / "digits-png", s.image_size))
+    log("input pipeline: the same job on synthetic data, embedded digits and PNG files")
+    runs = interleave({
+        "synthetic": lambda: hvdtrain_run(s, workdir, np=1, threads=1, data="synthetic"),
+        "digits (memory)": lambda: hvdtrain_run(s, workdir, np=1, threads=1, data="digits"),
+        "digits (PNG files)": lambda: hvdtrain_run(s, workdir, np=1, threads=1,
+                                                   data_dir=folder),
+    }, repeats=s.repeats, warmup=s.warmup, log=log)
+    log("input pipeline alone: digits in memory and PNG files")
+    pipeline = interleave({
+        "pipeline: digits (memory)": lambda: pipeline_run(s, data="digits"),
+        "pipeline: digits (PNG files)": lambda: pipeline_run(s, data_dir=folder),
+    }, repeats=s.repeats, warmup=0, log=log)
+    comparisons = [
+        # Step time is batch / samples-per-second, so real/synthetic step time is the inverse
+        # ratio of the throughputs.
+        Comparison("real-data step time / synthetic", "step_seconds", "s/step",
+                   _with_step_time(runs, s.batch_size), "digits (PNG files)", "synthetic",
+                   target=1.05, lower_is_better=True,
+                   note="PNG files decoded in the first epoch, then cached"),
+        Comparison("embedded-data step time / synthetic", "step_seconds", "s/step",
+                   _with_step_time(runs, s.batch_size), "digits (memory)", "synthetic",
+                   target=1.05, lower_is_better=True),
+    ]
+    consumption = {"model consumes": runs["digits (PNG files)"],
+                   "pipeline delivers": pipeline["pipeline: digits (PNG files)"]}
+    comparisons.append(Comparison("pipeline headroom (PNG files)", "samples_per_sec",
+                                  "samples/s", consumption, "pipeline delivers",
+                                  "model consumes",
+                                  note="> 1: the input pipeline is not the bottleneck"))
+    return comparisons
+
+
+def _with_step_time(runs: dict[str, list[dict]], batch: int) -> dict[str, list[dict]]:
+    return {name: [{**m, "step_seconds": batch / m["samples_per_sec"]} for m in values]
+            for name, values in runs.items()}
+
+
+def speedup_vs_workers(s: Settings, workdir: Path, log: Callable[[str], None]) -> dict:
+    log(f"speedup vs workers: np in {list(s.workers)}, 1 thread each")
+    runs = interleave({f"np={n}": (lambda n=n: hvdtrain_run(s, workdir, np=n, threads=1))
+                       for n in s.workers}, repeats=s.repeats, warmup=s.warmup, log=log)
+    base = statistics.median(m["samples_per_sec"] for m in runs[f"np={s.workers[0]}"])
+    return {"runs": runs, "speedup": {
+        n: statistics.median(m["samples_per_sec"] for m in runs[f"np={n}"]) / base
+        for n in s.workers}}
+
+
+def allreduce(s: Settings, workdir: Path, log: Callable[[str], None]) -> dict:
+    """hvd.allreduce vs mpi4py in the same mpirun (MPI controller), and horovod over Gloo."""
+    sizes = ",".join(f"{size:g}" for size in s.allreduce_sizes_mb)
+    worker = [sys.executable, "-m", "hvdtrain.bench.allreduce", "--sizes-mb", sizes,
+              "--repeats", str(s.allreduce_repeats)]
+
+    def mpi():
+        out = Path(tempfile.mkdtemp(dir=workdir)) / "allreduce.json"
+        _run(["mpirun", "-np", "2", "--bind-to", "none", *worker, "--json", str(out)], s.timeout)
+        return json.loads(out.read_text())
+
+    def gloo():
+        out = Path(tempfile.mkdtemp(dir=workdir)) / "allreduce.json"
+        _run([str(BIN / "horovodrun"), "--gloo", "-np", "2", *worker, "--json", str(out)],
+             s.timeout)
+        return json.loads(out.read_text())
+
+    log(f"allreduce: sizes {sizes} MiB, MPI and Gloo controllers, interleaved")
+    rounds = {"mpi": [], "gloo": []}
+    for round_index in range(s.allreduce_rounds):
+        for name, call in (("mpi", mpi), ("gloo", gloo))[:: 1 if round_index % 2 == 0 else -1]:
+            rounds[name].append(call())
+            log(f"  round {round_index + 1}: {name} done")
+    return rounds
+
+
+def allreduce_comparisons(rounds: dict) -> list[Comparison]:
+    """Per size: every timed call of every round, as GB/s."""
+    comparisons = []
+    for size in rounds["mpi"][0]["sizes"]:
+        def calls(controller: str, kind: str) -> list[dict]:
+            return [{"gb_per_second": float(size) * 2**20 / seconds / 1e9}
+                    for result in rounds[controller]
+                    for seconds in result["sizes"][size][kind]["seconds"]]
+
+        measurements = {"horovod (MPI)": calls("mpi", "horovod"),
+                        "horovod fp16 (MPI)": calls("mpi", "horovod_fp16"),
+                        "mpi4py": calls("mpi", "mpi4py"),
+                        "horovod (Gloo)": calls("gloo", "horovod"),
+                        "horovod fp16 (Gloo)": calls("gloo", "horovod_fp16")}
+        target = 0.9 if float(size) >= 16 else None
+        comparisons.append(Comparison(f"allreduce {float(size):g} MiB", "gb_per_second", "GB/s",
+                                      measurements, "horovod (MPI)", "mpi4py", target=target,
+                                      note="fp32, 2 ranks; target applies at 16-256 MiB"))
+    return comparisons
