@@ -18,17 +18,12 @@ from hvdtrain.runtime import Runtime, World, configure_devices
 
 class HorovodRuntime(Runtime):
     def __init__(self, *, threads_per_worker: int | None = None):
-        # Horovod calls MPI from one background thread that wakes every cycle (1 ms) and shares
-        # the cores with TensorFlow's compute threads. Two OpenMPI defaults make those wake-ups
-        # expensive (docs/benchmarks.md, "Why the defaults"; measured on 2 cores, 2 ranks):
-        # - busy-polling while waiting for the peer: without yielding, 2 ranks ran at 1.0x the
-        #   speed of one;
-        # - MPI_THREAD_MULTIPLE locking, which horovod asks for by default: an idle horovod cost
-        #   the compute around it ~25%, weak scaling went from ~1.76x to ~1.85x without it.
-        # Only horovod's thread calls MPI in a training job, so single-threaded MPI is enough. A
-        # program that also calls MPI itself (mpi4py) must set HOROVOD_MPI_THREADS_DISABLE=0.
+        # OpenMPI busy-polls while a rank waits for its peers. Horovod waits on a background
+        # thread that wakes every cycle (1 ms) and shares the cores with TensorFlow's compute
+        # threads, so that polling steals the cores the model needs: on 2 cores an idle horovod
+        # cost the compute around it ~40% with polling and ~3% with yielding, and 2 training
+        # ranks went from 1.0x to ~1.8x one rank (docs/benchmarks.md). Set it to 0 to override.
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-        os.environ.setdefault("HOROVOD_MPI_THREADS_DISABLE", "1")
         # Horovod: start the MPI/Gloo controller; it learns rank and size from the launcher.
         hvd.init()
         world = World(rank=hvd.rank(), local_rank=hvd.local_rank(), size=hvd.size(),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Sequence
@@ -85,9 +84,6 @@ def run(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", required=True, help="where rank 0 writes the results")
     args = parser.parse_args(argv)
-    # mpi4py calls MPI from this thread while horovod's background thread does too: that needs
-    # MPI_THREAD_MULTIPLE, which hvdtrain otherwise turns off for training (horovod_runtime.py).
-    os.environ["HOROVOD_MPI_THREADS_DISABLE"] = "0"
     runtime = HorovodRuntime(threads_per_worker=1)
     controller = runtime.controller()
     results = measure(runtime, [float(s) for s in args.sizes_mb.split(",")], args.repeats,
