@@ -1,7 +1,9 @@
 """Benchmarks: `python -m hvdtrain.bench <name> [options]` (`make bench` runs `all`).
 
     all         every comparison below, then results.json, results.md and plots in --out
-    scaling     weak scaling np=2 vs np=1 (synthetic and embedded data); processes vs threads
+    scaling     weak scaling np=2 vs np=1 (synthetic and embedded data); processes vs threads;
+                two independent jobs (the machine's ceiling); a 4x larger per-worker batch
+    overhead    what an idle horovod costs the compute next to it, with and without busy-polling
     tax         hvdtrain at np=1 against a plain tf_keras model.fit
     allreduce   horovod allreduce vs mpi4py (MPI controller) and over Gloo, 1-256 MiB
     mwms        hvdtrain np=2 vs MultiWorkerMirroredStrategy with 2 local workers
@@ -38,7 +40,7 @@ def _matmul(args) -> int:
     return 0
 
 
-SUITES = ("scaling", "tax", "allreduce", "mwms", "input", "workers")
+SUITES = ("scaling", "overhead", "tax", "allreduce", "mwms", "input", "workers")
 
 
 def _suite(args) -> int:
@@ -62,6 +64,8 @@ def _suite(args) -> int:
         for name in names:
             if name == "scaling":
                 comparisons += suite.weak_scaling(settings, workdir, log)
+            elif name == "overhead":
+                comparisons += suite.horovod_overhead(settings, workdir, log)
             elif name == "tax":
                 comparisons += suite.framework_tax(settings, workdir, log)
             elif name == "mwms":

@@ -6,6 +6,7 @@ workers), so start-up and tracing are excluded only by dropping each run's first
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -92,6 +93,37 @@ def hvdtrain_run(s: Settings, workdir: Path, *, np: int, threads: int, data: str
     return steady_state(json.loads((run_dir / "metrics.json").read_text()), wall)
 
 
+def independent_pair_run(s: Settings, workdir: Path) -> dict:
+    """Two single-process jobs at once, no horovod, no communication: this machine's ceiling."""
+    run_dirs = [Path(tempfile.mkdtemp(dir=workdir)) for _ in range(2)]
+    start = time.perf_counter()
+    jobs = [subprocess.Popen([sys.executable, "-m", "hvdtrain.cnn", "--backend", "single",
+                              *_training_args(s, "synthetic"), "--threads-per-worker", "1",
+                              "--run-dir", str(run_dir)], env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for run_dir in run_dirs]
+    for job in jobs:
+        _, stderr = job.communicate(timeout=s.timeout)
+        if job.returncode:
+            raise RuntimeError(f"independent job exited {job.returncode}: {stderr[-2000:]}")
+    wall = time.perf_counter() - start
+    halves = [steady_state(json.loads((d / "metrics.json").read_text()), wall) for d in run_dirs]
+    return {"samples_per_sec": sum(h["samples_per_sec"] for h in halves),
+            "cpu_per_wall": sum(h["cpu_per_wall"] for h in halves), "process_seconds": wall}
+
+
+def overhead_run(s: Settings, workdir: Path, mode: str) -> dict:
+    """Steps/s of plain numpy work in 2 ranks next to an idle horovod (hvdtrain.bench.overhead)."""
+    prefix = Path(tempfile.mkdtemp(dir=workdir)) / "overhead"
+    seconds = "8" if s.repeats > 1 else "1"
+    _run(["mpirun", "-np", "2", "--bind-to", "none", sys.executable, "-m",
+          "hvdtrain.bench.overhead", mode, "--seconds", seconds, "--json", str(prefix)],
+         s.timeout)
+    ranks = [json.loads(Path(f"{prefix}.{rank}").read_text()) for rank in (0, 1)]
+    return {"steps_per_sec": sum(r["steps_per_sec"] for r in ranks),
+            "cpu_per_wall": sum(r["cpu_per_wall"] for r in ranks)}
+
+
 def plain_keras_run(s: Settings, workdir: Path, *, data: str = "synthetic") -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir)) / "metrics.json"
     wall = _run([sys.executable, "-m", "hvdtrain.bench.plain_keras", "--data", data,
@@ -159,23 +191,56 @@ def make_image_folder(root: Path, image_size: int) -> Path:
 
 # --- the comparisons ------------------------------------------------------------------------------
 def weak_scaling(s: Settings, workdir: Path, log: Callable[[str], None]) -> list[Comparison]:
-    comparisons = []
-    for data in ("synthetic", "digits"):
-        log(f"weak scaling, {data}: np=2 x 1 thread, np=1 x 1 thread, np=1 x 2 threads")
-        runs = interleave({
-            "np2 x 1 thread": lambda: hvdtrain_run(s, workdir, np=2, threads=1, data=data),
-            "np1 x 1 thread": lambda: hvdtrain_run(s, workdir, np=1, threads=1, data=data),
-            "np1 x 2 threads": lambda: hvdtrain_run(s, workdir, np=1, threads=2, data=data),
-        }, repeats=s.repeats, warmup=s.warmup, log=log)
-        comparisons.append(Comparison(
-            f"weak scaling ({data})", "samples_per_sec", "samples/s", runs,
-            "np2 x 1 thread", "np1 x 1 thread", target=1.85,
-            note="same per-worker batch; efficiency = ratio / 2"))
-        comparisons.append(Comparison(
-            f"processes vs threads ({data})", "samples_per_sec", "samples/s", runs,
-            "np2 x 1 thread", "np1 x 2 threads",
-            note="2 horovod ranks of 1 thread against 1 rank with 2 intra-op threads"))
+    big = dataclasses.replace(s, batch_size=s.batch_size * 4,
+                              steps_per_epoch=max(3, s.steps_per_epoch // 4))
+    log("weak scaling, synthetic: np=2 and np=1 x 1 thread, np=1 x 2 threads, two independent "
+        f"single jobs, and np=2 / np=1 at {big.batch_size} per worker")
+    runs = interleave({
+        "np2 x 1 thread": lambda: hvdtrain_run(s, workdir, np=2, threads=1),
+        "np1 x 1 thread": lambda: hvdtrain_run(s, workdir, np=1, threads=1),
+        "np1 x 2 threads": lambda: hvdtrain_run(s, workdir, np=1, threads=2),
+        "2 independent np1 jobs": lambda: independent_pair_run(s, workdir),
+        f"np2, {big.batch_size}/worker": lambda: hvdtrain_run(big, workdir, np=2, threads=1),
+        f"np1, {big.batch_size}/worker": lambda: hvdtrain_run(big, workdir, np=1, threads=1),
+    }, repeats=s.repeats, warmup=s.warmup, log=log)
+    comparisons = [
+        Comparison("weak scaling (synthetic)", "samples_per_sec", "samples/s", runs,
+                   "np2 x 1 thread", "np1 x 1 thread", target=1.85,
+                   note=f"{s.batch_size} per worker; efficiency = ratio / 2"),
+        Comparison("processes vs threads (synthetic)", "samples_per_sec", "samples/s", runs,
+                   "np2 x 1 thread", "np1 x 2 threads",
+                   note="2 horovod ranks of 1 thread against 1 rank with 2 intra-op threads"),
+        Comparison("machine ceiling (synthetic)", "samples_per_sec", "samples/s", runs,
+                   "2 independent np1 jobs", "np1 x 1 thread",
+                   note="two jobs that never communicate: the most 2 cores give"),
+        Comparison(f"weak scaling at {big.batch_size}/worker (synthetic)", "samples_per_sec",
+                   "samples/s", runs, f"np2, {big.batch_size}/worker",
+                   f"np1, {big.batch_size}/worker", target=1.85,
+                   note="4x the compute per allreduce"),
+    ]
+    log("weak scaling, embedded digits: np=2 vs np=1, 1 thread each")
+    digits = interleave({
+        "np2 x 1 thread": lambda: hvdtrain_run(s, workdir, np=2, threads=1, data="digits"),
+        "np1 x 1 thread": lambda: hvdtrain_run(s, workdir, np=1, threads=1, data="digits"),
+    }, repeats=s.repeats, warmup=s.warmup, log=log)
+    comparisons.append(Comparison(
+        "weak scaling (embedded digits)", "samples_per_sec", "samples/s", digits,
+        "np2 x 1 thread", "np1 x 1 thread", target=1.85,
+        note=f"digits upscaled to {s.image_size}x{s.image_size}"))
     return comparisons
+
+
+def horovod_overhead(s: Settings, workdir: Path, log: Callable[[str], None]) -> list[Comparison]:
+    log("idle horovod's cost to the compute next to it (numpy work in 2 ranks)")
+    runs = interleave({mode: (lambda mode=mode: overhead_run(s, workdir, mode))
+                       for mode in ("none", "horovod", "horovod-busy-poll")},
+                      repeats=s.repeats, warmup=0, log=log)
+    return [
+        Comparison("idle horovod, hvdtrain defaults", "steps_per_sec", "steps/s", runs,
+                   "horovod", "none", note="1.0 = free; MPI yields while waiting"),
+        Comparison("idle horovod, OpenMPI busy-polling", "steps_per_sec", "steps/s", runs,
+                   "horovod-busy-poll", "none", note="why hvdtrain sets mpi_yield_when_idle=1"),
+    ]
 
 
 def framework_tax(s: Settings, workdir: Path, log: Callable[[str], None]) -> list[Comparison]:
