@@ -27,8 +27,10 @@ HOROVOD_VERSION=0.28.1
 say() { printf '[install] %s\n' "$*"; }
 die() { printf 'install: %s\n' "$*" >&2; exit 1; }
 
+# Plain `tensorflow` on CPU too: tf_keras depends on it by that name, so `tensorflow-cpu` would
+# only be installed next to it, over the same files.
 case "$flavor" in
-  cpu) tf_requirement="tensorflow-cpu==$TF_VERSION" ;;
+  cpu) tf_requirement="tensorflow==$TF_VERSION" ;;
   gpu) tf_requirement="tensorflow[and-cuda]==$TF_VERSION" ;;
   *) die "HVDTRAIN_TF_FLAVOR must be cpu or gpu, got '$flavor'" ;;
 esac
@@ -75,7 +77,7 @@ pip install "${constraints[@]}" "$tf_requirement" \
 
 # --- 3. horovod, compiled once per (horovod, TF, Python, flavor, machine) ------------------------
 py_tag=$("$venv/bin/python" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
-key="horovod-${HOROVOD_VERSION}_tf-${TF_VERSION}_${py_tag}_${flavor}_$(uname -m)"
+key="horovod-${HOROVOD_VERSION}_tensorflow-${TF_VERSION}_${py_tag}_${flavor}_$(uname -m)"
 cached_wheel_dir=$wheel_cache/$key
 installed_horovod=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
 if [[ $installed_horovod != "$HOROVOD_VERSION" ]]; then
