@@ -6,7 +6,7 @@ import numpy as np
 
 def plot_curves(rows: list[dict], path: str) -> None:
     """One panel per metric (training and validation), against epochs."""
-    plt = _pyplot()
+    plt = pyplot()
     skip = {"epoch", "samples_per_sec", "train_seconds", "epoch_seconds", "cpu_seconds",
             "learning_rate"}
     names = [k for k in rows[0] if k not in skip and not k.startswith("val_")] if rows else []
@@ -30,7 +30,7 @@ def plot_curves(rows: list[dict], path: str) -> None:
 def plot_reconstructions(originals: np.ndarray, reconstructions: np.ndarray, title: str,
                          path: str) -> None:
     """Inputs in the top row, the model's reconstructions below (the autoencoder article's grid)."""
-    plt = _pyplot()
+    plt = pyplot()
     count = len(originals)
     figure, axes = plt.subplots(2, count, figsize=(1.2 * count, 2.8), squeeze=False)
     for column in range(count):
@@ -51,7 +51,7 @@ def plot_reconstructions(originals: np.ndarray, reconstructions: np.ndarray, tit
     plt.close(figure)
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # no display on cluster nodes

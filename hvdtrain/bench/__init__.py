@@ -17,12 +17,12 @@ warm-up round dropped; see hvdtrain/bench/harness.py and docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from hvdtrain.errors import UserError, reported
+from hvdtrain.rundir import RunDir
 
 PROGRAM = "hvdtrain.bench"
 
@@ -34,9 +34,8 @@ def _matmul(args) -> int:
     runtime = make_runtime(args.backend)
     result = run_matmul(runtime, batch=args.batch, repeats=args.repeats, warmup=args.warmup)
     runtime.print0(describe(result))
-    if args.out and runtime.world.is_chief:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "matmul.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.out:
+        RunDir(args.out, is_chief=runtime.world.is_chief).write_json("matmul.json", result)
     return 0
 
 
@@ -59,27 +58,36 @@ def _suite(args) -> int:
     def log(line: str) -> None:
         print(line, flush=True)
 
+    failed = {}
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as scratch:
         workdir = Path(scratch)
         for name in names:
-            if name == "scaling":
-                comparisons += suite.weak_scaling(settings, workdir, log)
-            elif name == "overhead":
-                comparisons += suite.horovod_overhead(settings, workdir, log)
-            elif name == "tax":
-                comparisons += suite.framework_tax(settings, workdir, log)
-            elif name == "mwms":
-                comparisons += suite.against_tf_distribute(settings, workdir, log)
-            elif name == "input":
-                comparisons += suite.input_pipeline(settings, workdir, log)
-            elif name == "workers":
-                speedup = suite.speedup_vs_workers(settings, workdir, log)
-            elif name == "allreduce":
-                allreduce_rounds = suite.allreduce(settings, workdir, log)
-                comparisons += suite.allreduce_comparisons(allreduce_rounds)
-    report.write(out, dataclasses.asdict(settings), comparisons, speedup, allreduce_rounds)
+            try:
+                if name == "scaling":
+                    comparisons += suite.weak_scaling(settings, workdir, log)
+                elif name == "overhead":
+                    comparisons += suite.horovod_overhead(settings, workdir, log)
+                elif name == "tax":
+                    comparisons += suite.framework_tax(settings, workdir, log)
+                elif name == "mwms":
+                    comparisons += suite.against_tf_distribute(settings, workdir, log)
+                elif name == "input":
+                    comparisons += suite.input_pipeline(settings, workdir, log)
+                elif name == "workers":
+                    speedup = suite.speedup_vs_workers(settings, workdir, log)
+                elif name == "allreduce":
+                    allreduce_rounds = suite.allreduce(settings, workdir, log)
+                    comparisons += suite.allreduce_comparisons(allreduce_rounds)
+            except suite.BenchmarkFailed as error:  # keep what the others measured
+                failed[name] = str(error)
+                log(f"{name} failed: {str(error).splitlines()[0]}")
+    report.write(out, dataclasses.asdict(settings), comparisons, speedup, allreduce_rounds,
+                 {"failed": failed})
     print(report.markdown(comparisons, speedup))
     print(f"results in {out}/ (results.json, results.md, *.png)")
+    if failed:
+        raise UserError(f"{len(failed)} comparison(s) failed ({', '.join(failed)}); their "
+                        f"commands' output is in {out}/results.json")
     return 0
 
 

@@ -9,16 +9,15 @@ buffer is ready. Bandwidth is the algorithm bandwidth: bytes reduced per second.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from hvdtrain.horovod_runtime import HorovodRuntime
-
-KINDS = ("horovod", "horovod_fp16", "mpi4py")
+from hvdtrain.rundir import RunDir
 
 
 def measure(runtime: HorovodRuntime, sizes_mb: list[float], repeats: int, warmup: int,
@@ -88,10 +87,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     controller = runtime.controller()
     results = measure(runtime, [float(s) for s in args.sizes_mb.split(",")], args.repeats,
                       args.warmup, with_mpi4py=controller == "mpi")
-    if runtime.world.is_chief:
-        with open(args.json, "w") as file:
-            json.dump({"controller": controller, "ranks": runtime.world.size,
-                       "sizes": results}, file, indent=2)
+    out = Path(args.json)
+    RunDir(out.parent, is_chief=runtime.world.is_chief).write_json(
+        out.name, {"controller": controller, "ranks": runtime.world.size, "sizes": results})
     return 0
 
 

@@ -1,7 +1,6 @@
 """Benchmark results as JSON (everything measured), a markdown table and PNG plots."""
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -9,6 +8,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from hvdtrain.bench.harness import Comparison
+from hvdtrain.plots import pyplot
+from hvdtrain.rundir import RunDir
 
 
 def machine() -> dict:
@@ -64,34 +65,24 @@ def markdown(comparisons: list[Comparison], speedup: dict | None) -> str:
 
 def write(out: Path, settings: dict, comparisons: list[Comparison], speedup: dict | None,
           allreduce_rounds: dict | None, extra: dict | None = None) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    results = RunDir(out, is_chief=True)  # atomic writes, like a training run's outputs
     data = {"machine": machine(), "settings": settings,
             "comparisons": [c.to_dict() for c in comparisons],
             "speedup_vs_workers": speedup, "allreduce_raw": allreduce_rounds, **(extra or {})}
-    (out / "results.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-    (out / "results.md").write_text(markdown(comparisons, speedup))
-    plot_ratios(comparisons, out / "ratios.png")
+    results.write_json("results.json", data)
+    results.write_text("results.md", markdown(comparisons, speedup))
+    if any(c.target is not None for c in comparisons):
+        results.write_with("ratios.png", lambda path: plot_ratios(comparisons, path))
     allreduce = [c for c in comparisons if c.name.startswith("allreduce ")]
     if allreduce:
-        plot_allreduce(allreduce, out / "allreduce.png")
+        results.write_with("allreduce.png", lambda path: plot_allreduce(allreduce, path))
     if speedup:
-        plot_speedup(speedup, out / "speedup.png")
+        results.write_with("speedup.png", lambda path: plot_speedup(speedup, path))
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_ratios(comparisons: list[Comparison], path: Path) -> None:
-    plt = _pyplot()
+def plot_ratios(comparisons: list[Comparison], path: str) -> None:
+    plt = pyplot()
     rows = [c for c in comparisons if c.target is not None]
-    if not rows:
-        return
     figure, axis = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
     for index, c in enumerate(rows):
         paired = c.result.paired
@@ -103,12 +94,12 @@ def plot_ratios(comparisons: list[Comparison], path: Path) -> None:
                     "| = target")
     axis.grid(axis="x", alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=100, format="png")
     plt.close(figure)
 
 
-def plot_allreduce(comparisons: list[Comparison], path: Path) -> None:
-    plt = _pyplot()
+def plot_allreduce(comparisons: list[Comparison], path: str) -> None:
+    plt = pyplot()
     sizes = [float(c.name.split()[1]) for c in comparisons]
     figure, axis = plt.subplots(figsize=(7, 4))
     for variant in comparisons[0].summaries:
@@ -121,13 +112,13 @@ def plot_allreduce(comparisons: list[Comparison], path: Path) -> None:
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=100, format="png")
     plt.close(figure)
 
 
-def plot_speedup(speedup: dict, path: Path) -> None:
+def plot_speedup(speedup: dict, path: str) -> None:
     """In the style of the source article's figure: speedup against the number of workers."""
-    plt = _pyplot()
+    plt = pyplot()
     workers = [int(n) for n in speedup["speedup"]]
     figure, axis = plt.subplots(figsize=(6, 4))
     axis.plot(workers, list(speedup["speedup"].values()), marker="o",
@@ -143,5 +134,5 @@ def plot_speedup(speedup: dict, path: Path) -> None:
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=100, format="png")
     plt.close(figure)

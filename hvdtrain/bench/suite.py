@@ -54,13 +54,20 @@ def _env() -> dict[str, str]:
     return env
 
 
+class BenchmarkFailed(RuntimeError):
+    """A measured command failed; the message ends with its output."""
+
+
 def _run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
-    completed = subprocess.run(argv, env=env or _env(), capture_output=True, text=True,
-                               timeout=timeout)
+    try:
+        completed = subprocess.run(argv, env=env or _env(), capture_output=True, text=True,
+                                   timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise BenchmarkFailed(f"{' '.join(argv[:6])} ... did not finish in {timeout} s") from None
     if completed.returncode:
-        raise RuntimeError(f"{' '.join(argv)} exited {completed.returncode}:\n"
-                           f"{(completed.stdout + completed.stderr)[-3000:]}")
+        raise BenchmarkFailed(f"{' '.join(argv[:6])} ... exited {completed.returncode}:\n"
+                              f"{(completed.stdout + completed.stderr)[-3000:]}")
     return time.perf_counter() - start
 
 
@@ -77,7 +84,8 @@ def steady_state(rows: list[dict], wall_seconds: float) -> dict:
 
 
 def _training_args(s: Settings, data: str, data_dir: str | None = None) -> list[str]:
-    source = ["--data-dir", data_dir] if data_dir else ["--data", data]
+    # Image files decode to 1 channel like the embedded sets, so every variant is the same model.
+    source = ["--data-dir", data_dir, "--channels", "1"] if data_dir else ["--data", data]
     return [*source, "--image-size", str(s.image_size), "--validation-fraction", "0",
             "--epochs", str(s.epochs), "--steps-per-epoch", str(s.steps_per_epoch),
             "--batch-size", str(s.batch_size), "--warmup-epochs", "0", "--lr-decay", "constant",
@@ -100,12 +108,17 @@ def independent_pair_run(s: Settings, workdir: Path) -> dict:
     jobs = [subprocess.Popen([sys.executable, "-m", "hvdtrain.cnn", "--backend", "single",
                               *_training_args(s, "synthetic"), "--threads-per-worker", "1",
                               "--run-dir", str(run_dir)], env=_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for run_dir in run_dirs]
-    for job in jobs:
-        _, stderr = job.communicate(timeout=s.timeout)
-        if job.returncode:
-            raise RuntimeError(f"independent job exited {job.returncode}: {stderr[-2000:]}")
+    try:
+        codes = [job.wait(timeout=s.timeout) for job in jobs]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    if any(codes):
+        raise BenchmarkFailed(f"an independent single-process job exited {max(codes)}")
     wall = time.perf_counter() - start
     halves = [steady_state(json.loads((d / "metrics.json").read_text()), wall) for d in run_dirs]
     return {"samples_per_sec": sum(h["samples_per_sec"] for h in halves),
@@ -126,7 +139,7 @@ def overhead_run(s: Settings, workdir: Path, mode: str) -> dict:
 
 def plain_keras_run(s: Settings, workdir: Path, *, data: str = "synthetic") -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir)) / "metrics.json"
-    wall = _run([sys.executable, "-m", "hvdtrain.bench.plain_keras", "--data", data,
+    wall = _run([sys.executable, "-m", "hvdtrain.bench.baselines", "plain", "--data", data,
                  "--image-size", str(s.image_size), "--epochs", str(s.epochs),
                  "--steps-per-epoch", str(s.steps_per_epoch), "--batch-size", str(s.batch_size),
                  "--threads", "1", "--json", str(out)], s.timeout)
@@ -134,7 +147,7 @@ def plain_keras_run(s: Settings, workdir: Path, *, data: str = "synthetic") -> d
 
 
 def mwms_run(s: Settings, workdir: Path, *, workers: int = 2) -> dict:
-    from hvdtrain.bench.mwms import start_workers
+    from hvdtrain.bench.baselines import start_workers
 
     out = Path(tempfile.mkdtemp(dir=workdir)) / "metrics.json"
     start = time.perf_counter()
@@ -143,7 +156,7 @@ def mwms_run(s: Settings, workdir: Path, *, workers: int = 2) -> dict:
         "--steps-per-epoch", str(s.steps_per_epoch), "--batch-size", str(s.batch_size),
         "--threads", "1", "--json", str(out)], _env(), s.timeout)
     if code:
-        raise RuntimeError(f"MultiWorkerMirroredStrategy workers exited {code}")
+        raise BenchmarkFailed(f"MultiWorkerMirroredStrategy workers exited {code}")
     return steady_state(json.loads(out.read_text()), time.perf_counter() - start)
 
 
@@ -156,9 +169,9 @@ def pipeline_run(s: Settings, *, data: str = "digits", data_dir: str | None = No
         "from hvdtrain.runtime import World, configure_devices\n"
         "configure_devices(World(), 1)\n"
         f"config = TrainConfig(data={data!r}, data_dir={data_dir!r}, "
-        f"image_size={s.image_size}, validation_fraction=0.0)\n"
+        f"image_size={s.image_size}, validation_fraction=0.0, channels=1)\n"
         "listing = list_data(config)\n"
-        f"train = build_pipelines(listing, World(), per_worker_batch_size={s.batch_size}, "
+        f"train = build_pipelines(listing, World(), batch_size={s.batch_size}, "
         "validation_batch_size=1, validation_steps=0, seed=0, cache=True, threads=1).train\n"
         f"steps = {s.epochs * s.steps_per_epoch}\n"
         "iterator = iter(train)\n"
@@ -170,7 +183,7 @@ def pipeline_run(s: Settings, *, data: str = "digits", data_dir: str | None = No
     completed = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
                                text=True, timeout=s.timeout)
     if completed.returncode:
-        raise RuntimeError(completed.stderr[-3000:])
+        raise BenchmarkFailed(f"the input pipeline alone failed:\n{completed.stderr[-3000:]}")
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 

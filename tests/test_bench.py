@@ -1,0 +1,70 @@
+"""The benchmark harness: measures what it says and computes ratios from what it measured."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import pytest
+
+from conftest import clean_env, integration, run_job
+from hvdtrain.bench.harness import Comparison, Summary, interleave, ratio
+
+
+def test_interleave_alternates_order_and_drops_warmup():
+    calls = []
+
+    def variant(name):
+        def call():
+            calls.append(name)
+            return {"value": float(len(calls))}
+        return call
+
+    results = interleave({"a": variant("a"), "b": variant("b")}, repeats=3, warmup=1,
+                         log=lambda line: None)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert [m["value"] for m in results["a"]] == [4.0, 5.0, 8.0]  # round 0 was the warm-up
+    assert [m["value"] for m in results["b"]] == [3.0, 6.0, 7.0]
+
+
+def test_summary_and_ratios_come_from_the_values():
+    summary = Summary([3.0, 1.0, 2.0, 10.0])
+    assert (summary.median, summary.minimum, summary.maximum) == (2.5, 1.0, 10.0)
+    assert summary.spread == pytest.approx(9.0 / 2.5)
+    r = ratio("a", [2.0, 4.0, 9.0], "b", [1.0, 4.0, 3.0])
+    assert r.of_medians == pytest.approx(4.0 / 3.0)
+    assert r.paired == [2.0, 1.0, 3.0] and r.paired_median == 2.0
+
+
+def test_comparison_targets_both_directions():
+    runs = {"fast": [{"s": 1.0}, {"s": 1.2}], "slow": [{"s": 2.0}, {"s": 2.0}]}
+    higher = Comparison("x", "s", "s", runs, "slow", "fast", target=1.5)
+    assert higher.result.of_medians == pytest.approx(2.0 / 1.1) and higher.met is True
+    lower = Comparison("y", "s", "s", runs, "slow", "fast", target=1.05, lower_is_better=True)
+    assert lower.met is False
+    assert Comparison("z", "s", "s", runs, "slow", "fast").met is None
+
+
+@integration
+@pytest.mark.timeout(900)
+def test_quick_run_writes_results_whose_ratios_match_its_measurements(tmp_path):
+    out = tmp_path / "results"
+    for suite in ("tax", "allreduce"):
+        run_job([sys.executable, "-m", "hvdtrain.bench", suite, "--quick", "--out", str(out)],
+                timeout=600, env=clean_env())
+        data = json.loads((out / "results.json").read_text())
+        assert data["machine"]["cores"] >= 1 and data["settings"]["repeats"] == 1
+        for comparison in data["comparisons"]:
+            values = {name: [m[comparison["metric"]] for m in runs]
+                      for name, runs in comparison["measurements"].items()}
+            a, b = values[comparison["numerator"]], values[comparison["denominator"]]
+            assert all(v > 0 for v in a + b)
+            assert comparison["result"]["of_medians"] == pytest.approx(
+                statistics.median(a) / statistics.median(b))
+            assert comparison["summaries"][comparison["numerator"]]["values"] == a
+            shown = f"{comparison['result']['of_medians']:.3f}"
+            assert shown in (out / "results.md").read_text()
+        assert (out / "results.md").exists()
+    assert (out / "allreduce.png").stat().st_size > 0
+    sizes = json.loads((out / "results.json").read_text())["allreduce_raw"]["mpi"][0]["sizes"]
+    assert set(sizes) == {"0.25", "1.0"}
