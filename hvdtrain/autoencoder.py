@@ -43,7 +43,6 @@ def as_reconstruction_pairs(images, labels):
 
 
 RECONSTRUCTOR = train.Task(
-    name="autoencoder",
     build_model=lambda listing: build_autoencoder(listing.image_shape),
     loss=lambda: keras.losses.MeanSquaredError(),
     metrics=lambda: [],
@@ -71,7 +70,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     # 1. configuration: a preset, then command-line overrides, validated
     config = parse_config(argv, PRESETS, prog=f"python -m {PROGRAM}", description=__doc__)
     # 2. compute: horovod ranks, a tf.distribute strategy, or one process
-    runtime = make_runtime(config.backend, threads_per_worker=config.threads_per_worker)
+    runtime = make_runtime(config.backend, threads_per_worker=config.threads_per_worker,
+                           needs_horovod=config.grad_accum_steps > 1)
     # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)
     result = train.run(PROGRAM, config, runtime, RECONSTRUCTOR)
     # 4. the article's picture, then the summary

@@ -21,7 +21,6 @@ from hvdtrain.runtime import make_runtime
 PROGRAM = "hvdtrain.cnn"
 
 CLASSIFIER = train.Task(
-    name="cnn",
     build_model=lambda listing: build_cnn(listing.image_shape, len(listing.class_names)),
     loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     metrics=lambda: ["accuracy"],
@@ -32,7 +31,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     # 1. configuration: a preset, then command-line overrides, validated
     config = parse_config(argv, CNN_PRESETS, prog=f"python -m {PROGRAM}", description=__doc__)
     # 2. compute: horovod ranks, a tf.distribute strategy, or one process
-    runtime = make_runtime(config.backend, threads_per_worker=config.threads_per_worker)
+    runtime = make_runtime(config.backend, threads_per_worker=config.threads_per_worker,
+                           needs_horovod=config.grad_accum_steps > 1)
     # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)
     result = train.run(PROGRAM, config, runtime, CLASSIFIER)
     # 4. summary

@@ -47,6 +47,9 @@ class TrainConfig:
     image_size: int | None = None
     """Side length in pixels images are resized to. Default: native size for embedded data, 64 for
     image files."""
+    channels: int | None = None
+    """Colour channels images from files are decoded to: 1 (grayscale) or 3 (RGB). Default: 3
+    for image folders, what dataset.json says for TFRecords."""
     synthetic_samples: int = 1797
     """Number of samples in the synthetic data set (same as digits by default)."""
     validation_fraction: float = 0.2
@@ -134,6 +137,8 @@ class TrainConfig:
         for name in positive + [n for n in optional_positive if getattr(self, n) is not None]:
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        if self.channels not in (None, 1, 3):
+            raise ValueError(f"--channels must be 1 or 3, got {self.channels}")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}")
         if self.warmup_epochs < 0:

@@ -98,9 +98,11 @@ def list_data(config: TrainConfig) -> Listing:
     if config.data_dir:
         return list_image_folder(config.data_dir, image_size=config.image_size,
                                  validation_fraction=config.validation_fraction,
-                                 seed=config.seed, on_bad_image=config.on_bad_image)
+                                 seed=config.seed, on_bad_image=config.on_bad_image,
+                                 channels=config.channels or 3)
     if config.tfrecords:
-        return list_tfrecords(config.tfrecords, image_size=config.image_size)
+        return list_tfrecords(config.tfrecords, image_size=config.image_size,
+                              channels=config.channels)
     arrays = load_embedded(config.data, image_size=config.image_size,
                            synthetic_samples=config.synthetic_samples, seed=config.seed)
     return _memory_listing(arrays, config.validation_fraction, config.seed)
@@ -159,7 +161,7 @@ def _memory_listing(arrays: EmbeddedArrays, validation_fraction: float, seed: in
 
 
 def list_image_folder(data_dir: str, *, image_size: int | None, validation_fraction: float,
-                      seed: int, on_bad_image: str) -> Listing:
+                      seed: int, on_bad_image: str, channels: int = 3) -> Listing:
     """An image folder in the layout <data_dir>/<class name>/<image files>."""
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir}: no such directory")
@@ -198,14 +200,15 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
         description=f"{data_dir}: {len(paths)} images, {len(class_names)} classes, "
                     f"resized to {size}x{size}",
         class_names=tuple(class_names),
-        image_shape=(size, size, 3),
+        image_shape=(size, size, channels),
         train=Split(paths_array[train], labels_array[train]),
         validation=Split(paths_array[validation], labels_array[validation]),
         notes=tuple(notes),
     )
 
 
-def list_tfrecords(location: str, *, image_size: int | None) -> Listing:
+def list_tfrecords(location: str, *, image_size: int | None,
+                   channels: int | None = None) -> Listing:
     """TFRecord shards: a directory written by ``hvdtrain.tfrecords`` or a glob of shards."""
     metadata = {}
     if os.path.isdir(location):
@@ -215,8 +218,9 @@ def list_tfrecords(location: str, *, image_size: int | None) -> Listing:
                 metadata = json.load(file)
         train_files = sorted(glob.glob(os.path.join(location, "train-*.tfrecord")))
         validation_files = sorted(glob.glob(os.path.join(location, "validation-*.tfrecord")))
-        if not train_files:  # a plain directory of shards: all of them are for training
-            train_files = sorted(glob.glob(os.path.join(location, "*.tfrecord")))
+        if not train_files:  # a plain directory of shards: all but validation-* are training
+            train_files = sorted(set(glob.glob(os.path.join(location, "*.tfrecord")))
+                                 - set(validation_files))
     else:
         train_files, validation_files = sorted(glob.glob(location)), []
     if not train_files:
@@ -234,7 +238,7 @@ def list_tfrecords(location: str, *, image_size: int | None) -> Listing:
         raise UserError(f"--tfrecords {location}: labels name only one class; "
                         "classification needs at least 2")
     size = image_size or metadata.get("image_size") or DEFAULT_FILE_IMAGE_SIZE
-    channels = int(metadata.get("channels", 3))
+    channels = channels or int(metadata.get("channels", 3))
     return Listing(
         kind="tfrecords",
         description=f"{location}: {len(train_files)} training shard(s) with "
@@ -273,10 +277,24 @@ def load_listing(config: TrainConfig, runtime: Runtime) -> Listing:
             result = list_data(config)
         except UserError as error:
             result = error
+        except Exception as error:  # unreadable files: a corrupt dataset.json or shard, ...
+            if not _is_data_error(error):
+                raise
+            detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            result = UserError(f"cannot read {config.data_dir or config.tfrecords}: "
+                               f"{type(error).__name__}: {detail}")
     result = runtime.broadcast_object(result)
     if isinstance(result, UserError):
         raise result
     return result
+
+
+def _is_data_error(error: Exception) -> bool:
+    if isinstance(error, (OSError, ValueError)):  # JSONDecodeError is a ValueError
+        return True
+    import tensorflow as tf
+
+    return isinstance(error, tf.errors.OpError)  # e.g. DataLossError from a truncated shard
 
 
 # --- from a listing to tf.data pipelines ---------------------------------------------------------
@@ -286,7 +304,6 @@ class Pipelines:
 
     train: tf.data.Dataset
     validation: tf.data.Dataset | None
-    records_per_rank: int
 
 
 def shard_records(split: Split, world: World, *, seed: int, by_file: bool) -> tf.data.Dataset:
@@ -318,15 +335,18 @@ def tfrecord_files_for_rank(split: Split, world: World, seed: int) -> tuple[list
     return [str(split.sources[i]) for i in order], int(sum(split.counts[i] for i in order))
 
 
-def build_pipelines(listing: Listing, world: World, *, per_worker_batch_size: int,
+def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                     validation_batch_size: int, validation_steps: int, seed: int, cache: bool,
                     tfrecord_sharding: str = "file", on_bad_image: str = "skip",
                     threads: int | None = None) -> Pipelines:
+    """``batch_size`` and ``validation_batch_size`` are what this process feeds per step: a
+    worker's batch for a horovod rank, all of its replicas' batches under a tf.distribute
+    strategy (Keras splits them)."""
     import tensorflow as tf
 
     by_file = tfrecord_sharding == "file"
     if listing.kind == "tfrecords" and by_file:
-        check_tfrecord_file_sharding(listing.train, world, seed, per_worker_batch_size)
+        check_tfrecord_file_sharding(listing.train, world, seed, batch_size)
     decode = _decoder(listing)
 
     def prepare(split: Split, *, by_file: bool, limit: int | None) -> tf.data.Dataset:
@@ -344,7 +364,7 @@ def build_pipelines(listing: Listing, world: World, *, per_worker_batch_size: in
     records_per_rank = _records_for_rank(listing.train, world, seed, by_file)
     train = (train.shuffle(max(1, min(records_per_rank, 10_000)), seed=seed + world.rank,
                            reshuffle_each_iteration=True)
-             .batch(per_worker_batch_size, drop_remainder=True)
+             .batch(batch_size, drop_remainder=True)
              .repeat()  # endless: Keras stops each epoch after steps_per_epoch (plan.py)
              .prefetch(tf.data.AUTOTUNE))
 
@@ -362,7 +382,7 @@ def build_pipelines(listing: Listing, world: World, *, per_worker_batch_size: in
         options.threading.private_threadpool_size = max(2, threads)
     train = train.with_options(options)
     validation = validation.with_options(options) if validation is not None else None
-    return Pipelines(train, validation, records_per_rank)
+    return Pipelines(train, validation)
 
 
 def _records_for_rank(split: Split, world: World, seed: int, by_file: bool) -> int:

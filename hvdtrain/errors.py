@@ -19,10 +19,14 @@ EXIT_USAGE = 2
 #: Exit status for "stopped on a preemption signal, checkpoint written, run me again" (EX_TEMPFAIL).
 EXIT_PREEMPTED = 75
 
-# Rank variables set by the launchers before the program starts, in order of trust: horovodrun
-# (Gloo), OpenMPI's mpirun, PMIx (srun --mpi=pmix), PMI-1/2. Read only to decide who prints an
-# error that happens before (or instead of) the runtime starting; the runtime asks horovod.
-_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+# What launchers tell each process before it starts, as (rank, size) variables, in order of
+# trust: horovodrun (Gloo), OpenMPI's mpirun, PMI-1/2 (srun --mpi=pmi2, MPICH), PMIx (srun
+# --mpi=pmix, which names the rank but not the size). Read only to decide who prints an error
+# that happens before the runtime starts, and which backend `auto` means; once horovod runs,
+# the runtime asks horovod.
+_LAUNCHER_VARIABLES = (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK",
+                                                         "OMPI_COMM_WORLD_SIZE"),
+                       ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", None))
 
 
 class UserError(Exception):
@@ -33,14 +37,21 @@ class RankError(UserError):
     """A mistake only this rank can see (its own GPU, its own shard). Printed by this rank."""
 
 
+def launched_as(env: Mapping[str, str] | None = None) -> tuple[int, int | None] | None:
+    """(rank, size) as a launcher announced them; size None if it didn't; None if no launcher."""
+    env = os.environ if env is None else env
+    for rank_name, size_name in _LAUNCHER_VARIABLES:
+        rank = env.get(rank_name, "")
+        if rank.isdigit():
+            size = env.get(size_name or "", "")
+            return int(rank), int(size) if size.isdigit() else None
+    return None
+
+
 def launch_rank(env: Mapping[str, str] | None = None) -> int:
     """This process's global rank as the launcher announced it (0 when not launched by one)."""
-    env = os.environ if env is None else env
-    for name in _RANK_VARIABLES:
-        value = env.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+    launched = launched_as(env)
+    return launched[0] if launched else 0
 
 
 @contextlib.contextmanager

@@ -16,6 +16,12 @@ import tensorflow as tf
 from hvdtrain.runtime import Runtime, World, configure_devices
 
 
+def build_info() -> dict:
+    """What this horovod was compiled with (importing this module proves its TF extension loads)."""
+    return {"tensorflow": True, "mpi": bool(hvd_tf.mpi_built()),
+            "gloo": bool(hvd_tf.gloo_built())}
+
+
 class HorovodRuntime(Runtime):
     def __init__(self, *, threads_per_worker: int | None = None):
         # OpenMPI busy-polls while a rank waits for its peers. Horovod waits on a background
@@ -89,6 +95,3 @@ class HorovodRuntime(Runtime):
 
     def controller(self) -> str:
         return "mpi" if hvd_tf.mpi_enabled() else "gloo" if hvd_tf.gloo_enabled() else "unknown"
-
-    def shutdown(self) -> None:
-        hvd.shutdown()

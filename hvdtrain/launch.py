@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from hvdtrain.errors import EXIT_USAGE, UserError, reported
+from hvdtrain.errors import EXIT_PREEMPTED, EXIT_USAGE, UserError, reported
 from hvdtrain.slurm import Allocation
 
 PROGRAM = "hvdtrain.launch"
@@ -37,7 +37,6 @@ class Build:
     tensorflow: bool
     mpi: bool
     gloo: bool
-    nccl: bool = False
     gpus: int = 0
     error: str | None = None
     """Why the horovod TensorFlow extension did not load (e.g. built against another TF)."""
@@ -69,19 +68,20 @@ class Launch:
     env: dict[str, str]
     """Variables added to (or changed in) the environment the command runs with."""
     notes: tuple[str, ...] = ()
+    exit_codes_collapsed: bool = False
+    """horovodrun --gloo reports every failed job as 1, whatever its ranks exited with."""
 
 
 def probe_build(python: str) -> Build:
     """Ask a child interpreter what horovod was built with, and how many GPUs this node has."""
     code = r"""
 import json, hvdtrain
-result = {"tensorflow": False, "mpi": False, "gloo": False, "nccl": False, "gpus": 0}
+result = {"tensorflow": False, "mpi": False, "gloo": False, "gpus": 0}
 try:
     import tensorflow as tf
     result["gpus"] = len(tf.config.list_physical_devices("GPU"))
-    import horovod.tensorflow as hvd
-    result.update(tensorflow=True, mpi=bool(hvd.mpi_built()), gloo=bool(hvd.gloo_built()),
-                  nccl=bool(hvd.nccl_built()))
+    from hvdtrain.horovod_runtime import build_info
+    result.update(build_info())
 except Exception as error:
     result["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
 print("HVDTRAIN_PROBE " + json.dumps(result))
@@ -96,6 +96,18 @@ print("HVDTRAIN_PROBE " + json.dumps(result))
             return Build(**json.loads(line.removeprefix("HVDTRAIN_PROBE ")))
     tail = (completed.stderr.strip().splitlines() or ["no output"])[-1]
     raise UserError(f"{python} cannot import hvdtrain/horovod: {tail}")
+
+
+def count_gpus_without_tensorflow() -> int:
+    """This machine's NVIDIA GPUs, for --skip-preflight (the probe otherwise asks TensorFlow)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() not in ("", "-1")])
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
 
 
 def preflight(build: Build, allocation: Allocation | None, np: int | None,
@@ -177,6 +189,7 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         notes.append(f"no Slurm allocation: {np} rank(s) on this machine"
                      + ("" if options.np else f" (one per GPU; {gpus} GPU(s) seen)"))
     env = horovod_tuning_env(options)
+    collapsed = False
     program = [options.python, "-m", options.module, *options.module_args]
     binding = shlex.split(options.binding_args) if options.binding_args else []
 
@@ -188,6 +201,7 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         argv = [horovodrun, "-np", str(np), "-H", hosts]
         if options.controller:
             argv.append(f"--{options.controller}")
+        collapsed = options.controller == "gloo"
         if binding:
             argv += ["--binding-args", options.binding_args]
         argv += program
@@ -214,7 +228,8 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
                 *program]
     else:
         raise UserError(f"--via must be one of {', '.join(VIAS)}, got {options.via!r}")
-    return Launch(tuple(argv), env, tuple(notes))
+    return Launch(tuple(argv), env, tuple(notes),
+                  exit_codes_collapsed=options.via == "horovodrun" and collapsed)
 
 
 def describe(launch: Launch) -> str:
@@ -224,8 +239,33 @@ def describe(launch: Launch) -> str:
     return "\n".join(lines)
 
 
+def local_ranks_under(root: int) -> list[int]:
+    """PIDs of the rank processes started under ``root`` on this machine (any depth)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(parent, []).append(int(entry))
+    ranks, todo = [], list(parents.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo += parents.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                variables = environ.read().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith((b"HOROVOD_RANK=", b"OMPI_COMM_WORLD_RANK=")) for v in variables):
+            ranks.append(pid)
+    return ranks
+
+
 def run_forwarding_signals(launch: Launch) -> int:
-    """Run the command in its own process group; forward stop signals to the whole group."""
+    """Run the command in its own process group; forward stop signals to the ranks."""
     def ignore_usr1_in_shells():
         # horovodrun execs `/bin/sh -c mpirun ...`; a shell that starts with SIGUSR1 ignored keeps
         # ignoring it, so the group signal below stops at mpirun (which forwards it to every rank,
@@ -235,18 +275,31 @@ def run_forwarding_signals(launch: Launch) -> int:
     process = subprocess.Popen(launch.argv, env={**os.environ, **launch.env},
                                start_new_session=True, preexec_fn=ignore_usr1_in_shells)
 
+    forwarded = []
+
     def forward(signum, frame):
+        forwarded.append(signum)
         try:
             os.killpg(process.pid, signum)
         except ProcessLookupError:
             pass
+        # horovodrun --gloo starts each rank in a session of its own, out of the group's reach;
+        # signal the ranks on this machine directly (twice is harmless: the handler records).
+        for pid in local_ranks_under(process.pid):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
-    previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED_SIGNALS}
-    try:
-        returncode = process.wait()  # resumes by itself after each forwarded signal
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    for signum in _FORWARDED_SIGNALS:
+        signal.signal(signum, forward)
+    returncode = process.wait()  # resumes by itself after each forwarded signal
+    if returncode == 1 and launch.exit_codes_collapsed and signal.SIGUSR1 in forwarded:
+        # The ranks stopped on the forwarded SIGUSR1 (exit 75, checkpoint written), but Gloo's
+        # horovodrun turned that into 1; give the sbatch script the status it requeues on.
+        print(f"{PROGRAM}: the ranks stopped on SIGUSR1; exiting {EXIT_PREEMPTED} so the job "
+              "is requeued", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     return returncode if returncode >= 0 else 128 - returncode
 
 
@@ -303,6 +356,11 @@ def parse_options(argv: Sequence[str] | None) -> tuple[LaunchOptions, bool, bool
 
 
 def run(argv: Sequence[str] | None = None) -> int:
+    # A stop signal during the preflight probe (seconds) must not kill the launcher: record it,
+    # and if it came before any rank started, stop with the status it asks for.
+    early: list[int] = []
+    for signum in _FORWARDED_SIGNALS:
+        signal.signal(signum, lambda number, frame: early.append(number))
     options, dry_run, skip_preflight = parse_options(argv)
     allocation = Allocation.from_env(os.environ)
     running_as_root = os.geteuid() == 0
@@ -314,10 +372,15 @@ def run(argv: Sequence[str] | None = None) -> int:
             for problem in problems:
                 print(f"{PROGRAM}: error: {problem}", file=sys.stderr)
             return EXIT_USAGE
-    launch = build_launch(options, allocation, build.gpus if build else 0, running_as_root)
+    gpus = build.gpus if build else count_gpus_without_tensorflow()
+    launch = build_launch(options, allocation, gpus, running_as_root)
     if dry_run:
         print(describe(launch))
         return 0
+    if early:
+        print(f"{PROGRAM}: {signal.Signals(early[0]).name} before the ranks started; not "
+              "starting them", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED if early[0] == signal.SIGUSR1 else 128 + early[0]
     print(f"{PROGRAM}: {shlex.join(launch.argv)}", file=sys.stderr, flush=True)
     return run_forwarding_signals(launch)
 

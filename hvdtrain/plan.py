@@ -3,13 +3,15 @@
 Nothing here touches TensorFlow or horovod, so every rule is unit-tested on its own and rank 0 can
 print exactly what the job will do before it starts.
 
-Conventions (the README's "Scaling" section explains them for users):
+Conventions (the README's "Scaling" section says the same for users):
 
 * A *worker* is one model replica: a horovod rank, or one device of a tf.distribute strategy.
 * ``--batch-size`` is the batch the base learning rate was tuned for. Its meaning depends on the
   batch policy: per worker (the global batch grows with workers) or for the whole job.
 * One optimizer *update* consumes ``global_batch_size * grad_accum_steps`` samples. The learning
   rate is scaled by that number relative to ``--batch-size`` (linearly, by square root, or not).
+* The learning-rate schedule counts *steps* (batches), as ``optimizer.iterations`` does: horovod
+  advances it on every backward pass, also those that only accumulate.
 * Every worker runs the same number of steps per epoch, computed from the *global* sample count,
   so a shard that is one sample shorter than another can never leave a rank waiting.
 """
@@ -38,9 +40,9 @@ class TrainingPlan:
     lr_scale_factor: float
     steps_per_epoch: int
     """Batches per worker per epoch, identical on every worker."""
-    updates_per_epoch: float
-    warmup_updates: int
-    total_updates: int
+    warmup_steps: int
+    """Steps over which the learning rate ramps from the base to the scaled rate."""
+    total_steps: int
     validation_batch_size: int
     """Per-worker validation batch (smaller than the training batch only for tiny sets)."""
     validation_steps: int
@@ -62,7 +64,7 @@ class TrainingPlan:
                "samples per update" if self.grad_accum_steps > 1 else ""),
             f"learning rate: {self.base_learning_rate:g} x {self.lr_scale_factor:g} = "
             f"{self.learning_rate:g}"
-            + (f", warm-up over {self.warmup_updates} updates" if self.warmup_updates else ""),
+            + (f", warm-up over {self.warmup_steps} steps" if self.warmup_steps else ""),
             f"steps per epoch: {self.steps_per_epoch} ({self.samples_per_epoch} of "
             f"{self.num_train_samples} training samples)",
         ]
@@ -111,10 +113,9 @@ def make_plan(*, batch_size: int, batch_policy: str, learning_rate: float, lr_sc
     # differ by one sample, and a rank that stops early would leave the others in an allreduce.
     derived_steps = num_train_samples // global_batch_size
     steps = steps_per_epoch or derived_steps
-    updates_per_epoch = steps / grad_accum_steps
-    total_updates = max(1, int(epochs * updates_per_epoch))
-    # Warm-up ends at least one update before the end, so the scaled rate is actually reached.
-    warmup_updates = max(0, min(math.ceil(warmup_epochs * updates_per_epoch), total_updates - 1))
+    total_steps = max(1, epochs * steps)
+    # Warm-up ends at least one step before the end, so the scaled rate is actually reached.
+    warmup_steps = max(0, min(math.ceil(warmup_epochs * steps), total_steps - 1))
 
     # Validation also uses whole batches of the same size on every worker (metrics are averaged
     # across ranks as equals); tiny sets fall back to smaller batches rather than to nothing.
@@ -131,9 +132,8 @@ def make_plan(*, batch_size: int, batch_policy: str, learning_rate: float, lr_sc
         learning_rate=learning_rate * lr_scale_factor,
         lr_scale_factor=lr_scale_factor,
         steps_per_epoch=steps,
-        updates_per_epoch=updates_per_epoch,
-        warmup_updates=warmup_updates,
-        total_updates=total_updates,
+        warmup_steps=warmup_steps,
+        total_steps=total_steps,
         validation_batch_size=validation_batch_size,
         validation_steps=validation_steps,
         num_train_samples=num_train_samples,

@@ -19,11 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from hvdtrain.errors import RankError, UserError
+from hvdtrain.errors import RankError, UserError, launched_as
 
-# Launcher variables that mean "this process is one rank of a horovod job": horovodrun (Gloo),
-# OpenMPI's mpirun, PMIx (srun --mpi=pmix), PMI-1/2 (srun --mpi=pmi2, MPICH/Intel MPI).
-_HOROVOD_LAUNCH_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 # What a TPU looks like from the host: a named TPU (Cloud TPU node / TPU VM), a Colab TPU, or the
 # local device files of a TPU VM (/dev/accel* on v2-v4, /dev/vfio/* on v5e and later; VFIO is also
 # used for other passthrough devices, so it only counts where libtpu is installed).
@@ -57,16 +54,21 @@ class World:
 
 
 def select_backend(requested: str, env: Mapping[str, str] | None = None,
-                   tpu_devices: Callable[[], list[str]] | None = None) -> str:
-    """Resolve ``--backend auto``: TPU if one is visible, horovod if launched as ranks, else single."""
+                   tpu_devices: Callable[[], list[str]] | None = None, *,
+                   needs_horovod: bool = False) -> str:
+    """Resolve ``--backend auto``: horovod when launched as several ranks, else a TPU if one is
+    visible, else one process. A launcher that started a single rank gets ``single``, unless the
+    job needs a horovod feature (gradient accumulation): horovod would only add its background
+    thread (about 3% of the step time, docs/benchmarks.md)."""
     if requested != "auto":
         return requested
     env = os.environ if env is None else env
+    launched = launched_as(env)
+    if launched and (launched[1] != 1 or needs_horovod):
+        return "horovod"
     find_tpu_devices = tpu_devices or local_tpu_devices
     if any(env.get(name) for name in _TPU_VARIABLES) or find_tpu_devices():
         return "tpu"
-    if any(name in env for name in _HOROVOD_LAUNCH_VARIABLES):
-        return "horovod"
     return "single"
 
 
@@ -80,13 +82,15 @@ def local_tpu_devices() -> list[str]:
 def cpu_threads_per_worker(available_cores: int, machine_cores: int, local_size: int) -> int:
     """Intra-op threads for one rank on CPU.
 
-    When the launcher already bound this rank to a subset of cores (mpirun --bind-to core, srun
-    --cpus-per-task), that subset is this rank's share. Otherwise the node's cores are split
-    evenly between its ranks so that N ranks never oversubscribe the CPU.
+    ``available_cores`` is what this process may run on. When the launcher bound each rank to its
+    own cores (mpirun --bind-to core, srun --cpus-per-task with binding), those are this rank's
+    share. When they are shared by all of this node's ranks (a Slurm job's cpuset, no binding),
+    they are split evenly, so that N ranks never oversubscribe the CPU.
     """
-    if available_cores < machine_cores:
+    local_size = max(1, local_size)
+    if available_cores * local_size <= machine_cores:
         return max(1, available_cores)
-    return max(1, available_cores // max(1, local_size))
+    return max(1, available_cores // local_size)
 
 
 def choose_gpu(num_visible_gpus: int, local_rank: int, local_size: int,
@@ -134,6 +138,8 @@ class Devices:
     """'cpu', 'gpu' or 'tpu' (names output files such as the autoencoder's cpu.png)."""
     description: str
     """One line for the start-up banner."""
+    threads: int | None = None
+    """This process's share of CPU threads (sizes the input pipeline too); None: TF's default."""
 
 
 def configure_devices(world: World, threads_per_worker: int | None) -> Devices:
@@ -159,7 +165,7 @@ def configure_devices(world: World, threads_per_worker: int | None) -> Devices:
         # Ops mostly run one after another in a small model; more inter-op threads than cores
         # only adds contention between ranks sharing the node.
         tf.config.threading.set_inter_op_parallelism_threads(threads)
-        return Devices("cpu", f"CPU, {threads} thread(s)")
+        return Devices("cpu", f"CPU, {threads} thread(s)", threads)
     except RuntimeError:  # TensorFlow already initialised in this process: keep its settings
         kind = "gpu" if tf.config.get_visible_devices("GPU") else "cpu"
         return Devices(kind, f"{kind.upper()} as configured earlier in this process")
@@ -177,9 +183,14 @@ class Runtime:
         return contextlib.nullcontext()
 
     def distribute_optimizer(self, optimizer, *, fp16_allreduce: bool, grad_accum_steps: int):
-        if fp16_allreduce or grad_accum_steps > 1:
-            raise UserError(f"--fp16-allreduce and --grad-accum-steps need the horovod backend; "
-                            f"this run uses '{self.world.backend}'")
+        """The optimizer that keeps the replicas in step (as given: nothing to keep in step).
+
+        ``fp16_allreduce`` is moot without an allreduce of our own (a strategy reduces in its own
+        precision); gradient accumulation is horovod's.
+        """
+        if grad_accum_steps > 1:
+            raise UserError(f"--grad-accum-steps needs the horovod backend; this run uses "
+                            f"'{self.world.backend}' (pass --backend horovod)")
         return optimizer
 
     def broadcast_variables(self, variables: list) -> None:
@@ -213,9 +224,6 @@ class Runtime:
         if self.world.is_chief:
             print(*args, flush=True)
 
-    def shutdown(self) -> None:
-        """Release the backend's resources (nothing for one process)."""
-
 
 class StrategyRuntime(Runtime):
     """One process driving several replicas through a tf.distribute strategy (mirrored, TPU)."""
@@ -239,9 +247,17 @@ class StrategyRuntime(Runtime):
         return "mixed_bfloat16" if self.world.backend == "tpu" else "fp32"
 
 
-def make_runtime(backend: str, *, threads_per_worker: int | None = None) -> Runtime:
+def make_runtime(backend: str, *, threads_per_worker: int | None = None,
+                 needs_horovod: bool = False) -> Runtime:
     """Start the runtime for ``--backend`` (after ``auto`` is resolved)."""
-    chosen = select_backend(backend)
+    chosen = select_backend(backend, needs_horovod=needs_horovod)
+    launched = launched_as()
+    if chosen != "horovod" and launched and launched[1] != 1:
+        # Every process would think it is the only one (and rank 0), train alone, and write
+        # into the same run directory as the others.
+        ranks = launched[1] or "several"
+        raise UserError(f"started as {ranks} ranks by a launcher, but --backend {backend} runs "
+                        "one process; use --backend horovod (or auto), or start one process")
     if chosen == "horovod":
         try:
             from hvdtrain.horovod_runtime import HorovodRuntime

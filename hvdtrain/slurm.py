@@ -143,6 +143,13 @@ class SbatchJob:
             raise ValueError(f"via must be horovodrun, mpirun or srun, got {self.via!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise ValueError(f"job name {self.name!r}: use letters, digits, '.', '_' or '-'")
+        # These land inside #SBATCH lines and a shell default (${VAR:-module}), where quoting
+        # does not help: allow only what such names are made of.
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.module):
+            raise ValueError(f"module {self.module!r}: a Python module path like hvdtrain.cnn")
+        for label, value in (("partition", self.partition), ("account", self.account)):
+            if value is not None and not re.fullmatch(r"[A-Za-z0-9_.,-]+", value):
+                raise ValueError(f"{label} {value!r}: use letters, digits, '.', ',', '_' or '-'")
         if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", self.time):
             raise ValueError(f"time {self.time!r}: use [days-]hours:minutes:seconds")
 
@@ -169,7 +176,8 @@ TEMPLATES: dict[str, SbatchJob] = {
 
 
 def render(job: SbatchJob) -> str:
-    """The complete sbatch script for ``job``. Every job-specific value is shell-quoted."""
+    """The complete sbatch script for ``job``. Training arguments are shell-quoted; the other
+    values are validated by SbatchJob to contain nothing a shell or #SBATCH line would read."""
     q = shlex.quote
     directives = [
         f"--job-name={job.name}",
@@ -213,11 +221,13 @@ def render(job: SbatchJob) -> str:
         'echo "[$(date -Is)] job ${SLURM_JOB_ID} run ${SLURM_RESTART_COUNT:-0} on '
         '${SLURM_JOB_NODELIST}: $module"',
         "",
+        "# Forward Slurm's warning to the launcher (set before it starts, so no signal is missed).",
+        "launcher=",
+        "trap '[ -n \"$launcher\" ] && kill -USR1 \"$launcher\" 2>/dev/null || true' USR1",
         "# The launcher reads the allocation (hosts, tasks and GPUs per node) and starts the ranks.",
         f'"$python" -m hvdtrain.launch --via {job.via} -- "$module" --run-dir "$run_dir" '
         + (baked_args + " " if baked_args else "") + '"${env_args[@]}" "$@" &',
         "launcher=$!",
-        "trap 'kill -USR1 \"$launcher\" 2>/dev/null || true' USR1",
         "# `wait` returns early whenever the trap runs: wait until the launcher is gone, then",
         "# collect its exit status (bash remembers it).",
         'while kill -0 "$launcher" 2>/dev/null; do wait "$launcher" || true; done',
@@ -227,7 +237,8 @@ def render(job: SbatchJob) -> str:
         "if [ \"$status\" -eq 75 ]; then  # 75: stopped by the signal, checkpoint written",
         '    echo "[$(date -Is)] requeueing job ${SLURM_JOB_ID}; the next run resumes from '
         '$run_dir"',
-        '    scontrol requeue "$SLURM_JOB_ID"',
+        '    scontrol requeue "$SLURM_JOB_ID" || echo "scontrol requeue failed; resubmit to '
+        'resume" >&2',
         "fi",
         'exit "$status"',
         "",

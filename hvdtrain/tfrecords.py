@@ -54,16 +54,24 @@ def write_shards(paths: np.ndarray, labels: np.ndarray, out_dir: str, prefix: st
 
 
 def convert(data_dir: str, out_dir: str, *, shards: int, validation_shards: int,
-            validation_fraction: float, seed: int, image_size: int,
+            validation_fraction: float, seed: int, image_size: int, channels: int = 3,
             on_bad_image: str = "skip") -> dict:
     listing = list_image_folder(data_dir, image_size=image_size,
                                 validation_fraction=validation_fraction, seed=seed,
-                                on_bad_image=on_bad_image)
+                                on_bad_image=on_bad_image, channels=channels)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out {out_dir} is a file; name a new directory")
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise UserError(f"--out {out_dir} exists and is not empty; choose a new directory")
     parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.")
+    except OSError as error:
+        raise UserError(f"--out {out_dir}: cannot create it ({error.strerror or error})") from None
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(staging, 0o777 & ~mask)  # mkdtemp makes 0700; shards are for other users too
     try:
         counts = write_shards(listing.train.sources, listing.train.labels, staging, "train",
                               shards)
@@ -71,7 +79,7 @@ def convert(data_dir: str, out_dir: str, *, shards: int, validation_shards: int,
             counts.update(write_shards(listing.validation.sources, listing.validation.labels,
                                        staging, "validation", validation_shards))
         metadata = {"source": os.path.abspath(data_dir), "class_names": listing.class_names,
-                    "image_size": image_size, "channels": 3, "seed": seed,
+                    "image_size": image_size, "channels": channels, "seed": seed,
                     "validation_fraction": validation_fraction, "counts": counts,
                     "skipped": list(listing.notes)}
         with open(os.path.join(staging, TFRECORD_METADATA), "w") as file:
@@ -98,6 +106,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=42, help="split seed (default 42)")
     parser.add_argument("--image-size", type=int, default=DEFAULT_FILE_IMAGE_SIZE,
                         help="size training resizes to, recorded in dataset.json (default 64)")
+    parser.add_argument("--channels", type=int, choices=(1, 3), default=3,
+                        help="channels training decodes to, recorded in dataset.json (default 3)")
     parser.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip")
     args = parser.parse_args(argv)
     if args.shards < 1 or args.validation_shards < 1:
@@ -105,7 +115,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     metadata = convert(args.data_dir, args.out, shards=args.shards,
                        validation_shards=args.validation_shards,
                        validation_fraction=args.validation_fraction, seed=args.seed,
-                       image_size=args.image_size, on_bad_image=args.on_bad_image)
+                       image_size=args.image_size, channels=args.channels,
+                       on_bad_image=args.on_bad_image)
     for note in metadata["skipped"]:
         print(note)
     print(f"wrote {sum(metadata['counts'].values())} records in {len(metadata['counts'])} "

@@ -19,7 +19,7 @@ import tf_keras as keras
 
 from hvdtrain import __version__
 from hvdtrain.callbacks import (LearningRateLog, MetricsLog, PreemptionCheck, SaveCheckpoint,
-                                StopRequest, Throughput)
+                                StopRequest, StopSignals, Throughput)
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import Listing, Pipelines, build_pipelines, load_listing
 from hvdtrain.errors import EXIT_PREEMPTED, UserError
@@ -30,7 +30,6 @@ from hvdtrain.runtime import Runtime, placement
 
 @dataclass(frozen=True)
 class Task:
-    name: str
     build_model: Callable[[Listing], keras.Model]
     loss: Callable[[], keras.losses.Loss]
     metrics: Callable[[], list]
@@ -54,11 +53,13 @@ class TrainingResult:
 
 def run(program: str, config: TrainConfig, runtime: Runtime, task: Task) -> TrainingResult:
     """Data -> plan -> pipelines -> banner -> fit: a whole job once the runtime is up."""
-    listing = load_listing(config, runtime)  # rank 0 lists and checks, everyone receives
-    plan = plan_for(config, runtime, listing)  # batch sizes, learning rate, steps
-    pipelines = make_pipelines(config, runtime, listing, plan)  # sharded tf.data per rank
-    runtime.print0(banner(program, runtime, listing, plan, config))
-    return fit(program, config, runtime, listing, plan, pipelines, task)
+    request = StopRequest()
+    with StopSignals(runtime.world.rank, request):  # a stop signal is recorded, never fatal
+        listing = load_listing(config, runtime)  # rank 0 lists and checks, everyone receives
+        plan = plan_for(config, runtime, listing)  # batch sizes, learning rate, steps
+        pipelines = make_pipelines(config, runtime, listing, plan)  # sharded tf.data per rank
+        runtime.print0(banner(program, runtime, listing, plan, config))
+        return fit(program, config, runtime, listing, plan, pipelines, task, request)
 
 
 def plan_for(config: TrainConfig, runtime: Runtime, listing: Listing) -> TrainingPlan:
@@ -82,11 +83,11 @@ def make_pipelines(config: TrainConfig, runtime: Runtime, listing: Listing,
     per_process = runtime.world.replicas_per_process
     return build_pipelines(
         listing, runtime.world,
-        per_worker_batch_size=plan.per_worker_batch_size * per_process,
+        batch_size=plan.per_worker_batch_size * per_process,
         validation_batch_size=plan.validation_batch_size * per_process,
         validation_steps=plan.validation_steps, seed=config.seed, cache=config.cache,
         tfrecord_sharding=config.tfrecord_sharding, on_bad_image=config.on_bad_image,
-        threads=config.threads_per_worker)
+        threads=runtime.devices.threads)
 
 
 def banner(program: str, runtime: Runtime, listing: Listing, plan: TrainingPlan,
@@ -107,10 +108,10 @@ def learning_rate_schedule(plan: TrainingPlan, decay: str):
     Keras' CosineDecay does both; alpha=1 turns its decay into a constant. A schedule runs inside
     the compiled step, unlike horovod's LearningRateWarmupCallback, a Python call per batch.
     """
-    warmup = plan.warmup_updates
+    warmup = plan.warmup_steps
     return keras.optimizers.schedules.CosineDecay(
         initial_learning_rate=plan.base_learning_rate if warmup else plan.learning_rate,
-        decay_steps=max(1, plan.total_updates - warmup),
+        decay_steps=max(1, plan.total_steps - warmup),
         alpha=0.0 if decay == "cosine" else 1.0,
         warmup_target=plan.learning_rate if warmup else None,
         warmup_steps=warmup,
@@ -162,7 +163,8 @@ def _optimizer_variables(optimizer) -> list:
 
 
 def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
-        plan: TrainingPlan, pipelines: Pipelines, task: Task) -> TrainingResult:
+        plan: TrainingPlan, pipelines: Pipelines, task: Task,
+        request: StopRequest) -> TrainingResult:
     world = runtime.world
     run_dir = RunDir(config.run_dir, is_chief=world.is_chief)
     keras.utils.set_random_seed(config.seed)
@@ -172,7 +174,10 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
     # --- model and optimizer ------------------------------------------------------------------
     schedule = learning_rate_schedule(plan, config.lr_decay)
     with runtime.scope():
-        model = task.build_model(listing)
+        try:
+            model = task.build_model(listing)
+        except ValueError as error:  # the data does not fit the model (e.g. its image size)
+            raise UserError(str(error)) from None
         optimizer = runtime.distribute_optimizer(
             keras.optimizers.Adam(learning_rate=schedule),
             fp16_allreduce=config.fp16_allreduce, grad_accum_steps=config.grad_accum_steps)
@@ -194,6 +199,10 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
             restored = checkpoints.restore_latest()
         except UserError as error:
             restored = error
+        else:
+            # A run stopped mid-epoch re-runs that epoch; restart its step count there too, so
+            # the schedule follows the epochs (and a resume on another world size stays right).
+            model.optimizer.iterations.assign(restored[0] * plan.steps_per_epoch)
     # Rank 0 alone reads the checkpoint (run directories need not be shared); everyone learns the
     # epoch, and the broadcast below hands its weights and optimizer state to every rank.
     restored = runtime.broadcast_object(restored)
@@ -214,18 +223,23 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done")
 
     # --- fit ------------------------------------------------------------------------------------
-    request = StopRequest()
-    preemption = PreemptionCheck(runtime, request, config.signal_check_every_steps)
+    def save_on_stop(epoch: int, mid_epoch: bool) -> None:
+        if world.is_chief:  # an epoch cut short is re-run from its start on resume
+            checkpoints.save(resume_epoch=epoch if mid_epoch else epoch + 1)
+            request.saved = True
+
     throughput = Throughput(plan.global_batch_size)
     callbacks = [
         *runtime.sync_callbacks(),  # first: the callbacks after it read averaged metrics
         throughput,
         LearningRateLog(schedule),
-        preemption,
+        PreemptionCheck(runtime, request, config.signal_check_every_steps, save_on_stop),
     ]
     if world.is_chief:
-        callbacks += [SaveCheckpoint(checkpoints, request),
-                      MetricsLog(run_dir, rows, request, throughput)]
+        # Metrics before the checkpoint: a crash between the two then costs a repeated epoch,
+        # never a missing row.
+        callbacks += [MetricsLog(run_dir, rows, request, throughput),
+                      SaveCheckpoint(checkpoints, request)]
         if config.tensorboard:
             callbacks.append(keras.callbacks.TensorBoard(str(run_dir.tensorboard),
                                                          profile_batch=0))
@@ -234,22 +248,23 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         train = train.map(task.to_pairs)
         validation = validation.map(task.to_pairs) if validation is not None else None
 
-    if initial_epoch < config.epochs:
-        preemption.install()
-        try:
-            model.fit(train, epochs=config.epochs, initial_epoch=initial_epoch,
-                      steps_per_epoch=plan.steps_per_epoch, validation_data=validation,
-                      callbacks=callbacks, verbose=_verbosity(world))
-        finally:
-            preemption.uninstall()
+    # A signal that came before training (while listing data or building the model): stop now,
+    # all ranks together; nothing new to save.
+    request.agreed = runtime.max_over_ranks(request.received)
+    if request.agreed:
+        request.epoch = initial_epoch
+    elif initial_epoch < config.epochs:
+        model.fit(train, epochs=config.epochs, initial_epoch=initial_epoch,
+                  steps_per_epoch=plan.steps_per_epoch, validation_data=validation,
+                  callbacks=callbacks, verbose=_verbosity(world))
     else:
         runtime.print0(f"{initial_epoch} of {config.epochs} epochs already done; nothing to train")
 
     if request.agreed:
         runtime.print0(f"stopped by {_signal_name(request.agreed)} in epoch "
                        f"{request.epoch + 1}; checkpoint written, rerun to resume")
-        # Rank 0 wrote the checkpoint at the end of fit. Nobody leaves before it is done: the
-        # ranks exit non-zero, and mpirun kills the rest of a job as soon as one rank does so.
+        # Nobody leaves before rank 0 has written the checkpoint: the ranks exit non-zero, and
+        # mpirun kills the rest of a job as soon as one rank does so.
         runtime.barrier()
         # SIGUSR1 (Slurm's warning before the time limit) asks to be run again: exit 75, which
         # the sbatch templates answer with `scontrol requeue`. SIGTERM is a plain stop.

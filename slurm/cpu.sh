@@ -29,10 +29,12 @@ python="${HVDTRAIN_PYTHON:-.venv/bin/python}"
 read -r -a env_args <<< "${HVDTRAIN_ARGS:-}"
 echo "[$(date -Is)] job ${SLURM_JOB_ID} run ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}: $module"
 
+# Forward Slurm's warning to the launcher (set before it starts, so no signal is missed).
+launcher=
+trap '[ -n "$launcher" ] && kill -USR1 "$launcher" 2>/dev/null || true' USR1
 # The launcher reads the allocation (hosts, tasks and GPUs per node) and starts the ranks.
 "$python" -m hvdtrain.launch --via horovodrun -- "$module" --run-dir "$run_dir" "${env_args[@]}" "$@" &
 launcher=$!
-trap 'kill -USR1 "$launcher" 2>/dev/null || true' USR1
 # `wait` returns early whenever the trap runs: wait until the launcher is gone, then
 # collect its exit status (bash remembers it).
 while kill -0 "$launcher" 2>/dev/null; do wait "$launcher" || true; done
@@ -41,6 +43,6 @@ wait "$launcher" || status=$?
 
 if [ "$status" -eq 75 ]; then  # 75: stopped by the signal, checkpoint written
     echo "[$(date -Is)] requeueing job ${SLURM_JOB_ID}; the next run resumes from $run_dir"
-    scontrol requeue "$SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" || echo "scontrol requeue failed; resubmit to resume" >&2
 fi
 exit "$status"

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 
 def make_image_folder(root: Path, *, classes: int = 3, per_class: int = 40,
                       sizes=(24, 32, 40)) -> Path:
@@ -29,10 +27,3 @@ def make_image_folder(root: Path, *, classes: int = 3, per_class: int = 40,
                 (folder / f"{index:03d}.png").write_bytes(tf.io.encode_png(pixels).numpy())
     return root
 
-
-def count_files(root: Path) -> int:
-    return sum(1 for path in root.rglob("*") if path.is_file())
-
-
-def seeded_noise(shape, seed=0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size=shape, dtype=np.uint8)

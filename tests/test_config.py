@@ -17,10 +17,21 @@ def test_every_field_has_a_docstring():
     assert undocumented == []
 
 
-@pytest.mark.parametrize("name", sorted(CNN_PRESETS))
-def test_every_preset_is_valid(name):
-    config = CNN_PRESETS[name]()
-    assert dataclasses.replace(config) == config  # __post_init__ accepts it
+def all_presets():
+    from hvdtrain import autoencoder
+
+    return [(f"cnn:{name}", make) for name, make in CNN_PRESETS.items()] + \
+        [(f"autoencoder:{name}", make) for name, make in autoencoder.PRESETS.items()]
+
+
+@pytest.mark.parametrize("name, make", all_presets(), ids=[n for n, _ in all_presets()])
+def test_every_shipped_preset_builds_and_writes_to_its_own_run_dir(name, make):
+    config = make()  # __post_init__ validates it
+    assert isinstance(config, TrainConfig)
+    run_dirs = [m().run_dir for _, m in all_presets()]
+    assert run_dirs.count(config.run_dir) == 1, "two presets would resume each other's runs"
+    if name.endswith(":tiny"):
+        assert config.epochs <= 3, "tiny presets must stay fast for tests and newcomers"
 
 
 def test_preset_then_overrides():

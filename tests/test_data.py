@@ -56,7 +56,7 @@ def test_uneven_shards_still_give_every_rank_the_planned_steps(samples, size):
     steps = samples // (batch * size)
     for rank in range(size):
         pipelines = build_pipelines(listing, World(rank=rank, size=size),
-                                    per_worker_batch_size=batch, validation_batch_size=batch,
+                                    batch_size=batch, validation_batch_size=batch,
                                     validation_steps=0, seed=0, cache=True)
         # Two epochs' worth: the training stream repeats, so no rank can run dry.
         batches = list(pipelines.train.take(2 * steps).as_numpy_iterator())
@@ -70,7 +70,7 @@ def test_image_folder_png_and_jpeg_of_any_size(tmp_path):
                                 on_bad_image="skip")
     assert listing.class_names == ("one", "two", "zero")
     assert listing.train.num_samples + listing.validation.num_samples == 36
-    pipelines = build_pipelines(listing, World(), per_worker_batch_size=4,
+    pipelines = build_pipelines(listing, World(), batch_size=4,
                                 validation_batch_size=4, validation_steps=2, seed=0, cache=True)
     images, labels = next(iter(pipelines.train))
     assert images.shape == (4, 16, 16, 3) and images.dtype.name == "uint8"
@@ -113,7 +113,7 @@ def test_truncated_image_with_a_valid_header_is_dropped_in_skip_mode(tmp_path):
     (root / "zero" / "truncated.png").write_bytes(good[:40])
     listing = list_image_folder(str(root), image_size=8, validation_fraction=0.0, seed=0,
                                 on_bad_image="skip")
-    pipelines = build_pipelines(listing, World(), per_worker_batch_size=1,
+    pipelines = build_pipelines(listing, World(), batch_size=1,
                                 validation_batch_size=1, validation_steps=0, seed=0, cache=True)
     decoded = list(pipelines.train.take(17).as_numpy_iterator())
     assert len(decoded) == 17  # 16 good files per pass, the truncated one dropped, repeating
@@ -135,7 +135,7 @@ def test_tfrecords_round_trip_and_file_sharding(tmp_path):
         records = shard_records(listing.train, World(rank=rank, size=3), seed=0, by_file=True)
         seen.append(sum(1 for _ in records))
     assert seen == [8, 8, 8]
-    pipelines = build_pipelines(listing, World(rank=1, size=3), per_worker_batch_size=4,
+    pipelines = build_pipelines(listing, World(rank=1, size=3), batch_size=4,
                                 validation_batch_size=2, validation_steps=1, seed=0, cache=True)
     images, labels = next(iter(pipelines.train))
     assert images.shape == (4, 16, 16, 3)
@@ -147,10 +147,10 @@ def test_more_ranks_than_tfrecord_files_is_refused(tmp_path):
             validation_fraction=0.2, seed=0, image_size=8)
     listing = list_tfrecords(str(tmp_path / "records"), image_size=None)
     with pytest.raises(UserError, match="3 ranks but only 2 training TFRecord file"):
-        build_pipelines(listing, World(rank=0, size=3), per_worker_batch_size=1,
+        build_pipelines(listing, World(rank=0, size=3), batch_size=1,
                         validation_batch_size=1, validation_steps=0, seed=0, cache=True)
     # Sharding by example works with any number of ranks.
-    build_pipelines(listing, World(rank=2, size=3), per_worker_batch_size=1,
+    build_pipelines(listing, World(rank=2, size=3), batch_size=1,
                     validation_batch_size=1, validation_steps=0, seed=0, cache=True,
                     tfrecord_sharding="example")
 

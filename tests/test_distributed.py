@@ -77,7 +77,7 @@ def test_sizes_that_do_not_divide_give_every_rank_the_same_steps(runtime, extra)
         plan = make_plan(batch_size=2, batch_policy="per-worker", learning_rate=1e-3,
                          lr_scaling="linear", warmup_epochs=0, grad_accum_steps=1, epochs=1,
                          num_workers=size, num_train_samples=samples, num_validation_samples=0)
-        pipelines = build_pipelines(listing, runtime.world, per_worker_batch_size=2,
+        pipelines = build_pipelines(listing, runtime.world, batch_size=2,
                                     validation_batch_size=2, validation_steps=0, seed=0,
                                     cache=True)
         delivered = sum(1 for _ in pipelines.train.take(3 * plan.steps_per_epoch))
@@ -148,32 +148,42 @@ def test_resume_continues_at_the_next_epoch_with_the_optimizer_state(runtime, sh
 
 
 def test_compression_accumulation_and_mixed_precision_keep_ranks_in_step(runtime, shared_dir):
-    config = config_in(shared_dir, epochs=1, steps_per_epoch=4, fp16_allreduce=True,
+    config = config_in(shared_dir, epochs=2, steps_per_epoch=4, fp16_allreduce=True,
                        grad_accum_steps=2, precision="mixed_float16", export=False)
 
     def run():
-        result = train.run("test", config, runtime, CLASSIFIER)
-        return state_of(result.model), [row["loss"] for row in result.rows]
+        try:
+            result = train.run("test", config, runtime, CLASSIFIER)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")  # global: don't leak it
+        schedule = train.learning_rate_schedule(result.plan, config.lr_decay)
+        return (state_of(result.model), [row["loss"] for row in result.rows],
+                int(result.model.optimizer.iterations.numpy()), result.plan,
+                float(schedule(result.plan.warmup_steps)))
 
     results = gather_checked(runtime, run)
-    assert_same_on_all_ranks([state for state, _ in results], "fp16 allreduce + accumulation")
-    chief_losses = results[0][1]
-    assert len(chief_losses) == 1 and np.isfinite(chief_losses[0])
-    keras.mixed_precision.set_global_policy("float32")
+    assert_same_on_all_ranks([r[0] for r in results], "fp16 allreduce + accumulation")
+    chief_losses, iterations, plan, peak_rate = results[0][1:]
+    assert len(chief_losses) == 2 and all(np.isfinite(chief_losses))
+    # The schedule counts steps, as horovod advances optimizer.iterations on every backward pass
+    # (also those that only accumulate): warm-up ends at the scaled rate after its steps.
+    assert iterations == 2 * 4 == plan.total_steps
+    assert plan.warmup_steps == 2  # tiny preset: half an epoch
+    assert peak_rate == pytest.approx(plan.learning_rate)
 
 
-def _send_usr1_once_training_listens():
-    """SIGUSR1 to this process as soon as fit's handler is installed (as Slurm would send it)."""
+def _send_usr1_once_the_run_listens():
+    """SIGUSR1 to this process once hvdtrain's handler is installed (as Slurm would send it)."""
     deadline = time.monotonic() + 120
     while signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN, None):
         if time.monotonic() > deadline:
             return
-        time.sleep(0.01)
+        time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGUSR1)
 
 
 def test_only_rank_0_writes_in_every_path(runtime, tmp_path):
-    """Autoencoder picture, a signal-stopped run with its checkpoint, exports: rank 0 only."""
+    """Autoencoder picture and exports, and a run stopped by a signal: rank 0 writes, alone."""
     from hvdtrain.autoencoder import RECONSTRUCTOR, write_reconstructions
     from hvdtrain.autoencoder import tiny as autoencoder_tiny
 
@@ -181,18 +191,20 @@ def test_only_rank_0_writes_in_every_path(runtime, tmp_path):
         autoencoder = dataclasses.replace(autoencoder_tiny(), epochs=1,
                                           run_dir=str(tmp_path / "autoencoder"))
         write_reconstructions(train.run("test", autoencoder, runtime, RECONSTRUCTOR), runtime)
-        # Only the last rank receives the signal; all ranks must still stop together.
+        # Only the last rank receives the signal, and early (while the data is listed): all
+        # ranks must still stop together, before training, without dying of it.
         if runtime.world.rank == runtime.world.size - 1:
-            threading.Thread(target=_send_usr1_once_training_listens, daemon=True).start()
+            threading.Thread(target=_send_usr1_once_the_run_listens, daemon=True).start()
         stopped = train.run("test", config_in(tmp_path / "stopped", epochs=50), runtime,
                             CLASSIFIER)
         files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
-        return stopped.exit_code, files
+        return stopped.exit_code, stopped.rows, files
 
     results = gather_checked(runtime, run_every_path)
-    assert [code for code, _ in results] == [75] * runtime.world.size
-    chief_files = results[0][1]
+    assert [code for code, _, _ in results] == [75] * runtime.world.size
+    assert results[0][1] == []  # stopped before the first epoch
+    chief_files = results[0][2]
     assert "autoencoder/cpu.png" in chief_files and "autoencoder/model.keras" in chief_files
-    assert "stopped/checkpoints/checkpoint" in chief_files
+    assert "stopped/config.json" in chief_files
     assert "stopped/model.keras" not in chief_files  # a stopped run exports nothing
-    assert [files for _, files in results[1:]] == [[]] * (runtime.world.size - 1)
+    assert [files for _, _, files in results[1:]] == [[]] * (runtime.world.size - 1)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, clean_env
 from hvdtrain.errors import UserError
 from hvdtrain.launch import (Build, LaunchOptions, build_launch, describe, preflight,
                              horovod_tuning_env)
@@ -95,6 +95,10 @@ def test_hostile_values_are_quoted_never_interpreted():
     assert shlex.split(printed)[-3:] == ["--run-dir", hostile, "$(reboot)"]
     script = render(SbatchJob(name="job", args=("--run-dir", hostile, "`reboot`")))
     assert "'x; rm -rf / #'" in script and "'`reboot`'" in script
+    for field, value in (("module", 'x}"; reboot; #'), ("partition", "gpu\n#SBATCH --x"),
+                         ("account", "a b"), ("name", "a;b")):
+        with pytest.raises(ValueError, match=field if field != "name" else "job name"):
+            SbatchJob(**{"name": "job", field: value})
 
 
 @pytest.mark.parametrize("build, alloc_env, np, via, message", [
@@ -175,12 +179,12 @@ def test_render_cli_writes_a_custom_script():
     result = subprocess.run(
         [sys.executable, "-m", "hvdtrain.slurm", "render", "--name", "big", "--nodes", "8",
          "--gpus-per-node", "8", "--time", "1-00:00:00", "--partition", "a100",
-         "--", "--epochs", "90"], capture_output=True, text=True, timeout=60)
+         "--", "--epochs", "90"], capture_output=True, text=True, timeout=60, env=clean_env())
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --nodes=8" in result.stdout and "#SBATCH --gres=gpu:8" in result.stdout
     assert "#SBATCH --partition=a100" in result.stdout
     assert "--run-dir \"$run_dir\" --epochs 90" in result.stdout
     bad = subprocess.run([sys.executable, "-m", "hvdtrain.slurm", "render", "--name", "a b"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=clean_env())
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "job name" in bad.stderr
 

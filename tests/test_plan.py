@@ -1,6 +1,4 @@
 """The data-parallel arithmetic (pure: no TensorFlow, no horovod)."""
-import math
-
 import pytest
 
 from hvdtrain.plan import make_plan
@@ -43,16 +41,15 @@ def test_gradient_accumulation_scales_by_samples_per_update():
     p = plan(num_workers=2, grad_accum_steps=4, num_train_samples=10_000)
     assert p.samples_per_update == 32 * 2 * 4
     assert p.learning_rate == pytest.approx(8e-3)
-    assert p.updates_per_epoch == p.steps_per_epoch / 4
+    # The schedule counts steps (backward passes), as optimizer.iterations does under horovod.
+    assert p.total_steps == 10 * p.steps_per_epoch
 
 
-@pytest.mark.parametrize("samples", range(64, 200, 7))
-@pytest.mark.parametrize("workers", [1, 2, 3, 4])
-def test_steps_come_from_the_global_count_so_every_shard_can_supply_them(samples, workers):
-    p = plan(num_workers=workers, batch_size=8, num_train_samples=samples)
-    smallest_shard = samples // workers
-    assert p.steps_per_epoch == samples // (8 * workers)
-    assert p.steps_per_epoch * p.per_worker_batch_size <= smallest_shard
+@pytest.mark.parametrize("samples, workers, steps", [(64, 1, 8), (64, 2, 4), (71, 2, 4),
+                                                     (199, 3, 8), (95, 4, 2)])
+def test_steps_come_from_the_global_count(samples, workers, steps):
+    assert plan(num_workers=workers, batch_size=8, num_train_samples=samples).steps_per_epoch \
+        == steps
 
 
 def test_fewer_samples_than_one_global_batch_is_refused():
@@ -60,11 +57,11 @@ def test_fewer_samples_than_one_global_batch_is_refused():
         plan(num_workers=4, num_train_samples=100)
 
 
-def test_warmup_is_counted_in_updates_and_ends_before_training_does():
-    p = plan(num_workers=2, warmup_epochs=2)
-    assert p.warmup_updates == math.ceil(2 * p.updates_per_epoch)
+def test_warmup_is_counted_in_steps_and_ends_before_training_does():
+    p = plan(num_workers=2, warmup_epochs=2, grad_accum_steps=2)
+    assert p.warmup_steps == 2 * p.steps_per_epoch
     short = plan(epochs=1, warmup_epochs=5)
-    assert short.warmup_updates == short.total_updates - 1
+    assert short.warmup_steps == short.total_steps - 1
 
 
 def test_validation_uses_whole_equal_batches_and_shrinks_for_tiny_sets():
