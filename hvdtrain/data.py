@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, first_line
 from hvdtrain.runtime import World
 
 if TYPE_CHECKING:
@@ -280,9 +280,8 @@ def load_listing(config: TrainConfig, runtime: Runtime) -> Listing:
         except Exception as error:  # unreadable files: a corrupt dataset.json or shard, ...
             if not _is_data_error(error):
                 raise
-            detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
             result = UserError(f"cannot read {config.data_dir or config.tfrecords}: "
-                               f"{type(error).__name__}: {detail}")
+                               f"{type(error).__name__}: {first_line(error)}")
     result = runtime.broadcast_object(result)
     if isinstance(result, UserError):
         raise result

@@ -37,6 +37,15 @@ class RankError(UserError):
     """A mistake only this rank can see (its own GPU, its own shard). Printed by this rank."""
 
 
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an exception's message, or its type's name when it has none.
+
+    TensorFlow and horovod errors run to many lines; a one-line report quotes only the first.
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
 def launched_as(env: Mapping[str, str] | None = None) -> tuple[int, int | None] | None:
     """(rank, size) as a launcher announced them; size None if it didn't; None if no launcher."""
     env = os.environ if env is None else env

@@ -76,6 +76,7 @@ def probe_build(python: str) -> Build:
     """Ask a child interpreter what horovod was built with, and how many GPUs this node has."""
     code = r"""
 import json, hvdtrain
+from hvdtrain.errors import first_line
 result = {"tensorflow": False, "mpi": False, "gloo": False, "gpus": 0}
 try:
     import tensorflow as tf
@@ -83,7 +84,7 @@ try:
     from hvdtrain.horovod_runtime import build_info
     result.update(build_info())
 except Exception as error:
-    result["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+    result["error"] = f"{type(error).__name__}: {first_line(error)}"
 print("HVDTRAIN_PROBE " + json.dumps(result))
 """
     try:

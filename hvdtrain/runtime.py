@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from hvdtrain.errors import RankError, UserError, launched_as
+from hvdtrain.errors import RankError, UserError, first_line, launched_as
 
 # What a TPU looks like from the host: a named TPU (Cloud TPU node / TPU VM), a Colab TPU, or the
 # local device files of a TPU VM (/dev/accel* on v2-v4, /dev/vfio/* on v5e and later; VFIO is also
@@ -323,8 +323,8 @@ def _tpu_runtime() -> StrategyRuntime:
         tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
     except (ValueError, RuntimeError, tf.errors.OpError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"--backend tpu: could not connect to TPU '{address}': {first_line}") from None
+        raise UserError(f"--backend tpu: could not connect to TPU '{address}': "
+                        f"{first_line(error)}") from None
     strategy = tf.distribute.TPUStrategy(resolver)
     cores = strategy.num_replicas_in_sync
     return StrategyRuntime(strategy, "tpu", Devices("tpu", f"TPU '{address}', {cores} cores"))

@@ -22,7 +22,7 @@ from hvdtrain.callbacks import (LearningRateLog, MetricsLog, PreemptionCheck, Sa
                                 StopRequest, StopSignals, Throughput)
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import Listing, Pipelines, build_pipelines, load_listing
-from hvdtrain.errors import EXIT_PREEMPTED, UserError
+from hvdtrain.errors import EXIT_PREEMPTED, UserError, first_line
 from hvdtrain.plan import TrainingPlan, make_plan
 from hvdtrain.rundir import RunDir, ensure_writable
 from hvdtrain.runtime import Runtime, placement
@@ -142,7 +142,7 @@ class Checkpoints:
                 self.checkpoint.restore(path).assert_existing_objects_matched()
                 return int(self.resume_epoch.numpy()), path
             except (AssertionError, ValueError, tf.errors.OpError) as error:
-                errors.append(f"{path}: {str(error).strip().splitlines()[0]}")
+                errors.append(f"{path}: {first_line(error)}")
         if errors:
             raise UserError(f"no checkpoint in {self.manager.directory} could be restored into "
                             f"this model (first: {errors[0]}); use another --run-dir")

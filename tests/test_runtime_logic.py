@@ -1,7 +1,7 @@
 """Backend selection, GPU choice and CPU thread shares: decided without touching hardware."""
 import pytest
 
-from hvdtrain.errors import RankError, UserError
+from hvdtrain.errors import RankError, UserError, first_line
 from hvdtrain.runtime import (choose_gpu, cpu_threads_per_worker, make_runtime, placement,
                               select_backend, tpu_address)
 
@@ -103,3 +103,13 @@ def test_placement_groups_ranks_by_host():
     assert placement(["vm"]) == "vm[0]"
     assert placement(["a", "a", "b", "b"]) == "a[0-1] b[2-3]"
     assert placement(["a", "b", "a", "b", "a"]) == "a[0,2,4] b[1,3]"
+
+
+@pytest.mark.parametrize("error, expected", [
+    (ValueError("bad shape\n  at layer 3\n  ..."), "bad shape"),
+    (RuntimeError("\n\n  undefined symbol: _ZN10tf\nmore"), "undefined symbol: _ZN10tf"),
+    (AssertionError(), "AssertionError"),  # no message: an error line still says something
+    (OSError("   "), "OSError"),
+])
+def test_first_line_of_an_error(error, expected):
+    assert first_line(error) == expected

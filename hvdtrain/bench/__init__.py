@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from hvdtrain.errors import UserError, reported
+from hvdtrain.errors import UserError, first_line, reported
 from hvdtrain.rundir import RunDir
 
 PROGRAM = "hvdtrain.bench"
@@ -80,7 +80,7 @@ def _suite(args) -> int:
                     comparisons += suite.allreduce_comparisons(allreduce_rounds)
             except suite.BenchmarkFailed as error:  # keep what the others measured
                 failed[name] = str(error)
-                log(f"{name} failed: {str(error).splitlines()[0]}")
+                log(f"{name} failed: {first_line(error)}")
     report.write(out, dataclasses.asdict(settings), comparisons, speedup, allreduce_rounds,
                  {"failed": failed})
     print(report.markdown(comparisons, speedup))
