@@ -316,22 +316,28 @@ def shard_records(split: Split, world: World, *, seed: int, by_file: bool) -> tf
     if split.labels is not None:
         records = tf.data.Dataset.from_tensor_slices((split.sources, split.labels))
         return records.shard(world.size, world.rank)
-    files = tf.data.Dataset.from_tensor_slices(split.sources)
     if by_file:
-        files = files.shuffle(len(split.sources), seed=seed, reshuffle_each_iteration=False)
+        files = tf.data.Dataset.from_tensor_slices(split.sources[tfrecord_file_order(split, seed)])
         return files.shard(world.size, world.rank).interleave(
             tf.data.TFRecordDataset, cycle_length=4, num_parallel_calls=tf.data.AUTOTUNE)
+    files = tf.data.Dataset.from_tensor_slices(split.sources)
     return tf.data.TFRecordDataset(files).shard(world.size, world.rank)
 
 
-def tfrecord_files_for_rank(split: Split, world: World, seed: int) -> tuple[list[str], int]:
-    """(files, records) that file-sharding gives this rank: the same shuffle as shard_records."""
-    import tensorflow as tf
+def tfrecord_file_order(split: Split, seed: int) -> np.ndarray:
+    """The shard files shuffled with the seed all ranks share, before ``shard(size, rank)``.
 
-    order = list(tf.data.Dataset.range(len(split.sources))
-                 .shuffle(len(split.sources), seed=seed, reshuffle_each_iteration=False)
-                 .shard(world.size, world.rank).as_numpy_iterator())
-    return [str(split.sources[i]) for i in order], int(sum(split.counts[i] for i in order))
+    Plain numpy, so the ranks, the pre-flight check and the pipeline agree on it whatever
+    TensorFlow's global seed is, and a check over every rank costs one shuffle, not one per rank.
+    """
+    return np.random.default_rng(seed).permutation(len(split.sources))
+
+
+def tfrecord_files_for_rank(split: Split, world: World, order: np.ndarray
+                            ) -> tuple[list[str], int]:
+    """(files, records) that file-sharding gives this rank: what ``shard`` keeps of ``order``."""
+    mine = order[world.rank::world.size]
+    return [str(path) for path in split.sources[mine]], int(split.counts[mine].sum())
 
 
 def build_pipelines(listing: Listing, world: World, *, batch_size: int,
@@ -344,8 +350,10 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     import tensorflow as tf
 
     by_file = tfrecord_sharding == "file"
+    file_order = None
     if listing.kind == "tfrecords" and by_file:
-        check_tfrecord_file_sharding(listing.train, world, seed, batch_size)
+        file_order = tfrecord_file_order(listing.train, seed)
+        check_tfrecord_file_sharding(listing.train, world, file_order, batch_size)
     decode = _decoder(listing)
 
     def prepare(split: Split, *, by_file: bool, limit: int | None) -> tf.data.Dataset:
@@ -360,7 +368,8 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         return images.cache() if cache else images
 
     train = prepare(listing.train, by_file=by_file, limit=None)
-    records_per_rank = _records_for_rank(listing.train, world, seed, by_file)
+    records_per_rank = (tfrecord_files_for_rank(listing.train, world, file_order)[1]
+                        if file_order is not None else _examples_for_rank(listing.train, world))
     train = (train.shuffle(max(1, min(records_per_rank, 10_000)), seed=seed + world.rank,
                            reshuffle_each_iteration=True)
              .batch(batch_size, drop_remainder=True)
@@ -384,14 +393,14 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     return Pipelines(train, validation)
 
 
-def _records_for_rank(split: Split, world: World, seed: int, by_file: bool) -> int:
-    if split.counts is not None and by_file:
-        return tfrecord_files_for_rank(split, world, seed)[1]
+def _examples_for_rank(split: Split, world: World) -> int:
+    """How many samples ``shard(size, rank)`` of the whole sample list leaves this rank."""
     total = split.num_samples
     return total // world.size + (1 if world.rank < total % world.size else 0)
 
 
-def check_tfrecord_file_sharding(split: Split, world: World, seed: int, batch: int) -> None:
+def check_tfrecord_file_sharding(split: Split, world: World, order: np.ndarray,
+                                 batch: int) -> None:
     """Every rank must get at least one full batch from its files, or it would run dry."""
     if len(split.sources) < world.size:
         raise UserError(
@@ -400,7 +409,7 @@ def check_tfrecord_file_sharding(split: Split, world: World, seed: int, batch: i
             "(python -m hvdtrain.tfrecords --shards N) or use --tfrecord-sharding example")
     for rank in range(world.size):
         peer = World(rank=rank, size=world.size)
-        _, records = tfrecord_files_for_rank(split, peer, seed)
+        _, records = tfrecord_files_for_rank(split, peer, order)
         if records < batch:
             raise UserError(
                 f"rank {rank} would get {records} record(s) from its TFRecord files, fewer than "

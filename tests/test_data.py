@@ -8,7 +8,8 @@ import pytest
 
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import (build_pipelines, list_data, list_image_folder, list_tfrecords,
-                           shard_records, split_indices)
+                           shard_records, split_indices, tfrecord_file_order,
+                           tfrecord_files_for_rank)
 from hvdtrain.errors import UserError
 from hvdtrain.runtime import World
 from hvdtrain.tfrecords import convert
@@ -139,6 +140,28 @@ def test_tfrecords_round_trip_and_file_sharding(tmp_path):
                                 validation_batch_size=2, validation_steps=1, seed=0, cache=True)
     images, labels = next(iter(pipelines.train))
     assert images.shape == (4, 16, 16, 3)
+
+
+def test_file_sharding_reads_what_the_check_counted(tmp_path):
+    import tensorflow as tf
+
+    # Uneven shards (6 files of 5 or 4 records), so a rank that read other files than the
+    # pre-flight check counted would show a different number of records.
+    root = make_image_folder(tmp_path / "images", classes=3, per_class=9)
+    convert(str(root), str(tmp_path / "records"), shards=6, validation_shards=1,
+            validation_fraction=0.0, seed=0, image_size=8)
+    listing = list_tfrecords(str(tmp_path / "records"), image_size=None)
+    order = tfrecord_file_order(listing.train, seed=3)
+    tf.random.set_seed(11)  # a global seed (set by training) must not change the assignment
+    for size in (1, 2, 3, 4):
+        counted = [tfrecord_files_for_rank(listing.train, World(rank=r, size=size), order)
+                   for r in range(size)]
+        read = [sum(1 for _ in shard_records(listing.train, World(rank=r, size=size), seed=3,
+                                             by_file=True)) for r in range(size)]
+        assert read == [records for _, records in counted]
+        files = [path for paths, _ in counted for path in paths]
+        assert sorted(files) == sorted(map(str, listing.train.sources))  # disjoint, complete
+    assert sum(read) == listing.train.num_samples == 27
 
 
 def test_more_ranks_than_tfrecord_files_is_refused(tmp_path):
