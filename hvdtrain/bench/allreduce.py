@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hvdtrain.bench.harness import interleave
 from hvdtrain.horovod_runtime import HorovodRuntime
 from hvdtrain.rundir import RunDir
 
@@ -30,11 +31,7 @@ def measure(runtime: HorovodRuntime, sizes_mb: list[float], repeats: int, warmup
 
         comm = MPI.COMM_WORLD
 
-    def barrier():
-        if comm is not None:
-            comm.Barrier()
-        else:
-            runtime.allreduce(tf.constant([0.0]), name="bench_barrier")
+    barrier = comm.Barrier if comm is not None else runtime.barrier
 
     results = {}
     for size_mb in sizes_mb:
@@ -56,17 +53,18 @@ def measure(runtime: HorovodRuntime, sizes_mb: list[float], repeats: int, warmup
         calls = {"horovod": lambda: run_horovod(False), "horovod_fp16": lambda: run_horovod(True)}
         if comm is not None:
             calls["mpi4py"] = run_mpi4py
-        seconds = {name: [] for name in calls}
-        for round_index in range(warmup + repeats):
-            names = list(calls) if round_index % 2 == 0 else list(reversed(list(calls)))
-            for name in names:
-                barrier()
-                start = time.perf_counter()
-                value = calls[name]()
-                elapsed = time.perf_counter() - start
-                assert abs(value - expected) < 1e-2 * expected, (name, value, expected)
-                if round_index >= warmup:
-                    seconds[name].append(elapsed)
+
+        def timed(name: str) -> dict:
+            barrier()
+            start = time.perf_counter()
+            value = calls[name]()
+            elapsed = time.perf_counter() - start
+            assert abs(value - expected) < 1e-2 * expected, (name, value, expected)
+            return {"seconds": elapsed}
+
+        runs = interleave({name: (lambda name=name: timed(name)) for name in calls},
+                          repeats=repeats, warmup=warmup, log=lambda line: None)
+        seconds = {name: [run["seconds"] for run in values] for name, values in runs.items()}
         results[str(size_mb)] = {
             name: {"seconds": values, "median_seconds": statistics.median(values),
                    "gb_per_second": count * 4 / statistics.median(values) / 1e9}

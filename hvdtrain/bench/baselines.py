@@ -1,7 +1,7 @@
 """What hvdtrain is compared with: the same CNN and data without hvdtrain.
 
     python -m hvdtrain.bench.baselines plain --json F      a plain tf_keras model.fit, one process
-    start_workers(2, [...])                                 MultiWorkerMirroredStrategy, 2 workers
+    worker_commands(2, [...], env)                          MultiWorkerMirroredStrategy, 2 workers
 
 Both use hvdtrain's model builder, the embedded arrays, the same tf.data steps (cache, shuffle,
 batch, repeat, prefetch), Adam and the same thread counts; throughput is measured with the same
@@ -16,9 +16,7 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
-import tempfile
 from typing import Sequence
 
 import hvdtrain  # noqa: F401  (Keras 2, as in the jobs these are compared with)
@@ -34,34 +32,17 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def start_workers(num_workers: int, args: list[str], env: dict[str, str],
-                  timeout: float) -> int:
-    """Run ``num_workers`` MultiWorkerMirrored workers on localhost; the worst exit status."""
+def worker_commands(num_workers: int, args: list[str], env: dict[str, str]
+                    ) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, env) of ``num_workers`` MultiWorkerMirrored workers on localhost, to start at once.
+
+    Each worker's TF_CONFIG names every worker's address and its own index.
+    """
     addresses = [f"localhost:{port}" for port in free_ports(num_workers)]
-    processes, logs = [], []
-    try:
-        for index in range(num_workers):
-            tf_config = {"cluster": {"worker": addresses},
-                         "task": {"type": "worker", "index": index}}
-            log = tempfile.TemporaryFile(mode="w+")  # a file: a chatty worker never blocks
-            logs.append(log)
-            processes.append(subprocess.Popen(
-                [sys.executable, "-m", "hvdtrain.bench.baselines", "mwms", *args],
-                env={**env, "TF_CONFIG": json.dumps(tf_config)},
-                stdout=subprocess.DEVNULL, stderr=log))
-        codes = [process.wait(timeout=timeout) for process in processes]
-        for code, log in zip(codes, logs):
-            if code:
-                log.seek(0)
-                sys.stderr.write(log.read()[-3000:])
-        return max(codes)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for log in logs:
-            log.close()
+    return [([sys.executable, "-m", "hvdtrain.bench.baselines", "mwms", *args],
+             {**env, "TF_CONFIG": json.dumps({"cluster": {"worker": addresses},
+                                              "task": {"type": "worker", "index": index}})})
+            for index in range(num_workers)]
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,8 @@ from typing import Sequence
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
+from hvdtrain.errors import launch_rank  # noqa: E402
+
 MODES = ("none", "horovod", "horovod-busy-poll")
 
 
@@ -35,7 +37,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--json", required=True, help="prefix; each rank writes <json>.<rank>")
     args = parser.parse_args(argv)
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+    rank = launch_rank()
     if args.mode != "none":
         if args.mode == "horovod-busy-poll":
             os.environ["OMPI_MCA_mpi_yield_when_idle"] = "0"
@@ -43,7 +45,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
         runtime = HorovodRuntime(threads_per_worker=1)
         runtime.barrier()  # both ranks are up and cycling before the clock starts
-    matrix = np.random.default_rng(int(rank)).random((192, 192), dtype=np.float32)
+    matrix = np.random.default_rng(rank).random((192, 192), dtype=np.float32)
     for _ in range(500):
         matrix @ matrix
     start, cpu_start, steps = time.perf_counter(), time.process_time(), 0

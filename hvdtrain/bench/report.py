@@ -5,6 +5,7 @@ import os
 import platform
 import subprocess
 from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from hvdtrain.bench.harness import Comparison
@@ -31,10 +32,8 @@ def machine() -> dict:
     versions = {}
     for module in ("tensorflow", "tf_keras", "horovod", "mpi4py", "numpy"):
         try:
-            from importlib.metadata import version
-
-            versions[module] = version(module if module != "tensorflow" else "tensorflow")
-        except Exception:  # noqa: BLE001 - missing is reported as missing
+            versions[module] = version(module)
+        except PackageNotFoundError:
             versions[module] = "missing"
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "cpu": cpu, "cores": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),

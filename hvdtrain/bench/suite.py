@@ -38,12 +38,14 @@ class Settings:
     allreduce_rounds: int = 3
     allreduce_repeats: int = 5
     workers: tuple[int, ...] = (1, 2, 4)
+    overhead_seconds: float = 8
+    """How long each rank of the idle-horovod comparison computes."""
     timeout: float = 900
 
 
 QUICK = Settings(repeats=1, warmup=0, epochs=2, steps_per_epoch=3, batch_size=8, image_size=8,
                  allreduce_sizes_mb=(0.25, 1), allreduce_rounds=1, allreduce_repeats=2,
-                 workers=(1, 2), timeout=300)
+                 workers=(1, 2), overhead_seconds=1, timeout=300)
 
 
 def _env() -> dict[str, str]:
@@ -58,17 +60,55 @@ class BenchmarkFailed(RuntimeError):
     """A measured command failed; the message ends with its output."""
 
 
-def _run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> float:
+def _run(argv: list[str], timeout: float, *, what: str | None = None) -> tuple[float, str]:
+    """Run one measured command: (wall seconds, its stdout), or BenchmarkFailed."""
+    what = what or " ".join(argv[:6]) + " ..."
     start = time.perf_counter()
     try:
-        completed = subprocess.run(argv, env=env or _env(), capture_output=True, text=True,
+        completed = subprocess.run(argv, env=_env(), capture_output=True, text=True,
                                    timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise BenchmarkFailed(f"{' '.join(argv[:6])} ... did not finish in {timeout} s") from None
+        raise BenchmarkFailed(f"{what} did not finish in {timeout} s") from None
     if completed.returncode:
-        raise BenchmarkFailed(f"{' '.join(argv[:6])} ... exited {completed.returncode}:\n"
+        raise BenchmarkFailed(f"{what} exited {completed.returncode}:\n"
                               f"{(completed.stdout + completed.stderr)[-3000:]}")
-    return time.perf_counter() - start
+    return time.perf_counter() - start, completed.stdout
+
+
+def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: float,
+                  what: str) -> float:
+    """Start every (argv, env) at once and wait for all: wall seconds, or BenchmarkFailed.
+
+    The first failure ends the wait, and whatever still runs is killed: the peers of a failed
+    worker would otherwise wait for it until the timeout.
+    """
+    start = time.perf_counter()
+    processes, outputs = [], []
+    try:
+        for argv, env in commands:
+            output = tempfile.TemporaryFile(mode="w+")  # a file: a chatty process never blocks
+            outputs.append(output)
+            processes.append(subprocess.Popen(argv, env=env, stdout=output,
+                                              stderr=subprocess.STDOUT))
+        while True:
+            codes = [process.poll() for process in processes]
+            for code, output in zip(codes, outputs):
+                if code:
+                    output.seek(0)
+                    raise BenchmarkFailed(f"{what}: a process exited {code}:\n"
+                                          f"{output.read()[-3000:]}")
+            if all(code == 0 for code in codes):
+                return time.perf_counter() - start
+            if time.perf_counter() - start > timeout:
+                raise BenchmarkFailed(f"{what} did not finish in {timeout} s")
+            time.sleep(0.05)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for output in outputs:
+            output.close()
 
 
 def steady_state(rows: list[dict], wall_seconds: float) -> dict:
@@ -95,31 +135,19 @@ def _training_args(s: Settings, data: str, data_dir: str | None = None) -> list[
 def hvdtrain_run(s: Settings, workdir: Path, *, np: int, threads: int, data: str = "synthetic",
                  data_dir: str | None = None) -> dict:
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
-    wall = _run([str(BIN / "horovodrun"), "-np", str(np), sys.executable, "-m", "hvdtrain.cnn",
-                 *_training_args(s, data, data_dir), "--threads-per-worker", str(threads),
-                 "--run-dir", str(run_dir)], s.timeout)
+    wall, _ = _run([str(BIN / "horovodrun"), "-np", str(np), sys.executable, "-m",
+                    "hvdtrain.cnn", *_training_args(s, data, data_dir),
+                    "--threads-per-worker", str(threads), "--run-dir", str(run_dir)], s.timeout)
     return steady_state(json.loads((run_dir / "metrics.json").read_text()), wall)
 
 
 def independent_pair_run(s: Settings, workdir: Path) -> dict:
     """Two single-process jobs at once, no horovod, no communication: this machine's ceiling."""
     run_dirs = [Path(tempfile.mkdtemp(dir=workdir)) for _ in range(2)]
-    start = time.perf_counter()
-    jobs = [subprocess.Popen([sys.executable, "-m", "hvdtrain.cnn", "--backend", "single",
-                              *_training_args(s, "synthetic"), "--threads-per-worker", "1",
-                              "--run-dir", str(run_dir)], env=_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for run_dir in run_dirs]
-    try:
-        codes = [job.wait(timeout=s.timeout) for job in jobs]
-    finally:
-        for job in jobs:
-            if job.poll() is None:
-                job.kill()
-                job.wait()
-    if any(codes):
-        raise BenchmarkFailed(f"an independent single-process job exited {max(codes)}")
-    wall = time.perf_counter() - start
+    wall = _run_together([([sys.executable, "-m", "hvdtrain.cnn", "--backend", "single",
+                            *_training_args(s, "synthetic"), "--threads-per-worker", "1",
+                            "--run-dir", str(run_dir)], _env()) for run_dir in run_dirs],
+                         s.timeout, "two independent single-process jobs")
     halves = [steady_state(json.loads((d / "metrics.json").read_text()), wall) for d in run_dirs]
     return {"samples_per_sec": sum(h["samples_per_sec"] for h in halves),
             "cpu_per_wall": sum(h["cpu_per_wall"] for h in halves), "process_seconds": wall}
@@ -128,36 +156,34 @@ def independent_pair_run(s: Settings, workdir: Path) -> dict:
 def overhead_run(s: Settings, workdir: Path, mode: str) -> dict:
     """Steps/s of plain numpy work in 2 ranks next to an idle horovod (hvdtrain.bench.overhead)."""
     prefix = Path(tempfile.mkdtemp(dir=workdir)) / "overhead"
-    seconds = "8" if s.repeats > 1 else "1"
     _run(["mpirun", "-np", "2", "--bind-to", "none", sys.executable, "-m",
-          "hvdtrain.bench.overhead", mode, "--seconds", seconds, "--json", str(prefix)],
-         s.timeout)
+          "hvdtrain.bench.overhead", mode, "--seconds", f"{s.overhead_seconds:g}",
+          "--json", str(prefix)], s.timeout)
     ranks = [json.loads(Path(f"{prefix}.{rank}").read_text()) for rank in (0, 1)]
     return {"steps_per_sec": sum(r["steps_per_sec"] for r in ranks),
             "cpu_per_wall": sum(r["cpu_per_wall"] for r in ranks)}
 
 
-def plain_keras_run(s: Settings, workdir: Path, *, data: str = "synthetic") -> dict:
+def _baseline_args(s: Settings, out: Path) -> list[str]:
+    return ["--data", "synthetic", "--image-size", str(s.image_size), "--epochs", str(s.epochs),
+            "--steps-per-epoch", str(s.steps_per_epoch), "--batch-size", str(s.batch_size),
+            "--threads", "1", "--json", str(out)]
+
+
+def plain_keras_run(s: Settings, workdir: Path) -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir)) / "metrics.json"
-    wall = _run([sys.executable, "-m", "hvdtrain.bench.baselines", "plain", "--data", data,
-                 "--image-size", str(s.image_size), "--epochs", str(s.epochs),
-                 "--steps-per-epoch", str(s.steps_per_epoch), "--batch-size", str(s.batch_size),
-                 "--threads", "1", "--json", str(out)], s.timeout)
+    wall, _ = _run([sys.executable, "-m", "hvdtrain.bench.baselines", "plain",
+                    *_baseline_args(s, out)], s.timeout)
     return steady_state(json.loads(out.read_text()), wall)
 
 
-def mwms_run(s: Settings, workdir: Path, *, workers: int = 2) -> dict:
-    from hvdtrain.bench.baselines import start_workers
+def mwms_run(s: Settings, workdir: Path) -> dict:
+    from hvdtrain.bench.baselines import worker_commands
 
     out = Path(tempfile.mkdtemp(dir=workdir)) / "metrics.json"
-    start = time.perf_counter()
-    code = start_workers(workers, [
-        "--data", "synthetic", "--image-size", str(s.image_size), "--epochs", str(s.epochs),
-        "--steps-per-epoch", str(s.steps_per_epoch), "--batch-size", str(s.batch_size),
-        "--threads", "1", "--json", str(out)], _env(), s.timeout)
-    if code:
-        raise BenchmarkFailed(f"MultiWorkerMirroredStrategy workers exited {code}")
-    return steady_state(json.loads(out.read_text()), time.perf_counter() - start)
+    wall = _run_together(worker_commands(2, _baseline_args(s, out), _env()), s.timeout,
+                         "MultiWorkerMirroredStrategy workers")
+    return steady_state(json.loads(out.read_text()), wall)
 
 
 def pipeline_run(s: Settings, *, data: str = "digits", data_dir: str | None = None) -> dict:
@@ -180,11 +206,8 @@ def pipeline_run(s: Settings, *, data: str = "digits", data_dir: str | None = No
         "for _ in range(steps): next(iterator)\n"
         f"print(json.dumps({{'samples_per_sec': steps * {s.batch_size} / "
         "(time.perf_counter() - start)}))\n")
-    completed = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
-                               text=True, timeout=s.timeout)
-    if completed.returncode:
-        raise BenchmarkFailed(f"the input pipeline alone failed:\n{completed.stderr[-3000:]}")
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    _, stdout = _run([sys.executable, "-c", code], s.timeout, what="the input pipeline alone")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def make_image_folder(root: Path, image_size: int) -> Path:
@@ -297,16 +320,15 @@ def input_pipeline(s: Settings, workdir: Path, log: Callable[[str], None]) -> li
         "pipeline: digits (memory)": lambda: pipeline_run(s, data="digits"),
         "pipeline: digits (PNG files)": lambda: pipeline_run(s, data_dir=folder),
     }, repeats=s.repeats, warmup=0, log=log)
+    # Step time is batch / samples-per-second, so real/synthetic step time is the inverse
+    # ratio of the throughputs.
+    step_times = _with_step_time(runs, s.batch_size)
     comparisons = [
-        # Step time is batch / samples-per-second, so real/synthetic step time is the inverse
-        # ratio of the throughputs.
-        Comparison("real-data step time / synthetic", "step_seconds", "s/step",
-                   _with_step_time(runs, s.batch_size), "digits (PNG files)", "synthetic",
-                   target=1.05, lower_is_better=True,
+        Comparison("real-data step time / synthetic", "step_seconds", "s/step", step_times,
+                   "digits (PNG files)", "synthetic", target=1.05, lower_is_better=True,
                    note="PNG files decoded in the first epoch, then cached"),
-        Comparison("embedded-data step time / synthetic", "step_seconds", "s/step",
-                   _with_step_time(runs, s.batch_size), "digits (memory)", "synthetic",
-                   target=1.05, lower_is_better=True),
+        Comparison("embedded-data step time / synthetic", "step_seconds", "s/step", step_times,
+                   "digits (memory)", "synthetic", target=1.05, lower_is_better=True),
     ]
     consumption = {"model consumes": runs["digits (PNG files)"],
                    "pipeline delivers": pipeline["pipeline: digits (PNG files)"]}
@@ -338,22 +360,19 @@ def allreduce(s: Settings, workdir: Path, log: Callable[[str], None]) -> dict:
     worker = [sys.executable, "-m", "hvdtrain.bench.allreduce", "--sizes-mb", sizes,
               "--repeats", str(s.allreduce_repeats)]
 
-    def mpi():
-        out = Path(tempfile.mkdtemp(dir=workdir)) / "allreduce.json"
-        _run(["mpirun", "-np", "2", "--bind-to", "none", *worker, "--json", str(out)], s.timeout)
-        return json.loads(out.read_text())
+    launchers = {"mpi": ["mpirun", "-np", "2", "--bind-to", "none"],
+                 "gloo": [str(BIN / "horovodrun"), "--gloo", "-np", "2"]}
 
-    def gloo():
+    def measured(controller: str) -> dict:
         out = Path(tempfile.mkdtemp(dir=workdir)) / "allreduce.json"
-        _run([str(BIN / "horovodrun"), "--gloo", "-np", "2", *worker, "--json", str(out)],
-             s.timeout)
+        _run([*launchers[controller], *worker, "--json", str(out)], s.timeout)
         return json.loads(out.read_text())
 
     log(f"allreduce: sizes {sizes} MiB, MPI and Gloo controllers, interleaved")
     rounds = {"mpi": [], "gloo": []}
     for round_index in range(s.allreduce_rounds):
-        for name, call in (("mpi", mpi), ("gloo", gloo))[:: 1 if round_index % 2 == 0 else -1]:
-            rounds[name].append(call())
+        for name in list(launchers)[:: 1 if round_index % 2 == 0 else -1]:
+            rounds[name].append(measured(name))
             log(f"  round {round_index + 1}: {name} done")
     return rounds
 
