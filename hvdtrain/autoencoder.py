@@ -19,7 +19,7 @@ from hvdtrain.config import TrainConfig, parse_config
 from hvdtrain.errors import reported
 from hvdtrain.models.autoencoder import build_autoencoder
 from hvdtrain.plots import plot_reconstructions
-from hvdtrain.runtime import Runtime, make_runtime
+from hvdtrain.runtime import Runtime
 
 PROGRAM = "hvdtrain.autoencoder"
 SAMPLES_IN_GRID = 8
@@ -70,8 +70,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     # 1. configuration: a preset, then command-line overrides, validated
     config = parse_config(argv, PRESETS, prog=f"python -m {PROGRAM}", description=__doc__)
     # 2. compute: horovod ranks, a tf.distribute strategy, or one process
-    runtime = make_runtime(config.backend, threads_per_worker=config.threads_per_worker,
-                           needs_horovod=config.grad_accum_steps > 1)
+    runtime = train.start_runtime(config)
     # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)
     result = train.run(PROGRAM, config, runtime, RECONSTRUCTOR)
     # 4. the article's picture, then the summary

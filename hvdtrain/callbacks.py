@@ -130,6 +130,11 @@ class Throughput(keras.callbacks.Callback):
         self.timings = {"train_seconds": train_seconds, "epoch_seconds": now - self.start,
                         "cpu_seconds": time.process_time() - self.cpu_start}
 
+    def row(self, epoch: int, logs: dict | None) -> dict:
+        """One row of metrics.json: the 1-based epoch, its (averaged) metrics, its timings."""
+        return {"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items()},
+                **self.timings}
+
 
 class LearningRateLog(keras.callbacks.Callback):
     def __init__(self, schedule):
@@ -167,8 +172,7 @@ class MetricsLog(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self.request.mid_epoch:
             return  # a cut-short epoch is not a data point; it is re-run on resume
-        self.rows.append({"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items()},
-                          **self.throughput.timings})
+        self.rows.append(self.throughput.row(epoch, logs))
         self.run_dir.write_csv("metrics.csv", self.rows)
         self.run_dir.write_json("metrics.json", self.rows)
         self.run_dir.write_with("curves.png", lambda path: plot_curves(self.rows, path))

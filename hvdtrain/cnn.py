@@ -16,7 +16,6 @@ from hvdtrain import train
 from hvdtrain.config import CNN_PRESETS, parse_config
 from hvdtrain.errors import reported
 from hvdtrain.models.cnn import build_cnn
-from hvdtrain.runtime import make_runtime
 
 PROGRAM = "hvdtrain.cnn"
 
@@ -31,8 +30,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     # 1. configuration: a preset, then command-line overrides, validated
     config = parse_config(argv, CNN_PRESETS, prog=f"python -m {PROGRAM}", description=__doc__)
     # 2. compute: horovod ranks, a tf.distribute strategy, or one process
-    runtime = make_runtime(config.backend, threads_per_worker=config.threads_per_worker,
-                           needs_horovod=config.grad_accum_steps > 1)
+    runtime = train.start_runtime(config)
     # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)
     result = train.run(PROGRAM, config, runtime, CLASSIFIER)
     # 4. summary

@@ -22,9 +22,7 @@ def plot_curves(rows: list[dict], path: str) -> None:
         axis.set_title(name)
         axis.grid(alpha=0.3)
         axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100, format="png")
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def plot_reconstructions(originals: np.ndarray, reconstructions: np.ndarray, title: str,
@@ -46,9 +44,7 @@ def plot_reconstructions(originals: np.ndarray, reconstructions: np.ndarray, tit
     axes[0][0].set_ylabel("input")
     axes[1][0].set_ylabel("output")
     figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100, format="png")
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def pyplot():
@@ -58,3 +54,10 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(figure, path: str) -> None:
+    """Write the figure as a PNG and free it (figures are never shown; pyplot keeps them)."""
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, format="png")
+    pyplot().close(figure)

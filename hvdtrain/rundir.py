@@ -91,7 +91,8 @@ class RunDir:
         os.close(handle)
         try:
             writer(tmp)
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
+            # mkstemp makes 0600; give the usual permissions.
+            os.chmod(tmp, 0o666 & ~current_umask())
             os.replace(tmp, target)
         except BaseException:
             if os.path.exists(tmp):
@@ -99,7 +100,8 @@ class RunDir:
             raise
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (reading it means setting it; it is set straight back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

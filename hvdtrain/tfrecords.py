@@ -25,6 +25,7 @@ import numpy as np
 
 from hvdtrain.data import DEFAULT_FILE_IMAGE_SIZE, TFRECORD_METADATA, list_image_folder
 from hvdtrain.errors import UserError, reported
+from hvdtrain.rundir import current_umask
 
 PROGRAM = "hvdtrain.tfrecords"
 
@@ -56,22 +57,22 @@ def write_shards(paths: np.ndarray, labels: np.ndarray, out_dir: str, prefix: st
 def convert(data_dir: str, out_dir: str, *, shards: int, validation_shards: int,
             validation_fraction: float, seed: int, image_size: int, channels: int = 3,
             on_bad_image: str = "skip") -> dict:
-    listing = list_image_folder(data_dir, image_size=image_size,
-                                validation_fraction=validation_fraction, seed=seed,
-                                on_bad_image=on_bad_image, channels=channels)
+    # The output checks are cheap; listing opens every image. A mistyped --out fails first.
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; name a new directory")
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise UserError(f"--out {out_dir} exists and is not empty; choose a new directory")
+    listing = list_image_folder(data_dir, image_size=image_size,
+                                validation_fraction=validation_fraction, seed=seed,
+                                on_bad_image=on_bad_image, channels=channels)
     parent = os.path.dirname(os.path.abspath(out_dir))
     try:
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.")
     except OSError as error:
         raise UserError(f"--out {out_dir}: cannot create it ({error.strerror or error})") from None
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(staging, 0o777 & ~mask)  # mkdtemp makes 0700; shards are for other users too
+    # mkdtemp makes 0700; shards are for other users too.
+    os.chmod(staging, 0o777 & ~current_umask())
     try:
         counts = write_shards(listing.train.sources, listing.train.labels, staging, "train",
                               shards)

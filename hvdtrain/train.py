@@ -25,7 +25,7 @@ from hvdtrain.data import Listing, Pipelines, build_pipelines, load_listing
 from hvdtrain.errors import EXIT_PREEMPTED, UserError, first_line
 from hvdtrain.plan import TrainingPlan, make_plan
 from hvdtrain.rundir import RunDir, ensure_writable
-from hvdtrain.runtime import Runtime, placement
+from hvdtrain.runtime import Runtime, make_runtime, placement
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,14 @@ class TrainingResult:
     """Per-epoch metrics of every completed epoch, including those of earlier runs."""
     exit_code: int
     """0, or EXIT_PREEMPTED/143 when a signal stopped the run after a checkpoint."""
+
+
+def start_runtime(config: TrainConfig) -> Runtime:
+    """The backend a job's config asks for, started (horovod ranks, a strategy, one process)."""
+    # Gradient accumulation is horovod's (backward_passes_per_step), so it keeps horovod even
+    # where `auto` would otherwise run a single process.
+    return make_runtime(config.backend, threads_per_worker=config.threads_per_worker,
+                        needs_horovod=config.grad_accum_steps > 1)
 
 
 def run(program: str, config: TrainConfig, runtime: Runtime, task: Task) -> TrainingResult:

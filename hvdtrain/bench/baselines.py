@@ -103,8 +103,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     class Record(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
-            rows.append({"epoch": epoch + 1, **{k: float(v) for k, v in logs.items()},
-                         **throughput.timings})
+            rows.append(throughput.row(epoch, logs))
 
     model.fit(dataset, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, verbose=0,
               callbacks=[throughput, Record()])

@@ -9,7 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from hvdtrain.bench.harness import Comparison
-from hvdtrain.plots import pyplot
+from hvdtrain.plots import pyplot, save_figure
 from hvdtrain.rundir import RunDir
 
 
@@ -92,9 +92,7 @@ def plot_ratios(comparisons: list[Comparison], path: str) -> None:
     axis.set_xlabel("ratio A/B: dot = ratio of medians, line = range of per-round ratios, "
                     "| = target")
     axis.grid(axis="x", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100, format="png")
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def plot_allreduce(comparisons: list[Comparison], path: str) -> None:
@@ -110,9 +108,7 @@ def plot_allreduce(comparisons: list[Comparison], path: str) -> None:
     axis.set_title("2-rank allreduce on this machine")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100, format="png")
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def plot_speedup(speedup: dict, path: str) -> None:
@@ -132,6 +128,4 @@ def plot_speedup(speedup: dict, path: str) -> None:
     axis.set_xticks(workers)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100, format="png")
-    plt.close(figure)
+    save_figure(figure, path)
