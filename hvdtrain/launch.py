@@ -12,6 +12,7 @@ the time limit; the ranks write a checkpoint and exit 75). The exit status is th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -342,17 +343,9 @@ def parse_options(argv: Sequence[str] | None) -> tuple[LaunchOptions, bool, bool
     parser.add_argument("module_args", nargs=argparse.REMAINDER,
                         help="flags for the training module")
     args = parser.parse_args(argv)
-    module_args = tuple(args.module_args)
-    options = LaunchOptions(
-        module=args.module, module_args=module_args, np=args.np, via=args.via,
-        controller=args.controller, python=args.python,
-        timeline_filename=args.timeline_filename, autotune=args.autotune,
-        autotune_log_file=args.autotune_log_file, fusion_threshold_mb=args.fusion_threshold_mb,
-        cycle_time_ms=args.cycle_time_ms,
-        stall_check_warning_seconds=args.stall_check_warning_seconds,
-        stall_check_shutdown_seconds=args.stall_check_shutdown_seconds,
-        no_stall_check=args.no_stall_check, binding_args=args.binding_args,
-        allow_run_as_root=args.allow_run_as_root)
+    # Every LaunchOptions field is a flag of the same name.
+    values = {field.name: getattr(args, field.name) for field in dataclasses.fields(LaunchOptions)}
+    options = LaunchOptions(**{**values, "module_args": tuple(args.module_args)})
     return options, args.dry_run, args.skip_preflight
 
 

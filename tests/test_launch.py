@@ -9,8 +9,8 @@ import pytest
 
 from conftest import REPO, clean_env
 from hvdtrain.errors import UserError
-from hvdtrain.launch import (Build, LaunchOptions, build_launch, describe, preflight,
-                             horovod_tuning_env)
+from hvdtrain.launch import (Build, LaunchOptions, build_launch, describe, horovod_tuning_env,
+                             parse_options, preflight)
 from hvdtrain.slurm import TEMPLATES, Allocation, SbatchJob, expand_tasks_per_node, render
 
 GOOD_BUILD = Build(tensorflow=True, mpi=True, gloo=True)
@@ -84,6 +84,25 @@ def test_tuning_reaches_every_rank_as_horovod_variables():
                    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90"}
     mpirun = build_launch(options(via="mpirun", fusion_threshold_mb=32), None, gpus=0).argv
     assert ("-x", "HOROVOD_FUSION_THRESHOLD") == mpirun[mpirun.index("-x"):][:2]
+
+
+def test_every_flag_reaches_the_launch_options():
+    parsed, dry_run, skip_preflight = parse_options([
+        "--np", "3", "--via", "mpirun", "--controller", "mpi", "--python", PY, "--dry-run",
+        "--skip-preflight", "--timeline-filename", "t.json", "--autotune",
+        "--autotune-log-file", "a.csv", "--fusion-threshold-mb", "32", "--cycle-time-ms", "0.5",
+        "--stall-check-warning-seconds", "30", "--stall-check-shutdown-seconds", "90",
+        "--no-stall-check", "--binding-args", "--bind-to core", "--allow-run-as-root",
+        "hvdtrain.cnn", "--preset", "tiny", "--epochs", "2"])
+    assert parsed == LaunchOptions(
+        module="hvdtrain.cnn", module_args=("--preset", "tiny", "--epochs", "2"), np=3,
+        via="mpirun", controller="mpi", python=PY, timeline_filename="t.json", autotune=True,
+        autotune_log_file="a.csv", fusion_threshold_mb=32.0, cycle_time_ms=0.5,
+        stall_check_warning_seconds=30, stall_check_shutdown_seconds=90, no_stall_check=True,
+        binding_args="--bind-to core", allow_run_as_root=True)
+    assert (dry_run, skip_preflight) == (True, True)
+    defaults, dry_run, _ = parse_options(["hvdtrain.cnn"])
+    assert defaults == LaunchOptions(module="hvdtrain.cnn") and not dry_run
 
 
 def test_hostile_values_are_quoted_never_interpreted():
