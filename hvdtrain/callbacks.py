@@ -13,6 +13,7 @@ from typing import Callable
 
 import tf_keras as keras
 
+from hvdtrain.errors import UserError
 from hvdtrain.plots import plot_curves
 from hvdtrain.rundir import RunDir
 
@@ -101,6 +102,35 @@ class PreemptionCheck(keras.callbacks.Callback):
             self.request.mid_epoch = batch + 1 < steps
             self.model.stop_training = True
             self.on_stop(self.request.epoch, self.request.mid_epoch)
+
+
+class DecodeFailureReport(keras.callbacks.Callback):
+    """At each epoch's end: how many samples no rank could decode, summed over the ranks.
+
+    A collective (every rank gathers the counts), so it is attached on every rank or none. The
+    count goes into the epoch's metrics as ``skipped_samples`` and rank 0 names an example; with
+    ``--on-bad-image fail`` every rank raises the same one-line error instead.
+    """
+
+    def __init__(self, runtime, failures, on_bad_image: str):
+        super().__init__()
+        self.runtime = runtime
+        self.failures = failures
+        self.on_bad_image = on_bad_image
+
+    def on_epoch_end(self, epoch, logs=None):
+        local = [counter.take_new() for counter in self.failures]
+        mine = (sum(count for count, _ in local), next((name for _, name in local if name), None))
+        everyone = self.runtime.allgather_object(mine)
+        skipped = sum(count for count, _ in everyone)
+        if not skipped:
+            return
+        example = next(name for _, name in everyone if name)
+        message = f"{skipped} sample(s) did not decode in epoch {epoch + 1} (e.g. {example})"
+        if self.on_bad_image == "fail":
+            raise UserError(f"{message}; remove them or pass --on-bad-image skip")
+        logs["skipped_samples"] = skipped
+        self.runtime.print0(f"{message}; each was replaced by a blank sample of weight 0")
 
 
 class Throughput(keras.callbacks.Callback):

@@ -299,10 +299,54 @@ def _is_data_error(error: Exception) -> bool:
 # --- from a listing to tf.data pipelines ---------------------------------------------------------
 @dataclass
 class Pipelines:
-    """The per-rank training and validation datasets, batched, ready for ``model.fit``."""
+    """The per-rank training and validation datasets, batched, ready for ``model.fit``.
+
+    Batches are ``(images, labels)``, or ``(images, labels, weights)`` for data read from files,
+    where a sample that did not decode is a blank image of weight 0 (see ``DecodeFailures``).
+    """
 
     train: tf.data.Dataset
     validation: tf.data.Dataset | None
+    decode_failures: tuple[DecodeFailures, ...] = ()
+    """One counter per split read from files (none for in-memory data, which always decodes)."""
+
+
+class DecodeFailures:
+    """Samples of one split that this rank could not decode, counted as the pipeline meets them.
+
+    A file can pass the header check while listing and still fail to decode (a JPEG cut short).
+    Dropping it would leave this rank with fewer samples than the plan and its peers (a rank
+    short of a validation batch then reports other metrics, and the ranks' metric allreduces no
+    longer match: a hang). So the pipeline drops it with ``ignore_errors``, notices the gap in the
+    sample indices, counts it here, and puts a blank sample of weight 0 in its place: every rank
+    keeps exactly the planned number of samples, and the failure costs no gradient and no metric.
+    """
+
+    def __init__(self, split_name: str, name_of: Callable[[int], str]):
+        import tensorflow as tf
+
+        self.split_name = split_name
+        self.name_of = name_of
+        """Index in this rank's shard -> what to call that sample in a message."""
+        with tf.device("/cpu:0"):  # updated from inside tf.data, which runs on the host
+            self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.last_index = tf.Variable(-1, dtype=tf.int64, trainable=False)
+        self._reported = 0
+
+    def take_new(self) -> tuple[int, str | None]:
+        """(failures since the last call, a name of the latest one)."""
+        total = int(self.count.numpy())
+        new, self._reported = total - self._reported, total
+        return new, self.name_of(int(self.last_index.numpy())) if new else None
+
+    def note(self, last_good, index):
+        """tf.data step: record the indices between two decoded samples as failures."""
+        import tensorflow as tf
+
+        missing = index - last_good - 1
+        return tf.group(self.count.assign_add(missing),
+                        self.last_index.assign(tf.where(missing > 0, index - 1,
+                                                        self.last_index)))
 
 
 def shard_records(split: Split, world: World, *, seed: int, by_file: bool) -> tf.data.Dataset:
@@ -355,21 +399,28 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         file_order = tfrecord_file_order(listing.train, seed)
         check_tfrecord_file_sharding(listing.train, world, file_order, batch_size)
     decode = _decoder(listing)
+    failures = []
 
-    def prepare(split: Split, *, by_file: bool, limit: int | None) -> tf.data.Dataset:
+    def prepare(split: Split, *, by_file: bool, limit: int | None,
+                num_samples: int, split_name: str) -> tf.data.Dataset:
         records = shard_records(split, world, seed=seed, by_file=by_file)
         if limit is not None:
             # Exactly the same number of validation samples on every rank (see plan.py).
             records = records.take(limit)
-        images = records.map(decode, num_parallel_calls=tf.data.AUTOTUNE)
-        if listing.kind != "memory" and on_bad_image == "skip":
-            # A file whose header looked right but does not decode is dropped, not fatal.
-            images = images.ignore_errors()
+            num_samples = min(num_samples, limit)
+        if listing.kind == "memory":
+            images = records.map(decode, num_parallel_calls=tf.data.AUTOTUNE)
+        else:
+            counter = DecodeFailures(split_name, _sample_namer(listing, split, world, by_file))
+            failures.append(counter)
+            images = _decode_or_blank(records, decode, counter, num_samples,
+                                      listing.image_shape)
         return images.cache() if cache else images
 
-    train = prepare(listing.train, by_file=by_file, limit=None)
     records_per_rank = (tfrecord_files_for_rank(listing.train, world, file_order)[1]
                         if file_order is not None else _examples_for_rank(listing.train, world))
+    train = prepare(listing.train, by_file=by_file, limit=None, num_samples=records_per_rank,
+                    split_name="training")
     train = (train.shuffle(max(1, min(records_per_rank, 10_000)), seed=seed + world.rank,
                            reshuffle_each_iteration=True)
              .batch(batch_size, drop_remainder=True)
@@ -381,7 +432,9 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         # Validation shards by example even for TFRecords: every rank must run the same number
         # of validation batches, and the validation set is small enough to read in full.
         validation = (prepare(listing.validation, by_file=False,
-                              limit=validation_steps * validation_batch_size)
+                              limit=validation_steps * validation_batch_size,
+                              num_samples=_examples_for_rank(listing.validation, world),
+                              split_name="validation")
                       .batch(validation_batch_size, drop_remainder=True)
                       .prefetch(tf.data.AUTOTUNE))
     options = tf.data.Options()
@@ -390,7 +443,51 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         options.threading.private_threadpool_size = max(2, threads)
     train = train.with_options(options)
     validation = validation.with_options(options) if validation is not None else None
-    return Pipelines(train, validation)
+    return Pipelines(train, validation, tuple(failures))
+
+
+def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: DecodeFailures,
+                     num_samples: int, image_shape: tuple[int, int, int]) -> tf.data.Dataset:
+    """Decoded ``(image, label, 1.0)``, with ``(blank, 0, 0.0)`` wherever a sample did not decode.
+
+    Always exactly ``num_samples`` elements (see ``DecodeFailures`` for why).
+    """
+    import tensorflow as tf
+
+    decoded = (records.enumerate()
+               .map(lambda index, record: (index, *decode(*_as_tuple(record))),
+                    num_parallel_calls=tf.data.AUTOTUNE)  # keeps order (deterministic)
+               .ignore_errors())
+    blank = (tf.zeros(image_shape, tf.uint8), tf.constant(0, tf.int64))
+    # A sentinel index past the end makes a gap after the last good sample visible too.
+    end = tf.data.Dataset.from_tensors((tf.constant(num_samples, tf.int64), *blank))
+
+    def count_gaps(last_good, element):
+        index = element[0]
+        with tf.control_dependencies([failures.note(last_good, index)]):
+            return tf.identity(index), element
+
+    samples = (decoded.concatenate(end)
+               .scan(tf.constant(-1, tf.int64), count_gaps)
+               .filter(lambda index, image, label: index < num_samples)
+               .map(lambda index, image, label: (image, label, tf.constant(1.0))))
+    blanks = tf.data.Dataset.from_tensors((*blank, tf.constant(0.0))).repeat(num_samples)
+    return samples.concatenate(blanks).take(num_samples)
+
+
+def _as_tuple(record) -> tuple:
+    return record if isinstance(record, tuple) else (record,)
+
+
+def _sample_namer(listing: Listing, split: Split, world: World,
+                  by_file: bool) -> Callable[[int], str]:
+    """Index in this rank's shard of ``split`` -> a name for that sample in messages."""
+    if listing.kind == "files":
+        # shard(size, rank) keeps every size-th sample from this rank's position on.
+        return lambda index: str(split.sources[world.rank + index * world.size])
+    if by_file:
+        return lambda index: f"record {index} of this rank's TFRecord files"
+    return lambda index: f"record {world.rank + index * world.size} of the TFRecord files"
 
 
 def _examples_for_rank(split: Split, world: World) -> int:

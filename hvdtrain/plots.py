@@ -8,15 +8,16 @@ def plot_curves(rows: list[dict], path: str) -> None:
     """One panel per metric (training and validation), against epochs."""
     plt = pyplot()
     skip = {"epoch", "samples_per_sec", "train_seconds", "epoch_seconds", "cpu_seconds",
-            "learning_rate"}
+            "learning_rate", "skipped_samples"}
     names = [k for k in rows[0] if k not in skip and not k.startswith("val_")] if rows else []
     figure, axes = plt.subplots(1, max(1, len(names)), figsize=(5 * max(1, len(names)), 3.6),
                                 squeeze=False)
     epochs = [row["epoch"] for row in rows]
     for axis, name in zip(axes[0], names):
-        axis.plot(epochs, [row[name] for row in rows], marker="o", label=f"train {name}")
+        axis.plot(epochs, [row.get(name, np.nan) for row in rows], marker="o",
+                  label=f"train {name}")
         if f"val_{name}" in rows[0]:
-            axis.plot(epochs, [row[f"val_{name}"] for row in rows], marker="o",
+            axis.plot(epochs, [row.get(f"val_{name}", np.nan) for row in rows], marker="o",
                       label=f"validation {name}")
         axis.set_xlabel("epoch")
         axis.set_title(name)

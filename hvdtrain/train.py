@@ -18,8 +18,9 @@ import tensorflow as tf
 import tf_keras as keras
 
 from hvdtrain import __version__
-from hvdtrain.callbacks import (LearningRateLog, MetricsLog, PreemptionCheck, SaveCheckpoint,
-                                StopRequest, StopSignals, Throughput)
+from hvdtrain.callbacks import (DecodeFailureReport, LearningRateLog, MetricsLog,
+                                PreemptionCheck, SaveCheckpoint, StopRequest, StopSignals,
+                                Throughput)
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import Listing, Pipelines, build_pipelines, load_listing
 from hvdtrain.errors import EXIT_PREEMPTED, UserError, first_line
@@ -165,9 +166,20 @@ def variables_bytes(variables) -> int:
     return sum(v.shape.num_elements() * v.dtype.size for v in variables)
 
 
-def _optimizer_variables(optimizer) -> list:
-    variables = optimizer.variables
-    return list(variables() if callable(variables) else variables)
+def training_state(model: keras.Model) -> list[tf.Variable]:
+    """Every variable a checkpoint of the model and its optimizer holds, each once.
+
+    Read from the checkpoint's object graph rather than ``model.variables`` and
+    ``optimizer.variables``: tf_keras' LossScaleOptimizer lists neither its current loss scale nor
+    its good-step counter there, and a rank that missed them after a resume would unscale its
+    gradients by another factor than rank 0 (the replicas drift apart).
+    """
+    root = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    unique = {}
+    for trackable in tf.train.TrackableView(root).descendants():  # holds root weakly
+        if isinstance(trackable, tf.Variable):
+            unique.setdefault(id(trackable), trackable)
+    return list(unique.values())
 
 
 def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
@@ -175,7 +187,10 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         request: StopRequest) -> TrainingResult:
     world = runtime.world
     run_dir = RunDir(config.run_dir, is_chief=world.is_chief)
-    keras.utils.set_random_seed(config.seed)
+    # Each rank draws its own dropout masks and augmentations (seed + rank): identical draws would
+    # make N ranks N copies of one sample's noise. Weights still start equal: rank 0's are
+    # broadcast below.
+    keras.utils.set_random_seed(config.seed + world.rank)
     precision = runtime.default_precision() if config.precision == "auto" else config.precision
     keras.mixed_precision.set_global_policy("float32" if precision == "fp32" else precision)
 
@@ -189,13 +204,18 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         optimizer = runtime.distribute_optimizer(
             keras.optimizers.Adam(learning_rate=schedule),
             fp16_allreduce=config.fp16_allreduce, grad_accum_steps=config.grad_accum_steps)
-        model.compile(optimizer=optimizer, loss=task.loss(), metrics=task.metrics(),
+        # Samples read from files carry a weight (0 for one that did not decode, see
+        # data.DecodeFailures): the metrics must honour it as the loss does.
+        weighted = len(pipelines.train.element_spec) == 3
+        model.compile(optimizer=optimizer, loss=task.loss(),
+                      metrics=None if weighted else task.metrics(),
+                      weighted_metrics=task.metrics() if weighted else None,
                       steps_per_execution=(config.steps_per_execution
                                            or runtime.default_steps_per_execution()))
         # Create the optimizer's slots now, so a checkpoint restores them immediately and the
         # broadcast below covers them.
         model.optimizer.build(model.trainable_variables)
-    state_variables = model.variables + _optimizer_variables(model.optimizer)
+    state_variables = training_state(model)
 
     # --- run directory and resume ---------------------------------------------------------------
     ensure_writable(run_dir, runtime, bytes_needed=(config.keep_checkpoints + 1)
@@ -243,6 +263,9 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         LearningRateLog(schedule),
         PreemptionCheck(runtime, request, config.signal_check_every_steps, save_on_stop),
     ]
+    if pipelines.decode_failures:
+        callbacks.append(DecodeFailureReport(runtime, pipelines.decode_failures,
+                                             config.on_bad_image))
     if world.is_chief:
         # Metrics before the checkpoint: a crash between the two then costs a repeated epoch,
         # never a missing row.
@@ -253,8 +276,8 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
                                                          profile_batch=0))
     train, validation = pipelines.train, pipelines.validation
     if task.to_pairs is not None:
-        train = train.map(task.to_pairs)
-        validation = validation.map(task.to_pairs) if validation is not None else None
+        train = with_targets(train, task.to_pairs)
+        validation = with_targets(validation, task.to_pairs) if validation is not None else None
 
     # A signal that came before training (while listing data or building the model): stop now,
     # all ranks together; nothing new to save.
@@ -285,6 +308,13 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         inference_model.set_weights(model.get_weights())
         run_dir.write_with(run_dir.model_file.name, inference_model.save, suffix=".keras")
     return TrainingResult(model, plan, pipelines, run_dir, initial_epoch, rows, 0)
+
+
+def with_targets(dataset: tf.data.Dataset, to_pairs: Callable) -> tf.data.Dataset:
+    """Apply a task's (images, labels) -> (inputs, targets), keeping sample weights if any."""
+    if len(dataset.element_spec) == 3:
+        return dataset.map(lambda images, labels, weights: (*to_pairs(images, labels), weights))
+    return dataset.map(to_pairs)
 
 
 def summary(result: TrainingResult) -> str:

@@ -73,9 +73,10 @@ def test_image_folder_png_and_jpeg_of_any_size(tmp_path):
     assert listing.train.num_samples + listing.validation.num_samples == 36
     pipelines = build_pipelines(listing, World(), batch_size=4,
                                 validation_batch_size=4, validation_steps=2, seed=0, cache=True)
-    images, labels = next(iter(pipelines.train))
+    images, labels, weights = next(iter(pipelines.train))
     assert images.shape == (4, 16, 16, 3) and images.dtype.name == "uint8"
     assert set(labels.numpy()) <= {0, 1, 2}
+    assert weights.numpy().tolist() == [1.0] * 4  # every file decoded
     assert len(list(pipelines.validation)) == 2
 
 
@@ -108,16 +109,56 @@ def test_non_image_files_are_skipped_and_counted_or_fatal(tmp_path):
                           on_bad_image="fail")
 
 
-def test_truncated_image_with_a_valid_header_is_dropped_in_skip_mode(tmp_path):
-    root = make_image_folder(tmp_path / "data", classes=2, per_class=8)
-    good = next((root / "zero").glob("*.png")).read_bytes()
-    (root / "zero" / "truncated.png").write_bytes(good[:40])
-    listing = list_image_folder(str(root), image_size=8, validation_fraction=0.0, seed=0,
+def add_undecodable_files(root, per_class: int) -> list[str]:
+    """Files whose headers pass the listing's check but whose bodies do not decode."""
+    bad = []
+    for class_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        jpeg = next(class_dir.glob("*.jpg")).read_bytes()
+        png = next(class_dir.glob("*.png")).read_bytes()
+        for index in range(per_class):
+            path = class_dir / f"bad-{index}.{'jpg' if index % 2 else 'png'}"
+            # A valid header, then a third of the body (a download cut short).
+            source = jpeg if index % 2 else png
+            path.write_bytes(source[:max(len(source) // 3, 40)])
+            bad.append(str(path))
+    return bad
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_undecodable_files_become_blank_samples_and_every_rank_keeps_its_count(tmp_path, size):
+    root = make_image_folder(tmp_path / "data", classes=2, per_class=12)
+    bad = add_undecodable_files(root, per_class=4)
+    listing = list_image_folder(str(root), image_size=8, validation_fraction=0.25, seed=0,
                                 on_bad_image="skip")
-    pipelines = build_pipelines(listing, World(), batch_size=1,
-                                validation_batch_size=1, validation_steps=0, seed=0, cache=True)
-    decoded = list(pipelines.train.take(17).as_numpy_iterator())
-    assert len(decoded) == 17  # 16 good files per pass, the truncated one dropped, repeating
+    assert listing.train.num_samples + listing.validation.num_samples == 32  # headers look fine
+    batch = 2
+    validation_steps = (listing.validation.num_samples // size) // batch  # as plan.py derives it
+    skipped, names = 0, set()
+    for rank in range(size):
+        world = World(rank=rank, size=size)
+        pipelines = build_pipelines(listing, world, batch_size=batch,
+                                    validation_batch_size=batch,
+                                    validation_steps=validation_steps, seed=0, cache=True)
+        # One full pass over this rank's shard: exactly its planned number of samples, the
+        # undecodable ones as weight-0 blanks, so no rank can run short of a batch.
+        planned = len(listing.train.sources[rank::size])
+        train = list(pipelines.train.unbatch().take(planned).as_numpy_iterator())
+        validation = list(pipelines.validation.as_numpy_iterator())
+        assert len(validation) == validation_steps  # the same on every rank
+        weights = [w for _, _, w in train] + [w for batch_ in validation for w in batch_[2]]
+        blanks = [image for image, _, w in train if w == 0]
+        assert all(not image.any() for image in blanks)
+        for counter in pipelines.decode_failures:
+            count, name = counter.take_new()
+            skipped += count
+            names |= {name} if name else set()
+            assert counter.take_new() == (0, None)  # counted once, not again
+        assert weights.count(0.0) <= len(bad)
+    # Every undecodable training file is counted by the rank that owns it; validation files
+    # only up to the validation steps each rank runs.
+    train_bad = len(set(bad) & set(listing.train.sources.tolist()))
+    assert train_bad <= skipped <= len(bad)
+    assert names and names <= set(bad)
 
 
 def test_tfrecords_round_trip_and_file_sharding(tmp_path):
@@ -138,7 +179,7 @@ def test_tfrecords_round_trip_and_file_sharding(tmp_path):
     assert seen == [8, 8, 8]
     pipelines = build_pipelines(listing, World(rank=1, size=3), batch_size=4,
                                 validation_batch_size=2, validation_steps=1, seed=0, cache=True)
-    images, labels = next(iter(pipelines.train))
+    images, labels, weights = next(iter(pipelines.train))
     assert images.shape == (4, 16, 16, 3)
 
 

@@ -208,3 +208,124 @@ def test_only_rank_0_writes_in_every_path(runtime, tmp_path):
     assert "stopped/config.json" in chief_files
     assert "stopped/model.keras" not in chief_files  # a stopped run exports nothing
     assert [files for _, _, files in results[1:]] == [[]] * (runtime.world.size - 1)
+
+
+def loss_scale_of(model) -> float:
+    """The dynamic loss scale a mixed_float16 model's optimizer currently applies."""
+    scales = [v for v in train.training_state(model) if v.name.startswith("current_loss_scale")]
+    assert len(scales) == 1
+    return float(scales[0].numpy())
+
+
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_a_resumed_mixed_precision_run_keeps_every_rank_identical(runtime, shared_dir,
+                                                                   grad_accum_steps):
+    from hvdtrain.rundir import RunDir
+
+    run_dir = shared_dir / f"accumulate-{grad_accum_steps}"
+    config = config_in(run_dir, epochs=1, steps_per_epoch=4, precision="mixed_float16",
+                       grad_accum_steps=grad_accum_steps, export=False)
+
+    def first_run_with_a_lowered_loss_scale():
+        try:
+            model = train.run("test", config, runtime, CLASSIFIER).model
+            if runtime.world.is_chief:
+                # The state a long run reaches after overflows: a loss scale below the initial
+                # 2**15. Rank 0 checkpoints it, as the epoch's own checkpoint would.
+                scale = [v for v in train.training_state(model)
+                         if v.name.startswith("current_loss_scale")][0]
+                scale.assign(1024.0)
+                train.Checkpoints(RunDir(run_dir, is_chief=True), model, keep=3).save(1)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+
+    def resumed():
+        try:
+            result = train.run("test", dataclasses.replace(config, epochs=3), runtime,
+                               CLASSIFIER)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        return (result.initial_epoch, loss_scale_of(result.model),
+                [v.numpy() for v in train.training_state(result.model)])
+
+    gather_checked(runtime, first_run_with_a_lowered_loss_scale)
+    results = gather_checked(runtime, resumed)
+    assert [epoch for epoch, _, _ in results] == [1] * runtime.world.size
+    # Every rank continued from rank 0's restored scale (it only grows after 2000 good steps),
+    # and so applied the same updates: identical weights, optimizer and loss-scale state.
+    assert all(scale <= 1024.0 for _, scale, _ in results), [s for _, s, _ in results]
+    assert_same_on_all_ranks([state for _, _, state in results], "resumed mixed precision")
+
+
+def test_ranks_draw_their_own_dropout_masks_from_the_same_weights(runtime, tmp_path):
+    config = config_in(tmp_path / "run", epochs=1, steps_per_epoch=2, export=False)
+
+    def weights_and_a_dropout_mask():
+        model = train.run("test", config, runtime, CLASSIFIER).model
+        dropout = next(layer for layer in model.layers
+                       if isinstance(layer, keras.layers.Dropout))
+        # The next mask this rank's dropout draws, from the generator train.fit seeded.
+        mask = dropout(np.ones((1, 4096), np.float32), training=True).numpy() != 0
+        return [w.numpy() for w in model.weights], mask
+
+    results = gather_checked(runtime, weights_and_a_dropout_mask)
+    assert_same_on_all_ranks([weights for weights, _ in results], "weights")
+    masks = [mask for _, mask in results]
+    assert all(0.7 < mask.mean() < 0.9 for mask in masks)  # rate 0.2: a real dropout mask
+    for rank, mask in enumerate(masks[1:], start=1):
+        assert not np.array_equal(mask, masks[0]), f"rank {rank} drew rank 0's dropout mask"
+
+
+def test_steps_per_execution_runs_that_many_steps_per_call(runtime, tmp_path):
+    """Keras calls the batch hooks once per execution: 8 steps in calls of 4 are 2 hooks."""
+    calls = {}
+
+    def preemption_checks_per_epoch(steps_per_execution):
+        counted = []
+        real = runtime.max_over_ranks
+        runtime.max_over_ranks = lambda value: counted.append(value) or real(value)
+        try:
+            config = config_in(tmp_path / f"spe{steps_per_execution}", epochs=1,
+                               steps_per_epoch=8, steps_per_execution=steps_per_execution,
+                               signal_check_every_steps=1, export=False)
+            result = train.run("test", config, runtime, CLASSIFIER)
+        finally:
+            del runtime.max_over_ranks
+        # One agreement before fit, then one per batch hook.
+        return len(counted) - 1, int(result.model.optimizer.iterations.numpy())
+
+    for steps_per_execution in (1, 4):
+        calls[steps_per_execution] = gather_checked(
+            runtime, lambda: preemption_checks_per_epoch(steps_per_execution))
+    assert all(outcome == (8, 8) for outcome in calls[1])
+    assert all(outcome == (2, 8) for outcome in calls[4])
+
+
+def test_epoch_metrics_are_the_mean_over_ranks(runtime):
+    """The sync callbacks average each epoch's metrics: every rank reports the same mean."""
+    features = np.random.default_rng(runtime.world.rank).normal(size=(64, 4)).astype("float32")
+    targets = features.sum(axis=1, keepdims=True) * (1 + runtime.world.rank)
+
+    class Record(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.loss = None
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.loss = float(logs["loss"])
+
+    def local_and_synced_loss():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.layers.Dense(1, input_shape=(4,))])
+        model.compile(optimizer="sgd", loss="mse")
+        before, after = Record(), Record()
+        model.fit(features, targets, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[before, *runtime.sync_callbacks(), after])
+        return before.loss, after.loss
+
+    results = gather_checked(runtime, local_and_synced_loss)
+    local_losses = [before for before, _ in results]
+    for _, synced in results:
+        assert synced == pytest.approx(np.mean(local_losses), rel=1e-5)
+    if runtime.world.size > 1:
+        assert len(set(local_losses)) == runtime.world.size  # the ranks' data did differ

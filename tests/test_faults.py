@@ -206,6 +206,52 @@ def test_bad_image_folders_under_two_ranks(tmp_path):
     assert skipped.stdout.count("skipped 1 file(s)") == 1
 
 
+def mixed_bad_folder(root: Path, *, unreadable_headers: bool = True) -> Path:
+    """Real images plus the bad files real data sets contain: JPEGs and PNGs cut short (valid
+    headers, so only decoding finds them), empty files, and text under an image's name."""
+    make_image_folder(root, classes=2, per_class=24)
+    for class_dir in (root / "zero", root / "one"):
+        jpeg = next(class_dir.glob("*.jpg")).read_bytes()
+        png = next(class_dir.glob("*.png")).read_bytes()
+        for index in range(3):
+            (class_dir / f"cut-{index}.jpg").write_bytes(jpeg[:len(jpeg) // 3])
+            (class_dir / f"cut-{index}.png").write_bytes(png[:len(png) // 3])
+        if unreadable_headers:
+            (class_dir / "empty.jpg").write_bytes(b"")
+            (class_dir / "readme.png").write_text("a text file with an image's extension")
+    return root
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_undecodable_images_are_skipped_and_counted_never_a_hang(tmp_path, np_):
+    folder = mixed_bad_folder(tmp_path / "data")
+    flags = ["--data-dir", str(folder), "--batch-size", "4", "--image-size", "16",
+             "--epochs", "2", "--no-tensorboard", "--no-export"]
+    result = horovodrun(np_, "hvdtrain.cnn", *flags, "--run-dir", str(tmp_path / "run"),
+                        timeout=240)
+    output = result.stdout
+    # Empty and non-image files are found while listing; truncated ones while decoding, by
+    # whichever rank owns them, and summed over the ranks at the end of the epoch.
+    assert output.count("skipped 4 file(s)") == 1, output[-3000:]
+    decode_lines = [l for l in output.splitlines() if "did not decode in epoch" in l]
+    assert decode_lines and len(decode_lines) == len({l.split("epoch")[1] for l in decode_lines})
+    skipped = sum(int(re.search(r"(\d+) sample\(s\) did not decode", l).group(1))
+                  for l in decode_lines)
+    assert 1 <= skipped <= 12  # the 12 cut files, minus validation ones past the last step
+    rows = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [row["epoch"] for row in rows] == [1, 2]
+    assert sum(row.get("skipped_samples", 0) for row in rows) == skipped
+    # --on-bad-image fail refuses files that only decoding finds in one line, on every rank
+    # together, before the epoch's metrics or checkpoint are written.
+    cut_only = mixed_bad_folder(tmp_path / "cut", unreadable_headers=False)
+    refused = horovodrun(np_, "hvdtrain.cnn", *flags[2:], "--data-dir", str(cut_only),
+                         "--on-bad-image", "fail", "--run-dir", str(tmp_path / "refused"),
+                         check=False, timeout=240)
+    assert "did not decode in epoch 1" in one_error(refused)
+    assert not (tmp_path / "refused" / "metrics.json").exists()
+
+
 def test_more_ranks_than_tfrecord_files(tmp_path):
     from hvdtrain.tfrecords import convert
 
