@@ -29,6 +29,10 @@ _LAUNCHER_VARIABLES = (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK"
                        ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", None))
 
 
+#: What horovod's collectives raise on every rank once horovod has shut down.
+HOROVOD_SHUT_DOWN = "Horovod has been shut down"
+
+
 class UserError(Exception):
     """A mistake in the user's input or environment, the same on every rank. One line, exit 2."""
 
@@ -83,6 +87,15 @@ def reported(program: str, rank: Callable[[], int] = launch_rank) -> Iterator[No
         sys.exit(130)
     except Exception as error:  # a bug: rank 0 shows where, the others one line each
         this_rank = rank()
+        if HOROVOD_SHUT_DOWN in str(error):
+            # Horovod ends every rank's pending collective with this when a rank failed or
+            # stalled past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS. Any rank may be the stuck one
+            # (rank 0 too), so each rank that sees it says so in one line; the launcher then
+            # stops the rest.
+            print(f"{program}: rank {this_rank}: horovod shut the job down: a rank failed (its "
+                  "error is above) or stalled in a collective past the stall limit "
+                  "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)", file=sys.stderr, flush=True)
+            sys.exit(1)
         if this_rank == 0 or os.environ.get("HVDTRAIN_TRACEBACKS") == "all":
             traceback.print_exc()
         else:

@@ -252,6 +252,19 @@ def test_undecodable_images_are_skipped_and_counted_never_a_hang(tmp_path, np_):
     assert not (tmp_path / "refused" / "metrics.json").exists()
 
 
+def test_a_stalled_rank_ends_the_job_with_one_line_not_a_hang(tmp_path):
+    start = time.monotonic()
+    result = run_job([str(VENV_BIN / "horovodrun"), "-np", "2", sys.executable,
+                      str(SCRIPTS / "stalled_rank.py")], timeout=180, check=False,
+                     env=clean_env(HOROVOD_STALL_CHECK_TIME_SECONDS="2",
+                                   HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="6"))
+    assert result.returncode != 0
+    assert time.monotonic() - start < 120
+    lines = [l for l in result.stdout.splitlines() if "horovod shut the job down" in l]
+    assert len(lines) == 1 and "rank 0" in lines[0], result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+
+
 def test_more_ranks_than_tfrecord_files(tmp_path):
     from hvdtrain.tfrecords import convert
 
