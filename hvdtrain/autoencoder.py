@@ -63,7 +63,7 @@ def write_reconstructions(result: train.TrainingResult, runtime: Runtime) -> str
              "inputs (top), reconstructions (bottom)")
     result.run_dir.write_with(
         name, lambda path: plot_reconstructions(images.numpy(), reconstructions, title, path))
-    return str(result.run_dir.path / name)
+    return result.run_dir.file(name)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

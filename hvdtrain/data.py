@@ -12,7 +12,6 @@ file system is scanned once, not once per rank, and every rank sees the same lis
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 from dataclasses import dataclass
@@ -209,20 +208,27 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
 
 def list_tfrecords(location: str, *, image_size: int | None,
                    channels: int | None = None) -> Listing:
-    """TFRecord shards: a directory written by ``hvdtrain.tfrecords`` or a glob of shards."""
+    """TFRecord shards: a directory written by ``hvdtrain.tfrecords`` or a glob of shards.
+
+    Read through tf.io.gfile, so ``gs://`` (and any file system TensorFlow knows) works as well
+    as a local path.
+    """
+    import tensorflow as tf
+
+    gfile = tf.io.gfile
     metadata = {}
-    if os.path.isdir(location):
+    if gfile.isdir(location):
         metadata_path = os.path.join(location, TFRECORD_METADATA)
-        if os.path.exists(metadata_path):
-            with open(metadata_path) as file:
+        if gfile.exists(metadata_path):
+            with gfile.GFile(metadata_path) as file:
                 metadata = json.load(file)
-        train_files = sorted(glob.glob(os.path.join(location, "train-*.tfrecord")))
-        validation_files = sorted(glob.glob(os.path.join(location, "validation-*.tfrecord")))
+        train_files = sorted(gfile.glob(os.path.join(location, "train-*.tfrecord")))
+        validation_files = sorted(gfile.glob(os.path.join(location, "validation-*.tfrecord")))
         if not train_files:  # a plain directory of shards: all but validation-* are training
-            train_files = sorted(set(glob.glob(os.path.join(location, "*.tfrecord")))
+            train_files = sorted(set(gfile.glob(os.path.join(location, "*.tfrecord")))
                                  - set(validation_files))
     else:
-        train_files, validation_files = sorted(glob.glob(location)), []
+        train_files, validation_files = sorted(gfile.glob(location)), []
     if not train_files:
         raise UserError(f"--tfrecords {location}: no TFRecord files found")
     counts = metadata.get("counts", {})

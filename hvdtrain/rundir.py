@@ -8,45 +8,93 @@ Layout of ``<run_dir>``::
     curves.png         training curves, redrawn after every epoch
     tensorboard/       TensorBoard event files
     model.keras        the final model, without optimizer state
+    .lock              held by the job writing here; names its host, pid and scheduler job
 
 Each file is written to a temporary name and renamed into place, so a crash never leaves a
 half-written file under the real name.
+
+A run directory may also be a URL of a file system TensorFlow knows (``gs://bucket/run``, as TPU
+jobs use; ``s3://``, ``hdfs://``, ``ram://``): it is then read and written through
+``tf.io.gfile``, and paths are kept as strings, since pathlib folds ``gs://b`` into ``gs:/b``.
 """
 from __future__ import annotations
 
 import csv
+import fcntl
 import io
 import json
 import os
+import posixpath
+import re
 import shutil
+import socket
 import tempfile
+import time
+import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, first_line
+
+MODEL_FILE = "model.keras"
+LOCK_FILE = ".lock"
+
+# How long a job refused by the lock waits for the holder to write its name into the lock file
+# (the holder writes it just after taking the lock): seconds.
+_HOLDER_WAIT_SECONDS = 2.0
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+_held_locks: dict[str, int] = {}
+"""Lock file (real path) -> the open descriptor that holds its flock, for this process's life."""
+
+
+def is_url(path: str) -> bool:
+    """True for a path that names its file system (gs://bucket/run), read through tf.io.gfile."""
+    return _URL.match(path) is not None
 
 
 class RunDir:
+    """Rank 0's reader and writer of one run directory, on a local disk or behind a URL."""
+
+    path: str
+    """The directory as a string (a URL keeps its scheme)."""
+    remote: bool
+    """True when the directory is a URL, reached through tf.io.gfile."""
+    is_chief: bool
+    """Only the chief writes; the writes of every other rank are no-ops."""
+    lock_note: str | None
+    """Why this process writes here without holding the lock (set by ``lock``), or None."""
+
     def __init__(self, path: str | os.PathLike, *, is_chief: bool):
-        self.path = Path(path)
+        path = os.fspath(path)
+        self.remote = is_url(path)
+        self.path = path if self.remote else str(Path(path))
         self.is_chief = is_chief
+        self.lock_note = None
+
+    def file(self, name: str) -> str:
+        """The path of ``name`` inside the run directory."""
+        return posixpath.join(self.path, name)
 
     @property
-    def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+    def checkpoints(self) -> str:
+        return self.file("checkpoints")
 
     @property
-    def tensorboard(self) -> Path:
-        return self.path / "tensorboard"
+    def tensorboard(self) -> str:
+        return self.file("tensorboard")
 
     @property
-    def model_file(self) -> Path:
-        return self.path / "model.keras"
+    def model_file(self) -> str:
+        return self.file(MODEL_FILE)
 
     def problem(self, bytes_needed: int = 0) -> str | None:
         """Why rank 0 could not write here, or None. Checked before training, not after."""
+        if self.remote:
+            return self._remote_problem()
         try:
-            self.checkpoints.mkdir(parents=True, exist_ok=True)
+            os.makedirs(self.checkpoints, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-test-"):
                 pass
         except OSError as error:
@@ -55,6 +103,70 @@ class RunDir:
         if free < bytes_needed:
             return (f"run directory {self.path} has {free / 2**20:.1f} MiB free; checkpoints "
                     f"need about {bytes_needed / 2**20:.1f} MiB")
+        return None
+
+    def _remote_problem(self) -> str | None:
+        tf = _tensorflow()
+        probe = self.file(f".write-test-{uuid.uuid4().hex}")
+        try:
+            tf.io.gfile.makedirs(self.checkpoints)
+            with tf.io.gfile.GFile(probe, "w") as file:
+                file.write("")
+            tf.io.gfile.remove(probe)
+        except tf.errors.OpError as error:
+            return f"run directory {self.path} is not writable: {first_line(error)}"
+        # No free-space check: an object store grows on demand and reports no free space.
+        return None
+
+    def lock(self, job: str | None = None) -> str | None:
+        """Rank 0: keep other jobs out of this directory until this process ends.
+
+        Returns why it cannot (a live process holds the lock), or None. ``job`` is the
+        scheduler's name for this job ("Slurm job 1234"); it goes into the lock file with this
+        host and pid, so that a job refused can say who holds the directory.
+
+        An flock, not a pid file: the kernel drops it when its holder dies however it dies
+        (SIGKILL, OOM killer), so a dead job never blocks its own resume. On NFS the server keeps
+        it, so it holds across nodes; Lustre and BeeGFS do so only when mounted for it (``-o
+        flock``, ``tuneUseGlobalFileLocks``), else it guards one node. Another RunDir of the same
+        directory in this process finds it already held: it is the same job (a notebook or test
+        that trains twice). Where there is no lock (a URL, a file system that refuses locks),
+        ``lock_note`` says so and the job runs unguarded.
+        """
+        if self.remote:
+            scheme = self.path.split("://", 1)[0]
+            self.lock_note = (f"no run-dir lock on {scheme}:// (it has no file locks): make sure "
+                              f"only one job at a time uses {self.path}")
+            return None
+        path = os.path.realpath(self.file(LOCK_FILE))
+        if _holds(path):
+            return None
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as error:
+            self.lock_note = f"no run-dir lock: cannot open {path}: {error.strerror or error}"
+            return None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(descriptor)
+            os.close(descriptor)
+            return (f"run directory {self.path} is in use by {holder}; two jobs would overwrite "
+                    "each other's checkpoints: wait for it to end, or use another --run-dir")
+        except OSError as error:
+            os.close(descriptor)
+            self.lock_note = (f"no run-dir lock: the file system of {self.path} refuses file "
+                              f"locks ({error.strerror or error})")
+            return None
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": job,
+                  "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        # Written only now that the lock is ours (opening did not truncate), so the file always
+        # names the live holder; fsync pushes it to the server of a shared file system, where a
+        # job refused on another node reads it.
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, (json.dumps(holder) + "\n").encode(), 0)
+        os.fsync(descriptor)
+        _held_locks[path] = descriptor
         return None
 
     def write_text(self, name: str, text: str) -> None:
@@ -66,7 +178,7 @@ class RunDir:
 
     def read_json(self, name: str, default: Any = None) -> Any:
         try:
-            return json.loads((self.path / name).read_text())
+            return json.loads(self._read_text(name))
         except (OSError, ValueError):
             return default
 
@@ -79,12 +191,29 @@ class RunDir:
         self.write_text(name, buffer.getvalue())
 
     def write_with(self, name: str, writer: Callable[[str], None], suffix: str = "") -> None:
-        """Let ``writer(tmp_path)`` produce the file (a plot, a Keras model), then rename it."""
+        """Let ``writer(tmp_path)`` produce the file (a plot, a Keras model), then rename it.
+
+        ``tmp_path`` is always a local file (Keras and matplotlib write only those); for a URL
+        run directory it is copied into place once complete.
+        """
         if self.is_chief:
             self._atomic(name, writer, suffix)
 
+    def _read_text(self, name: str) -> str:
+        if not self.remote:
+            return Path(self.file(name)).read_text()
+        tf = _tensorflow()
+        try:
+            with tf.io.gfile.GFile(self.file(name)) as file:
+                return file.read()
+        except tf.errors.OpError as error:
+            raise OSError(first_line(error)) from error
+
     def _atomic(self, name: str, writer: Callable[[str], Any], suffix: str = "") -> None:
-        target = self.path / name
+        if self.remote:
+            self._atomic_remote(name, writer, suffix)
+            return
+        target = Path(self.file(name))
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
                                        suffix=suffix or target.suffix)
@@ -99,6 +228,74 @@ class RunDir:
                 os.unlink(tmp)
             raise
 
+    def _atomic_remote(self, name: str, writer: Callable[[str], Any], suffix: str) -> None:
+        gfile = _tensorflow().io.gfile
+        target = self.file(name)
+        directory, base = posixpath.split(target)
+        suffix = suffix or posixpath.splitext(base)[1]
+        gfile.makedirs(directory)
+        handle, local = tempfile.mkstemp(prefix=f".{base}.", suffix=suffix)
+        os.close(handle)
+        staged = posixpath.join(directory, f".{base}.{uuid.uuid4().hex}{suffix}")
+        try:
+            writer(local)
+            gfile.copy(local, staged, overwrite=True)
+            # Atomic where the file system renames (HDFS, ram://). On an object store (gs://,
+            # s3://) rename is a server-side copy and a delete, and an object appears only once
+            # complete, so the real name still never shows a partial file.
+            gfile.rename(staged, target, overwrite=True)
+        except BaseException:
+            if gfile.exists(staged):
+                gfile.remove(staged)
+            raise
+        finally:
+            os.unlink(local)
+
+
+def _holds(path: str) -> bool:
+    """True if this process holds the lock on ``path`` (and it is still the file at ``path``)."""
+    descriptor = _held_locks.get(path)
+    if descriptor is None:
+        return False
+    held = os.fstat(descriptor)
+    try:
+        current = os.stat(path)
+    except FileNotFoundError:
+        current = None
+    if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
+        return True
+    # The directory was deleted (and maybe made again) since: that lock guards nothing now.
+    os.close(descriptor)
+    del _held_locks[path]
+    return False
+
+
+def _read_holder(descriptor: int) -> str:
+    """Who holds the lock, as its lock file says, e.g. 'Slurm job 42, pid 7 on host node3 ...'."""
+    deadline = time.monotonic() + _HOLDER_WAIT_SECONDS
+    while True:
+        try:
+            holder = json.loads(os.pread(descriptor, 4096, 0))
+        except ValueError:  # the holder has not written its name yet
+            holder = None
+        if isinstance(holder, dict):
+            break
+        if time.monotonic() > deadline:
+            return "another process (it has not written its name into the lock file)"
+        time.sleep(0.05)
+    who = f"pid {holder.get('pid')} on host {holder.get('host')}"
+    if holder.get("job"):
+        who = f"{holder['job']}, {who}"
+    return f"{who} (since {holder.get('since')})"
+
+
+def _tensorflow():
+    """TensorFlow, imported when a URL run directory first needs tf.io.gfile: local run
+    directories (and tools that write results through RunDir without training) never load it."""
+    import tensorflow as tf
+
+    return tf
+
 
 def current_umask() -> int:
     """The process's umask (reading it means setting it; it is set straight back)."""
@@ -107,9 +304,14 @@ def current_umask() -> int:
     return mask
 
 
-def ensure_writable(run_dir: RunDir, runtime, bytes_needed: int) -> None:
-    """Rank 0 checks; every rank raises the same one-line error if it failed."""
-    problem = run_dir.problem(bytes_needed) if run_dir.is_chief else None
+def ensure_writable(run_dir: RunDir, runtime, bytes_needed: int,
+                    job: str | None = None) -> str | None:
+    """Rank 0 checks it can write here and takes the lock; every rank raises the same one-line
+    error if either failed. Returns rank 0's ``lock_note`` (None on other ranks)."""
+    # Both checks in one broadcast: the other ranks wait once for rank 0's verdict, and a
+    # refusal reaches every rank, so they exit together instead of waiting in a later collective.
+    problem = (run_dir.problem(bytes_needed) or run_dir.lock(job)) if run_dir.is_chief else None
     problem = runtime.broadcast_object(problem)
     if problem:
         raise UserError(problem)
+    return run_dir.lock_note

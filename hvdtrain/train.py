@@ -7,6 +7,7 @@ its loss and metrics, and how to turn (image, label) batches into (input, target
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import signal
 import socket
@@ -25,8 +26,9 @@ from hvdtrain.config import TrainConfig
 from hvdtrain.data import Listing, Pipelines, build_pipelines, load_listing
 from hvdtrain.errors import EXIT_PREEMPTED, UserError, first_line
 from hvdtrain.plan import TrainingPlan, make_plan
-from hvdtrain.rundir import RunDir, ensure_writable
+from hvdtrain.rundir import MODEL_FILE, RunDir, ensure_writable
 from hvdtrain.runtime import Runtime, make_runtime, placement
+from hvdtrain.slurm import job_label
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ class Checkpoints:
         self.resume_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="resume_epoch")
         self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
                                               resume_epoch=self.resume_epoch)
-        self.manager = (tf.train.CheckpointManager(self.checkpoint, str(run_dir.checkpoints),
+        self.manager = (tf.train.CheckpointManager(self.checkpoint, run_dir.checkpoints,
                                                    max_to_keep=keep)
                         if run_dir.is_chief else None)
 
@@ -218,8 +220,14 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
     state_variables = training_state(model)
 
     # --- run directory and resume ---------------------------------------------------------------
-    ensure_writable(run_dir, runtime, bytes_needed=(config.keep_checkpoints + 1)
-                    * variables_bytes(state_variables) + 2**20)
+    # Rank 0 also takes the run directory's lock, held until this process ends: a second job on
+    # the same directory (a duplicate sbatch, a requeued job whose old copy still runs) is
+    # refused on every rank, naming the holder, before it writes anything.
+    lock_note = ensure_writable(run_dir, runtime, bytes_needed=(config.keep_checkpoints + 1)
+                                * variables_bytes(state_variables) + 2**20,
+                                job=job_label(os.environ))
+    if lock_note:
+        runtime.print0(lock_note)
     checkpoints = Checkpoints(run_dir, model, config.keep_checkpoints)
     restored: tuple[int, str | None] | UserError = (0, None)
     if world.is_chief:
@@ -272,7 +280,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         callbacks += [MetricsLog(run_dir, rows, request, throughput),
                       SaveCheckpoint(checkpoints, request)]
         if config.tensorboard:
-            callbacks.append(keras.callbacks.TensorBoard(str(run_dir.tensorboard),
+            callbacks.append(keras.callbacks.TensorBoard(run_dir.tensorboard,
                                                          profile_batch=0))
     train, validation = pipelines.train, pipelines.validation
     if task.to_pairs is not None:
@@ -306,7 +314,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         # makes on the fly, which a serving or fine-tuning process could not deserialize.
         inference_model = keras.models.clone_model(model)
         inference_model.set_weights(model.get_weights())
-        run_dir.write_with(run_dir.model_file.name, inference_model.save, suffix=".keras")
+        run_dir.write_with(MODEL_FILE, inference_model.save, suffix=".keras")
     return TrainingResult(model, plan, pipelines, run_dir, initial_epoch, rows, 0)
 
 

@@ -226,3 +226,38 @@ def test_converter_refuses_to_overwrite(tmp_path):
     with pytest.raises(UserError, match="not empty"):
         convert(str(root), str(tmp_path / "records"), shards=1, validation_shards=1,
                 validation_fraction=0.2, seed=0, image_size=8)
+
+
+def test_tfrecords_and_run_directory_on_a_url_file_system(tmp_path):
+    """gs:// as TPU jobs use it, through TensorFlow's in-memory ram:// file system (no network)."""
+    import dataclasses
+
+    import tensorflow as tf
+
+    from hvdtrain import train
+    from hvdtrain.cnn import CLASSIFIER
+    from hvdtrain.config import tiny
+    from hvdtrain.runtime import Runtime, configure_devices
+
+    root = make_image_folder(tmp_path / "images", classes=2, per_class=10)
+    local = tmp_path / "records"
+    convert(str(root), str(local), shards=2, validation_shards=1, validation_fraction=0.2,
+            seed=0, image_size=8)
+    remote = f"ram://{tmp_path.name}/records"
+    tf.io.gfile.makedirs(remote)
+    for path in local.iterdir():
+        tf.io.gfile.copy(str(path), f"{remote}/{path.name}", overwrite=True)
+    listing = list_tfrecords(remote, image_size=None)
+    assert (listing.train.num_samples, listing.validation.num_samples) == (16, 4)
+    assert all(str(path).startswith("ram://") for path in listing.train.sources)
+
+    run_dir = f"ram://{tmp_path.name}/run"
+    config = dataclasses.replace(tiny(), tfrecords=remote, run_dir=run_dir, epochs=2,
+                                 batch_size=4, tfrecord_sharding="example")
+    runtime = Runtime(World(), configure_devices(World(), None))
+    result = train.run("test", config, runtime, CLASSIFIER)
+    assert [row["epoch"] for row in result.rows] == [1, 2]
+    for name in ("config.json", "metrics.json", "model.keras", "checkpoints/checkpoint"):
+        assert tf.io.gfile.exists(f"{run_dir}/{name}"), name
+    resumed = train.run("test", dataclasses.replace(config, epochs=3), runtime, CLASSIFIER)
+    assert resumed.initial_epoch == 2 and [r["epoch"] for r in resumed.rows] == [1, 2, 3]

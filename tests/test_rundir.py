@@ -1,0 +1,306 @@
+"""The run directory: one job at a time (a lock), and run directories behind a URL (tf.io.gfile).
+
+Pure tier, except the last test: the lock is taken by real separate processes
+(tests/scripts/rundir_lock.py), and URL run directories are exercised on TensorFlow's in-memory
+``ram://`` file system, which goes through the same tf.io.gfile calls as ``gs://``. Under mpirun
+every rank runs these in its own temporary directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, integration, run_job
+from hvdtrain.errors import UserError
+from hvdtrain.rundir import LOCK_FILE, RunDir, current_umask, ensure_writable
+from hvdtrain.runtime import Devices, Runtime, World
+
+pytestmark = pytest.mark.timeout(300)
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@pytest.fixture
+def lock_holder():
+    """Start tests/scripts/rundir_lock.py processes; returns (process, first line); kills them."""
+    started: list[subprocess.Popen] = []
+
+    def start(mode: str, run_dir: Path, job: str | None = None) -> tuple[subprocess.Popen, str]:
+        process = subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "rundir_lock.py"), mode, str(run_dir),
+             *([job] if job else [])], env=clean_env(), stdout=subprocess.PIPE, text=True,
+            start_new_session=True)
+        started.append(process)
+        ready, _, _ = select.select([process.stdout], [], [], 60)
+        assert ready, "the lock holder printed nothing in 60 s"
+        return process, process.stdout.readline().strip()
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        process.stdout.close()
+
+
+def try_lock(run_dir: Path) -> str:
+    """What a separate process gets from RunDir.lock: 'locked' or 'refused: <problem>'."""
+    result = run_job([sys.executable, str(SCRIPTS / "rundir_lock.py"), "try", str(run_dir)],
+                     timeout=60)
+    return result.stdout.strip()
+
+
+def holder_record(run_dir: Path) -> dict:
+    return json.loads((run_dir / LOCK_FILE).read_text())
+
+
+def single_runtime() -> Runtime:
+    """The single-process backend (a world of one: its broadcast hands back what it is given)."""
+    return Runtime(World(), Devices("cpu", "test"))
+
+
+# --- the lock -------------------------------------------------------------------------------------
+def test_a_second_job_is_refused_in_one_line_naming_the_holder(tmp_path, lock_holder):
+    holder, said = lock_holder("hold", tmp_path, "Slurm job 4242")
+    assert said == "locked"
+
+    run_dir = RunDir(tmp_path, is_chief=True)
+    problem = run_dir.lock(job="Slurm job 777")
+    assert problem is not None and "\n" not in problem
+    assert (f"run directory {tmp_path} is in use by Slurm job 4242, pid {holder.pid} on host "
+            f"{socket.gethostname()} (since ") in problem, problem
+    assert "use another --run-dir" in problem
+    assert holder_record(tmp_path)["pid"] == holder.pid  # the refused job wrote nothing there
+
+    # Through the check every rank runs: the same line, as the error that exits 2.
+    with pytest.raises(UserError, match=f"in use by Slurm job 4242, pid {holder.pid} "):
+        ensure_writable(RunDir(tmp_path, is_chief=True), single_runtime(), bytes_needed=0)
+
+
+def test_a_holder_outside_any_scheduler_is_named_by_host_and_pid(tmp_path, lock_holder):
+    holder, said = lock_holder("hold", tmp_path)
+    assert said == "locked"
+    assert try_lock(tmp_path).startswith(
+        f"refused: run directory {tmp_path} is in use by pid {holder.pid} on host "
+        f"{socket.gethostname()} (since ")
+
+
+def test_a_killed_holder_does_not_block_the_next_job(tmp_path, lock_holder):
+    holder, said = lock_holder("hold", tmp_path, "Slurm job 4242")
+    assert said == "locked"
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    assert holder.returncode == -signal.SIGKILL
+    assert holder_record(tmp_path)["pid"] == holder.pid  # its lock file is still there...
+
+    assert try_lock(tmp_path) == "locked"  # ...and blocks nobody: the kernel dropped the lock
+    run_dir = RunDir(tmp_path, is_chief=True)
+    assert run_dir.lock(job="Slurm job 4243") is None and run_dir.lock_note is None
+    record = holder_record(tmp_path)
+    assert (record["pid"], record["host"], record["job"]) == (os.getpid(), socket.gethostname(),
+                                                              "Slurm job 4243")
+
+
+def test_this_process_takes_its_own_lock_again_and_keeps_others_out(tmp_path):
+    assert RunDir(tmp_path, is_chief=True).lock() is None
+    # A second RunDir of the same directory in this process (a test or notebook training twice)
+    # is the same job.
+    assert RunDir(f"{tmp_path}/", is_chief=True).lock() is None
+    assert try_lock(tmp_path).startswith(f"refused: run directory {tmp_path} is in use by pid "
+                                         f"{os.getpid()} on host ")
+
+
+def test_a_run_dir_deleted_and_made_again_is_locked_anew(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert RunDir(run_dir, is_chief=True).lock() is None
+    (run_dir / LOCK_FILE).unlink()
+    run_dir.rmdir()
+    run_dir.mkdir()
+    assert RunDir(run_dir, is_chief=True).lock() is None
+    # The lock this process holds is on the new lock file, not on the deleted one.
+    assert try_lock(run_dir).startswith("refused: ")
+
+
+def test_a_holder_that_has_not_written_its_name_yet_is_still_a_holder(tmp_path, lock_holder):
+    _, said = lock_holder("bare", tmp_path)
+    assert said == "locked"
+    problem = RunDir(tmp_path, is_chief=True).lock()
+    assert problem and "in use by another process (it has not written its name" in problem
+
+
+def test_only_the_chief_takes_the_lock(tmp_path):
+    assert ensure_writable(RunDir(tmp_path, is_chief=False), single_runtime(), 0) is None
+    assert not (tmp_path / LOCK_FILE).exists()
+    assert try_lock(tmp_path) == "locked"
+
+
+# --- local run directories keep their behaviour ---------------------------------------------------
+def test_local_files_get_umask_permissions_and_leave_no_temporary_files(tmp_path):
+    run_dir = RunDir(f"{tmp_path}//run/", is_chief=True)
+    assert run_dir.path == f"{tmp_path}/run" and not run_dir.remote
+    assert run_dir.checkpoints == f"{tmp_path}/run/checkpoints"
+    run_dir.write_json("config.json", {"epochs": 3})
+    run_dir.write_with("picture.png", lambda path: Path(path).write_bytes(b"png"))
+    assert sorted(os.listdir(run_dir.path)) == ["config.json", "picture.png"]
+    for name in ("config.json", "picture.png"):
+        assert (tmp_path / "run" / name).stat().st_mode & 0o777 == 0o666 & ~current_umask()
+    assert run_dir.read_json("config.json") == {"epochs": 3}
+    assert run_dir.read_json("missing.json", default=[]) == []
+
+
+def test_files_of_another_rank_are_not_written(tmp_path):
+    RunDir(tmp_path, is_chief=False).write_json("config.json", {})
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- run directories behind a URL (tf.io.gfile) -----------------------------------------------
+@pytest.fixture
+def url() -> str:
+    """A run directory on TensorFlow's in-memory file system, new for each test."""
+    return f"ram://test-{uuid.uuid4().hex}/run"
+
+
+@pytest.fixture
+def url_run_dir(url) -> RunDir:
+    return RunDir(url, is_chief=True)
+
+
+def test_a_url_keeps_its_scheme(url, url_run_dir):
+    assert url_run_dir.path == url and url_run_dir.remote
+    assert url_run_dir.checkpoints == f"{url}/checkpoints"
+    assert url_run_dir.tensorboard == f"{url}/tensorboard"
+    assert url_run_dir.model_file == f"{url}/model.keras"
+
+
+def test_a_url_run_dir_is_checked_written_and_read_back(url, url_run_dir):
+    import tensorflow as tf
+
+    gfile = tf.io.gfile
+    assert url_run_dir.problem(bytes_needed=2**60) is None  # no free-space figure to compare
+    assert gfile.isdir(url_run_dir.checkpoints)
+    rows = [{"epoch": 1, "loss": 0.5}, {"epoch": 2, "loss": 0.25}]
+    url_run_dir.write_json("metrics.json", rows)
+    url_run_dir.write_csv("metrics.csv", rows)
+    url_run_dir.write_text("notes.txt", "first")
+    url_run_dir.write_text("notes.txt", "second")  # replaces
+    assert url_run_dir.read_json("metrics.json") == rows
+    assert url_run_dir.read_json("missing.json", default=[]) == []
+    with gfile.GFile(f"{url}/metrics.csv") as file:
+        assert file.read().splitlines() == ["epoch,loss", "1,0.5", "2,0.25"]
+    with gfile.GFile(f"{url}/notes.txt") as file:
+        assert file.read() == "second"
+    # Neither the write probe nor any staged temporary file is left behind.
+    assert sorted(gfile.listdir(url)) == ["checkpoints", "metrics.csv", "metrics.json",
+                                          "notes.txt"]
+
+
+def test_write_with_writes_locally_then_copies_into_a_url(url, url_run_dir):
+    import tensorflow as tf
+
+    from hvdtrain.plots import plot_curves
+
+    rows = [{"epoch": 1, "loss": 0.5}, {"epoch": 2, "loss": 0.25}]
+    url_run_dir.write_with("curves.png", lambda path: plot_curves(rows, path))
+    with tf.io.gfile.GFile(f"{url}/curves.png", "rb") as file:
+        assert file.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    marker = uuid.uuid4().hex
+
+    def fails_half_way(path: str) -> None:
+        Path(path).write_bytes(b"half")
+        raise RuntimeError("writer failed")
+
+    with pytest.raises(RuntimeError, match="writer failed"):
+        url_run_dir.write_with(f"broken-{marker}.png", fails_half_way)
+    assert sorted(tf.io.gfile.listdir(url)) == ["curves.png"]
+    assert not [name for name in os.listdir(tempfile.gettempdir()) if marker in name]
+
+
+def test_other_ranks_write_nothing_into_a_url(url):
+    import tensorflow as tf
+
+    RunDir(url, is_chief=False).write_json("config.json", {})
+    assert not tf.io.gfile.exists(f"{url}/config.json")
+
+
+def test_a_url_run_dir_has_no_lock_and_says_so(url, url_run_dir):
+    note = ensure_writable(url_run_dir, single_runtime(), bytes_needed=0)
+    assert note and note.startswith("no run-dir lock on ram://") and url in note
+    assert note == url_run_dir.lock_note
+
+
+def test_an_unreachable_url_is_one_line():
+    problem = RunDir("nosuchscheme://bucket/run", is_chief=True).problem()
+    assert problem and problem.startswith("run directory nosuchscheme://bucket/run is not "
+                                          "writable: ") and "\n" not in problem
+
+
+def test_checkpoint_manager_saves_into_and_restores_from_a_url(url, url_run_dir):
+    import tensorflow as tf
+
+    assert url_run_dir.problem() is None
+    weights = tf.Variable([1.0, 2.0])
+    checkpoint = tf.train.Checkpoint(weights=weights)
+    manager = tf.train.CheckpointManager(checkpoint, url_run_dir.checkpoints, max_to_keep=2)
+    saved = manager.save()
+    assert saved == f"{url}/checkpoints/ckpt-1"
+    assert tf.io.gfile.exists(f"{url}/checkpoints/checkpoint")
+    weights.assign([0.0, 0.0])
+
+    reopened = tf.train.CheckpointManager(tf.train.Checkpoint(weights=weights),
+                                          url_run_dir.checkpoints, max_to_keep=2)
+    assert reopened.latest_checkpoint == saved
+    reopened.checkpoint.restore(reopened.latest_checkpoint).assert_existing_objects_matched()
+    assert weights.numpy().tolist() == [1.0, 2.0]
+
+
+# --- two real jobs ---------------------------------------------------------------------------
+@integration
+def test_a_second_job_on_a_busy_run_dir_is_refused_and_a_killed_job_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    cnn = [sys.executable, "-m", "hvdtrain.cnn", "--preset", "tiny", "--run-dir", str(run_dir)]
+    first = subprocess.Popen([*cnn, "--epochs", "200"], env=clean_env(SLURM_JOB_ID="4242"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "checkpoints" / "checkpoint").exists():  # an epoch checkpointed
+            if first.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("the first job ended or never finished an epoch")
+            time.sleep(0.2)
+        config_before = (run_dir / "config.json").read_text()
+
+        # A duplicate submission of the same job while the first still runs.
+        second = run_job([*cnn, "--epochs", "1"], timeout=180, check=False)
+        assert first.poll() is None, "the first job must still be running"
+        errors = [line for line in second.stdout.splitlines() if "hvdtrain.cnn: error:" in line]
+        assert second.returncode == 2 and len(errors) == 1, second.stdout[-3000:]
+        assert (f"is in use by Slurm job 4242, pid {first.pid} on host {socket.gethostname()}"
+                in errors[0]), errors[0]
+        assert "Traceback" not in second.stdout
+        assert (run_dir / "config.json").read_text() == config_before  # nothing overwritten
+
+        epochs_done = len(json.loads((run_dir / "metrics.json").read_text()))
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+
+    # The killed job's lock file stays behind; its lock does not: the rerun resumes.
+    rerun = run_job([*cnn, "--epochs", str(epochs_done + 1)], timeout=240,
+                    env=clean_env(SLURM_JOB_ID="4243"))
+    assert "resuming from" in rerun.stdout, rerun.stdout[-3000:]
+    assert json.loads((run_dir / LOCK_FILE).read_text())["job"] == "Slurm job 4243"
