@@ -55,8 +55,7 @@ def write_reconstructions(result: train.TrainingResult, runtime: Runtime) -> str
     if not runtime.world.is_chief:
         return None
     source = result.pipelines.validation or result.pipelines.train
-    images, _ = next(iter(source))
-    images = images[:SAMPLES_IN_GRID]
+    images = next(iter(source))[0][:SAMPLES_IN_GRID]  # (images, labels[, weights])
     reconstructions = result.model.predict(images, verbose=0)
     name = f"{runtime.devices.kind}.png"
     title = (f"autoencoder on {runtime.devices.description}, backend {runtime.world.backend}: "

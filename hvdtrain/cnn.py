@@ -15,15 +15,22 @@ import tf_keras as keras
 from hvdtrain import train
 from hvdtrain.config import CNN_PRESETS, parse_config
 from hvdtrain.errors import reported
-from hvdtrain.models.cnn import build_cnn
+from hvdtrain.models import build_classifier
 
 PROGRAM = "hvdtrain.cnn"
 
-CLASSIFIER = train.Task(
-    build_model=lambda listing: build_cnn(listing.image_shape, len(listing.class_names)),
-    loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    metrics=lambda: ["accuracy"],
-)
+
+def classifier(model: str = "cnn") -> train.Task:
+    """Image classification with ``--model``: a built-in network or the user's own file."""
+    return train.Task(
+        build_model=lambda listing: build_classifier(model, listing.image_shape,
+                                                     len(listing.class_names)),
+        loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=lambda: ["accuracy"],
+    )
+
+
+CLASSIFIER = classifier()
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -32,7 +39,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     # 2. compute: horovod ranks, a tf.distribute strategy, or one process
     runtime = train.start_runtime(config)
     # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)
-    result = train.run(PROGRAM, config, runtime, CLASSIFIER)
+    result = train.run(PROGRAM, config, runtime, classifier(config.model))
     # 4. summary
     runtime.print0(train.summary(result))
     return result.exit_code

@@ -123,7 +123,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            allowed = _literal_choices(field)
+            allowed = _literal_choices(type(self), field)
             value = getattr(self, field.name)
             if allowed and value not in allowed:
                 raise ValueError(f"{_flag(field.name)} must be one of {', '.join(allowed)}, "
@@ -153,19 +153,39 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+@dataclass(kw_only=True)
+class ClassifierConfig(TrainConfig):
+    """The image classifier job (``hvdtrain.cnn``): a training config plus the model to train."""
+
+    model: str = "cnn"
+    """The classifier: 'cnn' (hvdtrain's small CNN), 'resnet50', 'mobilenetv2', 'efficientnetb0'
+    (Keras applications, untrained, sized from the data; images of at least 32x32), or
+    'FILE.py:FUNCTION', your own FUNCTION(input_shape, num_classes) returning a keras.Model that
+    maps uint8 images to class logits."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from hvdtrain.models import BUILT_IN_CLASSIFIERS
+        from hvdtrain.models.user import is_user_model
+
+        if self.model not in BUILT_IN_CLASSIFIERS and not is_user_model(self.model):
+            raise ValueError(f"--model must be one of {', '.join(BUILT_IN_CLASSIFIERS)} or "
+                             f"FILE.py:FUNCTION, got {self.model!r}")
+
+
 # --- presets --------------------------------------------------------------------------------------
-def default() -> TrainConfig:
+def default() -> ClassifierConfig:
     """The CNN on the embedded digits: reaches >= 95% validation accuracy on 1, 2 or 4 ranks."""
-    return TrainConfig()
+    return ClassifierConfig()
 
 
-def tiny() -> TrainConfig:
+def tiny() -> ClassifierConfig:
     """The same job in a few seconds on 2 CPU ranks, for tests and a first look."""
-    return TrainConfig(epochs=3, warmup_epochs=0.5, learning_rate=3e-3, tensorboard=False,
-                       run_dir="runs/cnn-tiny")
+    return ClassifierConfig(epochs=3, warmup_epochs=0.5, learning_rate=3e-3, tensorboard=False,
+                            run_dir="runs/cnn-tiny")
 
 
-CNN_PRESETS: Mapping[str, Callable[[], TrainConfig]] = {"default": default, "tiny": tiny}
+CNN_PRESETS: Mapping[str, Callable[[], ClassifierConfig]] = {"default": default, "tiny": tiny}
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -178,7 +198,9 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], TrainConfig]],
                  *, prog: str, description: str) -> TrainConfig:
-    """Preset named by --preset (default 'default'), then every flag given, validated."""
+    """Preset named by --preset (default 'default'), then every flag given, validated.
+
+    The flags are the fields of the presets' config class (a TrainConfig or a subclass)."""
     preset_parser = _Parser(add_help=False)
     preset_parser.add_argument("--preset", default="default", choices=sorted(presets))
     known, _ = preset_parser.parse_known_args(argv)
@@ -188,9 +210,12 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", default="default", choices=sorted(presets),
                         help="Named starting configuration; the flags below override it.")
-    docs = field_docs(TrainConfig)
-    for field in dataclasses.fields(TrainConfig):
-        _add_flag(parser, field, getattr(base, field.name), docs.get(field.name, ""))
+    config_class = type(base)
+    docs = {name: doc for klass in reversed(config_class.__mro__)
+            if dataclasses.is_dataclass(klass) for name, doc in field_docs(klass).items()}
+    for field in dataclasses.fields(config_class):
+        _add_flag(parser, config_class, field, getattr(base, field.name),
+                  docs.get(field.name, ""))
     args = vars(parser.parse_args(argv))
     args.pop("preset")
     try:
@@ -199,14 +224,16 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
         raise UserError(str(error)) from None
 
 
-def _add_flag(parser: argparse.ArgumentParser, field: dataclasses.Field, default, doc: str):
+def _add_flag(parser: argparse.ArgumentParser, config_class: type, field: dataclasses.Field,
+              default, doc: str):
     help_text = " ".join(doc.split()).replace("%", "%%")
-    kind = _base_type(field)
+    kind = _base_type(config_class, field)
+    choices = _literal_choices(config_class, field)
     if kind is bool:
         parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction,
                             default=default, help=help_text)
-    elif _literal_choices(field):
-        parser.add_argument(_flag(field.name), default=default, choices=_literal_choices(field),
+    elif choices:
+        parser.add_argument(_flag(field.name), default=default, choices=choices,
                             help=help_text)
     else:
         parser.add_argument(_flag(field.name), default=default, type=kind, help=help_text,
@@ -222,13 +249,13 @@ def _resolved_hints(cls: type) -> dict:
     return typing.get_type_hints(cls)
 
 
-def _literal_choices(field: dataclasses.Field) -> tuple:
-    hint = _resolved_hints(TrainConfig)[field.name]
+def _literal_choices(config_class: type, field: dataclasses.Field) -> tuple:
+    hint = _resolved_hints(config_class)[field.name]
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
 
 
-def _base_type(field: dataclasses.Field) -> type:
-    hint = _resolved_hints(TrainConfig)[field.name]
+def _base_type(config_class: type, field: dataclasses.Field) -> type:
+    hint = _resolved_hints(config_class)[field.name]
     if typing.get_origin(hint) is Literal:
         return str
     args = [a for a in typing.get_args(hint) if a is not type(None)]
