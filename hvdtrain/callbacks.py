@@ -133,6 +133,81 @@ class DecodeFailureReport(keras.callbacks.Callback):
         self.runtime.print0(f"{message}; each was replaced by a blank sample of weight 0")
 
 
+class BatchNormStatistics(keras.callbacks.Callback):
+    """Batch-norm statistics recomputed from the current weights before each epoch's validation
+    and checkpoint, over ``num_batches`` training batches per rank, averaged over the ranks.
+
+    Keras updates a batch-norm layer's moving mean and variance once per step, from the batch of
+    one rank, with momentum 0.99 (a memory of ~100 steps). Data parallelism divides the steps per
+    epoch by the number of ranks, so after the same epochs the averages of N ranks trail the
+    weights N times further: the autoencoder reached val_loss 0.0068 in 20 epochs on one process
+    and 0.046 on two. Recomputing them ("precise BN", Wu & Johnson 2021) gives N ranks the
+    statistics of the weights they validate and save. A collective (every rank gathers every
+    rank's sums), so it runs on every rank or none.
+    """
+
+    def __init__(self, runtime, layers: list, batches, num_batches: int):
+        super().__init__()
+        self.runtime = runtime
+        self.layers = layers
+        self.batches = batches
+        self.num_batches = num_batches
+        self._iterator = None
+        self._forward = None
+        self._done_this_epoch = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._done_this_epoch = False
+
+    def on_test_begin(self, logs=None):
+        if not self._done_this_epoch:  # fit's validation: recompute before it
+            self.recompute()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not self._done_this_epoch:  # no validation this epoch: before the checkpoint
+            self.recompute()
+
+    def recompute(self) -> None:
+        import numpy as np
+        import tensorflow as tf
+
+        self._done_this_epoch = True
+        if self._iterator is None:
+            self._iterator = iter(self.batches)
+        momentums = [layer.momentum for layer in self.layers]
+        for layer in self.layers:
+            # Momentum 0: one training-mode pass leaves exactly that batch's statistics.
+            layer.momentum = 0.0
+        if self._forward is None:
+            model = self.model
+            self._forward = tf.function(lambda inputs: model(inputs, training=True))
+        sums = [[np.zeros(layer.moving_mean.shape, np.float64) for _ in range(2)]
+                for layer in self.layers]
+        try:
+            for _ in range(self.num_batches):
+                self._forward(next(self._iterator)[0])
+                for (mean_sum, square_sum), layer in zip(sums, self.layers):
+                    mean = layer.moving_mean.numpy().astype(np.float64)
+                    mean_sum += mean
+                    square_sum += layer.moving_variance.numpy() + mean ** 2
+        finally:
+            for layer, momentum in zip(self.layers, momentums):
+                layer.momentum = momentum
+        # Every rank ran the same number of equal batches: the mean of the ranks' means is the
+        # mean over all of them, and so is that of E[x^2].
+        gathered = self.runtime.allgather_object(sums)
+        for index, layer in enumerate(self.layers):
+            mean = np.mean([rank[index][0] for rank in gathered], axis=0) / self.num_batches
+            square = np.mean([rank[index][1] for rank in gathered], axis=0) / self.num_batches
+            layer.moving_mean.assign(mean.astype(np.float32))
+            layer.moving_variance.assign(np.maximum(square - mean ** 2, 0).astype(np.float32))
+
+
+def batch_norm_layers(model) -> list:
+    return [layer for layer in model.submodules
+            if isinstance(layer, keras.layers.BatchNormalization)]
+
+
 class Throughput(keras.callbacks.Callback):
     """Per-epoch wall time, process CPU time and global samples per second of the training part."""
 

@@ -106,6 +106,11 @@ class TrainConfig:
     threads_per_worker: int | None = None
     """TensorFlow intra-op threads per rank on CPU. Default: this node's cores divided by the
     ranks on it (at least 1), so N ranks never oversubscribe the CPU."""
+    bn_recompute_batches: int = 20
+    """With several ranks: training batches per rank over which batch-norm statistics are
+    recomputed from the current weights at the end of every epoch, before validation and the
+    checkpoint (data parallelism divides the steps per epoch, so Keras' moving averages lag the
+    weights). 0 keeps Keras' moving averages. Costs that many forward passes per epoch."""
     signal_check_every_steps: int = 10
     """How often (in batches) the ranks agree whether a preemption signal arrived. Each check is
     one tiny allreduce; a signal is acted on within this many batches."""
@@ -132,6 +137,9 @@ class TrainConfig:
             raise ValueError("give either --data-dir or --tfrecords, not both")
         positive = ["batch_size", "epochs", "grad_accum_steps", "keep_checkpoints",
                     "synthetic_samples", "signal_check_every_steps"]
+        if self.bn_recompute_batches < 0:
+            raise ValueError(f"--bn-recompute-batches must be >= 0, got "
+                             f"{self.bn_recompute_batches}")
         optional_positive = ["steps_per_epoch", "steps_per_execution", "threads_per_worker",
                              "image_size"]
         for name in positive + [n for n in optional_positive if getattr(self, n) is not None]:

@@ -19,9 +19,9 @@ import tensorflow as tf
 import tf_keras as keras
 
 from hvdtrain import __version__
-from hvdtrain.callbacks import (DecodeFailureReport, LearningRateLog, MetricsLog,
-                                PreemptionCheck, SaveCheckpoint, StopRequest, StopSignals,
-                                Throughput)
+from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
+                                MetricsLog, PreemptionCheck, SaveCheckpoint, StopRequest,
+                                StopSignals, Throughput, batch_norm_layers)
 from hvdtrain.config import TrainConfig
 from hvdtrain.data import Listing, Pipelines, build_pipelines, load_listing
 from hvdtrain.errors import EXIT_PREEMPTED, UserError, first_line
@@ -264,6 +264,11 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
             checkpoints.save(resume_epoch=epoch if mid_epoch else epoch + 1)
             request.saved = True
 
+    train, validation = pipelines.train, pipelines.validation
+    if task.to_pairs is not None:
+        train = with_targets(train, task.to_pairs)
+        validation = with_targets(validation, task.to_pairs) if validation is not None else None
+
     throughput = Throughput(plan.global_batch_size)
     callbacks = [
         *runtime.sync_callbacks(),  # first: the callbacks after it read averaged metrics
@@ -271,6 +276,11 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         LearningRateLog(schedule),
         PreemptionCheck(runtime, request, config.signal_check_every_steps, save_on_stop),
     ]
+    norm_layers = batch_norm_layers(model)
+    if world.size > 1 and norm_layers and config.bn_recompute_batches:
+        # Before validation and the checkpoint, which read the statistics (see the callback).
+        callbacks.append(BatchNormStatistics(runtime, norm_layers, train,
+                                             config.bn_recompute_batches))
     if pipelines.decode_failures:
         callbacks.append(DecodeFailureReport(runtime, pipelines.decode_failures,
                                              config.on_bad_image))
@@ -282,11 +292,6 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         if config.tensorboard:
             callbacks.append(keras.callbacks.TensorBoard(run_dir.tensorboard,
                                                          profile_batch=0))
-    train, validation = pipelines.train, pipelines.validation
-    if task.to_pairs is not None:
-        train = with_targets(train, task.to_pairs)
-        validation = with_targets(validation, task.to_pairs) if validation is not None else None
-
     # A signal that came before training (while listing data or building the model): stop now,
     # all ranks together; nothing new to save.
     request.agreed = runtime.max_over_ranks(request.received)
