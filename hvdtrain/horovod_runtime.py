@@ -6,20 +6,99 @@ exists.
 """
 from __future__ import annotations
 
+import functools
 import os
+import time
 from typing import Any
 
 import horovod.tensorflow as hvd_tf
 import horovod.tensorflow.keras as hvd
 import tensorflow as tf
+from horovod.runner.http import http_client
 
+from hvdtrain.errors import RankError, UserError
 from hvdtrain.runtime import Runtime, World, configure_devices
+
+
+#: Seconds a rank may wait in a collective for a peer before horovod ends the job.
+STALL_SHUTDOWN_SECONDS = 300
 
 
 def build_info() -> dict:
     """What this horovod was compiled with (importing this module proves its TF extension loads)."""
     return {"tensorflow": True, "mpi": bool(hvd_tf.mpi_built()),
             "gloo": bool(hvd_tf.gloo_built())}
+
+
+@functools.cache
+def local_cpu_sets(world: World) -> list[frozenset[int]]:
+    """The cores each rank on this node may run on (its CPU affinity), in local-rank order.
+
+    A collective of all ranks, after ``hvd.init()`` but before any TensorFlow op: TensorFlow sizes
+    its thread pools once, when its runtime starts, and horovod's own collectives are TensorFlow
+    ops that would start it, so the ranks meet through the controller's own channel instead.
+    Once per process and world: every rank creates its runtimes in the same order, and later
+    ones find the same ranks on the same cores.
+    """
+    own = frozenset(os.sched_getaffinity(0))
+    if world.size == 1:
+        return [own]
+    if hvd_tf.mpi_enabled():
+        return _exchange_through_mpi(own, world)
+    return _exchange_through_gloo_rendezvous(own)
+
+
+def _exchange_through_mpi(own: frozenset[int], world: World) -> list[frozenset[int]]:
+    try:
+        import mpi4py
+    except ImportError as error:
+        raise UserError(f"the horovod backend over MPI needs mpi4py ({error}); run `make install`, "
+                        "or pip install mpi4py") from None
+    # Horovod started MPI and finalizes it at exit (a rank that fails must not wait there for
+    # its peers); mpi4py only joins it, as the allreduce benchmark does.
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        # HOROVOD_MPI_THREADS_DISABLE: horovod's background thread must be MPI's only caller.
+        # Without the exchange, assume what an unbound launch gives: all local ranks share
+        # this rank's cores (never oversubscribes; under-uses cores the launcher bound).
+        return [own] * world.local_size
+    # The split horovod makes for its local communicator, so the order is its local_rank.
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return [frozenset(cores) for cores in node.allgather(sorted(own))]
+    finally:
+        node.Free()
+
+
+def _exchange_through_gloo_rendezvous(own: frozenset[int]) -> list[frozenset[int]]:
+    # horovodrun --gloo starts no MPI job, but its rendezvous server (the key-value store the
+    # Gloo ranks met through in hvd.init) serves the whole job and keeps keys in scopes of its
+    # clients' choosing. Each rank publishes its cores under its host's scope, then reads its
+    # local peers'. Asking is robust where assuming is not: horovodrun does not bind Gloo ranks,
+    # but a rank's command may (taskset, numactl).
+    env = os.environ
+    address, port = env["HOROVOD_GLOO_RENDEZVOUS_ADDR"], env["HOROVOD_GLOO_RENDEZVOUS_PORT"]
+    scope = f"hvdtrain_cpus_{env['HOROVOD_HOSTNAME']}"
+    http_client.put_data_into_kvstore(address, port, scope, env["HOROVOD_LOCAL_RANK"], sorted(own))
+    # As long as Gloo's own rendezvous waits for a missing rank.
+    timeout = float(env.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30"))
+    deadline = time.monotonic() + timeout
+    cpu_sets = []
+    for local_rank in range(int(env["HOROVOD_LOCAL_SIZE"])):
+        while True:
+            try:
+                cores = http_client.read_data_from_kvstore(address, port, scope, str(local_rank))
+                break
+            except RuntimeError:  # not published yet
+                if time.monotonic() > deadline:
+                    raise RankError(f"local rank {local_rank} did not publish its CPU cores "
+                                    f"within {timeout:g} s (HOROVOD_GLOO_TIMEOUT_SECONDS)"
+                                    ) from None
+                time.sleep(0.05)
+        cpu_sets.append(frozenset(cores))
+    return cpu_sets
 
 
 class HorovodRuntime(Runtime):
@@ -30,12 +109,21 @@ class HorovodRuntime(Runtime):
         # cost the compute around it ~40% with polling and ~3% with yielding, and 2 training
         # ranks went from 1.0x to ~1.8x one rank (docs/benchmarks.md). Set it to 0 to override.
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+        # A rank stuck outside the collectives (slow I/O, a peer on a dead node) must end the
+        # job, not hang it: horovod's stall inspector then shuts horovod down on every rank
+        # (its own default only warns, every minute, forever). Long enough for rank 0's
+        # checkpoint and plot between epochs; the variable (or the launcher's
+        # --stall-check-shutdown-seconds) overrides it.
+        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(STALL_SHUTDOWN_SECONDS))
         # Horovod: start the MPI/Gloo controller; it learns rank and size from the launcher.
         hvd.init()
         world = World(rank=hvd.rank(), local_rank=hvd.local_rank(), size=hvd.size(),
                       local_size=hvd.local_size(), backend="horovod")
+        # Ranks that share cores split them: ask which ranks share which before TF starts.
+        cpu_sets = local_cpu_sets(world)
+        assert len(cpu_sets) == world.local_size, (cpu_sets, world)
         # Horovod: one GPU per local rank (or a fair share of the cores), before TF starts.
-        super().__init__(world, configure_devices(world, threads_per_worker))
+        super().__init__(world, configure_devices(world, threads_per_worker, cpu_sets))
 
     def distribute_optimizer(self, optimizer, *, fp16_allreduce: bool, grad_accum_steps: int):
         if self.world.size == 1 and grad_accum_steps == 1:

@@ -17,7 +17,7 @@ import glob
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Mapping, Sequence
 
 from hvdtrain.errors import RankError, UserError, first_line, launched_as
 
@@ -79,18 +79,30 @@ def local_tpu_devices() -> list[str]:
     return sorted(devices)
 
 
-def cpu_threads_per_worker(available_cores: int, machine_cores: int, local_size: int) -> int:
-    """Intra-op threads for one rank on CPU.
+def cpu_threads_per_local_rank(cpu_sets: Sequence[AbstractSet[int]]) -> list[int]:
+    """Intra-op threads for each of a node's ranks on CPU, from the cores each may run on.
 
-    ``available_cores`` is what this process may run on. When the launcher bound each rank to its
-    own cores (mpirun --bind-to core, srun --cpus-per-task with binding), those are this rank's
-    share. When they are shared by all of this node's ranks (a Slurm job's cpuset, no binding),
-    they are split evenly, so that N ranks never oversubscribe the CPU.
+    ``cpu_sets`` holds every local rank's CPU affinity (``os.sched_getaffinity``), in local-rank
+    order. Ranks whose sets overlap, directly or through another rank, compete for the same
+    cores, so they split the union of their sets evenly: 4 ranks sharing a Slurm job's 8-core
+    cpuset get 2 each, whatever the node's size. A rank whose cores no other rank shares (the
+    launcher bound it: mpirun --bind-to core, srun --cpu-bind) keeps them all. A rank never gets
+    more threads than its own cores, nor fewer than one.
     """
-    local_size = max(1, local_size)
-    if available_cores * local_size <= machine_cores:
-        return max(1, available_cores)
-    return max(1, available_cores // local_size)
+    groups: list[tuple[set[int], list[int]]] = []  # (cores, local ranks): pairwise disjoint
+    for local_rank, cores in enumerate(cpu_sets):
+        union, members = set(cores), [local_rank]
+        for group in [group for group in groups if not group[0].isdisjoint(union)]:
+            groups.remove(group)
+            union |= group[0]
+            members += group[1]
+        groups.append((union, members))
+    threads = [1] * len(cpu_sets)
+    for union, members in groups:
+        for local_rank in members:
+            threads[local_rank] = max(1, min(len(cpu_sets[local_rank]),
+                                             len(union) // len(members)))
+    return threads
 
 
 def choose_gpu(num_visible_gpus: int, local_rank: int, local_size: int,
@@ -142,11 +154,14 @@ class Devices:
     """This process's share of CPU threads (sizes the input pipeline too); None: TF's default."""
 
 
-def configure_devices(world: World, threads_per_worker: int | None) -> Devices:
+def configure_devices(world: World, threads_per_worker: int | None,
+                      local_cpu_sets: Sequence[AbstractSet[int]] | None = None) -> Devices:
     """Pin this rank to its GPU, or size its CPU thread pools.
 
-    Must run before TensorFlow creates its runtime. A process that already did (a test that
-    trains twice) keeps its first configuration.
+    ``local_cpu_sets`` are the cores each rank on this node may run on, in local-rank order, as
+    the ranks exchanged them before TensorFlow started; ``None`` when this process is alone on
+    its node. Must run before TensorFlow creates its runtime. A process that already did (a test
+    that trains twice) keeps its first configuration.
     """
     import tensorflow as tf
 
@@ -159,8 +174,8 @@ def configure_devices(world: World, threads_per_worker: int | None) -> Devices:
             tf.config.experimental.set_memory_growth(gpus[index], True)
             tf.config.set_visible_devices(gpus[index], "GPU")
             return Devices("gpu", f"GPU {index} of {len(gpus)}")
-        threads = threads_per_worker or cpu_threads_per_worker(
-            len(os.sched_getaffinity(0)), os.cpu_count() or 1, world.local_size)
+        threads = threads_per_worker or cpu_threads_per_local_rank(
+            local_cpu_sets or [os.sched_getaffinity(0)])[world.local_rank]
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         # Ops mostly run one after another in a small model; more inter-op threads than cores
         # only adds contention between ranks sharing the node.

@@ -329,3 +329,11 @@ def test_epoch_metrics_are_the_mean_over_ranks(runtime):
         assert synced == pytest.approx(np.mean(local_losses), rel=1e-5)
     if runtime.world.size > 1:
         assert len(set(local_losses)) == runtime.world.size  # the ranks' data did differ
+
+
+def test_a_stall_ends_the_job_by_default(runtime):
+    """hvd.init() ran with a stall shutdown limit: a stuck rank can never hang the job forever."""
+    from hvdtrain.horovod_runtime import STALL_SHUTDOWN_SECONDS
+
+    limits = gather_checked(runtime, lambda: os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"])
+    assert limits == [str(STALL_SHUTDOWN_SECONDS)] * runtime.world.size

@@ -1,8 +1,10 @@
 """Backend selection, GPU choice and CPU thread shares: decided without touching hardware."""
+import random
+
 import pytest
 
 from hvdtrain.errors import RankError, UserError, first_line
-from hvdtrain.runtime import (choose_gpu, cpu_threads_per_worker, make_runtime, placement,
+from hvdtrain.runtime import (choose_gpu, cpu_threads_per_local_rank, make_runtime, placement,
                               select_backend, tpu_address)
 
 NO_TPU = lambda: []  # noqa: E731
@@ -87,16 +89,57 @@ def test_more_local_ranks_than_gpus_names_the_rank():
         choose_gpu(2, 2, 4, None)
 
 
-@pytest.mark.parametrize("available, machine, local_size, expected", [
-    (2, 2, 1, 2),
-    (2, 2, 2, 1),
-    (2, 2, 4, 1),  # never 0
-    (64, 64, 4, 16),
-    (4, 64, 4, 4),  # the launcher bound this rank to 4 cores: they are its share
-    (32, 64, 4, 8),  # a Slurm job's cpuset of 32 cores shared by its 4 ranks
+SLURM_CPUSET = frozenset(range(8))  # a job's 8 cores of a 64-core node, cores 0-7
+
+
+@pytest.mark.parametrize("cpu_sets, expected", [
+    # 4 ranks left unbound in one 8-core cpuset all run on the same 8 cores, whatever the node's
+    # size (the rule this replaced gave each 8: 32 threads on 8 cores).
+    ([SLURM_CPUSET] * 4, [2, 2, 2, 2]),
+    ([frozenset(range(32))] * 4, [8, 8, 8, 8]),
+    ([frozenset(range(64))] * 4, [16, 16, 16, 16]),
+    # srun --cpu-bind / mpirun --bind-to: each rank's cores are its own
+    ([frozenset({2 * i, 2 * i + 1}) for i in range(4)], [2, 2, 2, 2]),
+    ([SLURM_CPUSET], [8]),  # one rank bound alone to 8 cores keeps them
+    ([frozenset({0, 1})], [2]),  # a single rank on a 2-core machine
+    ([frozenset({0})] * 2, [1, 1]),  # never 0: 2 ranks under taskset -c 0
+    ([frozenset({0, 1})] * 3, [1, 1, 1]),
+    ([SLURM_CPUSET] * 3, [2, 2, 2]),  # 8 // 3: rounded down, so never oversubscribed
+    # partial overlap: ranks 0 and 1 compete for cores 2-3, so they split 0-5; rank 2 is alone
+    ([frozenset({0, 1, 2, 3}), frozenset({2, 3, 4, 5}), frozenset({6, 7})], [3, 3, 2]),
+    # overlap through a third rank: 0 and 2 share no core, but both compete with 1
+    ([frozenset({0, 1}), frozenset({1, 2}), frozenset({2, 3})], [1, 1, 1]),
+    # a later rank joins two groups found so far into one
+    ([frozenset({0}), frozenset({2}), frozenset({0, 1, 2})], [1, 1, 1]),
+    # mixed: two ranks share 0-7, two more are bound to 8-11 and 12-15
+    ([SLURM_CPUSET, SLURM_CPUSET, frozenset(range(8, 12)), frozenset(range(12, 16))],
+     [4, 4, 4, 4]),
+    # never more threads than a rank's own cores: the second rank may only run on core 7
+    ([SLURM_CPUSET, frozenset({7})], [4, 1]),
 ])
-def test_cpu_threads_never_oversubscribe(available, machine, local_size, expected):
-    assert cpu_threads_per_worker(available, machine, local_size) == expected
+def test_ranks_sharing_cores_split_them(cpu_sets, expected):
+    assert cpu_threads_per_local_rank(cpu_sets) == expected
+
+
+def test_no_group_of_ranks_gets_more_threads_than_its_cores():
+    generator = random.Random(0)
+    for _ in range(2000):
+        cpu_sets = [frozenset(generator.sample(range(16), generator.randint(1, 8)))
+                    for _ in range(generator.randint(1, 8))]
+        threads = cpu_threads_per_local_rank(cpu_sets)
+        for local_rank, cores in enumerate(cpu_sets):
+            assert 1 <= threads[local_rank] <= len(cores), (cpu_sets, threads)
+            # the ranks that compete with this one (transitively) and the cores they span
+            group, spanned = {local_rank}, set(cores)
+            while True:
+                joined = {other for other, theirs in enumerate(cpu_sets)
+                          if other not in group and not spanned.isdisjoint(theirs)}
+                if not joined:
+                    break
+                group |= joined
+                spanned.update(*(cpu_sets[other] for other in joined))
+            assert sum(threads[other] for other in group) <= max(len(spanned), len(group)), \
+                (cpu_sets, threads)
 
 
 def test_placement_groups_ranks_by_host():
