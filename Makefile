@@ -1,8 +1,11 @@
 # hvdtrain: `make train` and `make test` install everything on first use (see README.md).
 SHELL := /bin/bash
-VENV ?= .venv
+# One venv for make and scripts/install.sh: `make VENV=...`, else HVDTRAIN_VENV (the script's knob)
+# from the environment, else .venv; the install recipes hand it to the script.
+VENV ?= $(or $(HVDTRAIN_VENV),.venv)
 PYTHON := $(VENV)/bin/python
-# The stamp is newer than every file that defines the environment, or `make` reinstalls.
+# install.sh writes the stamp last; it is newer than every file that defines the environment, or
+# `make` reinstalls.
 STAMP := $(VENV)/.hvdtrain-installed
 NP ?= 2
 ARGS ?=
@@ -15,15 +18,16 @@ MPIRUN := $(MPI_ENV) mpirun -np 2 --oversubscribe --bind-to none
 .PHONY: install train test test-unit test-mpi bench slurm-up slurm-down clean distclean
 
 $(STAMP): setup.cfg scripts/install.sh scripts/constraints.txt
-	bash scripts/install.sh
-	touch $(STAMP)
+	HVDTRAIN_VENV=$(VENV) bash scripts/install.sh
 
 install:
-	bash scripts/install.sh
-	touch $(STAMP)
+	HVDTRAIN_VENV=$(VENV) bash scripts/install.sh
 
+# horovodrun itself loads TensorFlow, whose start-up INFO lines say nothing about the job; the
+# ranks get the same default from hvdtrain. A level set in the environment wins.
 train: $(STAMP)
-	$(MPI_ENV) $(VENV)/bin/horovodrun -np $(NP) $(PYTHON) -m hvdtrain.cnn $(ARGS)
+	$(MPI_ENV) TF_CPP_MIN_LOG_LEVEL=$${TF_CPP_MIN_LOG_LEVEL:-2} \
+	  $(VENV)/bin/horovodrun -np $(NP) $(PYTHON) -m hvdtrain.cnn $(ARGS)
 
 test: test-unit test-mpi
 

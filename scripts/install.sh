@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Set up everything hvdtrain needs on a Debian machine that has only Python 3.11:
-#   1. system parts (OpenMPI, cmake, g++) via apt-get when root, else one line naming the packages;
-#   2. .venv with the pinned stack (shared/STACK.md, README "Version matrix");
+#   1. system parts (OpenMPI, cmake, g++, make, Python's venv module) via apt-get when root, else
+#      one line naming the apt-get command;
+#   2. the venv with the pinned stack (README "Version matrix", scripts/constraints.txt);
 #   3. horovod 0.28.1 compiled against that exact TensorFlow, cached as a wheel so that the next
 #      install (or a new venv on this machine) reuses it in seconds;
-#   4. a check that horovod has TensorFlow, MPI and Gloo and that `import hvdtrain` works.
-# Idempotent: run it as often as you like (`make install` does).
+#   4. a check that horovod has TensorFlow, MPI and Gloo and that `import hvdtrain` works, then the
+#      stamp file `make` compares against.
+# Idempotent: run it as often as you like (`make install` does). It needs no `make`, so on a bare
+# machine `bash scripts/install.sh` is the first command.
 #
 # Environment knobs:
-#   HVDTRAIN_VENV         where the venv goes (default: .venv in the repository)
+#   HVDTRAIN_VENV         where the venv goes (default: .venv in the repository; `make` passes its
+#                         VENV here)
 #   HVDTRAIN_TF_FLAVOR    cpu (default) or gpu: gpu installs tensorflow[and-cuda] and builds
 #                         horovod with NCCL (needs the CUDA toolkit / nvcc on the machine)
 #   HVDTRAIN_WHEEL_CACHE  where compiled horovod wheels are kept (default ~/.cache/hvdtrain/wheels)
@@ -20,23 +24,37 @@ venv=${HVDTRAIN_VENV:-$repo_root/.venv}
 flavor=${HVDTRAIN_TF_FLAVOR:-cpu}
 wheel_cache=${HVDTRAIN_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain/wheels}
 python=${PYTHON:-python3.11}
+# Written last, so it exists only after a complete install; the Makefile's VENV/.hvdtrain-installed.
+stamp=$venv/.hvdtrain-installed
 
 TF_VERSION=2.18.1
+TF_KERAS_VERSION=2.18.0
 HOROVOD_VERSION=0.28.1
 
 say() { printf '[install] %s\n' "$*"; }
 die() { printf 'install: %s\n' "$*" >&2; exit 1; }
 
-# Plain `tensorflow` on CPU too: tf_keras depends on it by that name, so `tensorflow-cpu` would
-# only be installed next to it, over the same files.
+# The CPU wheel carries no CUDA plugins, so CPU ranks start without TensorFlow's CUDA warnings.
+# Both wheels install the same `tensorflow` package files, so exactly one of them may be present.
 case "$flavor" in
-  cpu) tf_requirement="tensorflow==$TF_VERSION" ;;
-  gpu) tf_requirement="tensorflow[and-cuda]==$TF_VERSION" ;;
+  cpu) tf_distribution=tensorflow-cpu; other_tf_distribution=tensorflow
+       tf_requirement="tensorflow-cpu==$TF_VERSION" ;;
+  gpu) tf_distribution=tensorflow; other_tf_distribution=tensorflow-cpu
+       tf_requirement="tensorflow[and-cuda]==$TF_VERSION" ;;
   *) die "HVDTRAIN_TF_FLAVOR must be cpu or gpu, got '$flavor'" ;;
 esac
 
 # --- 1. system packages ------------------------------------------------------------------------
+# Python itself is the one thing this script does not install: the stack is verified on 3.11
+# (Debian 12's python3) and horovod is compiled for it.
+command -v "$python" >/dev/null 2>&1 || die "$python not found; hvdtrain needs Python 3.11 (set PYTHON=...)"
+"$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
+  || die "$python is $("$python" -V 2>&1); the pinned stack needs Python 3.11"
 missing=()
+# Debian ships `python3 -m venv` without ensurepip, so venv creation fails until this is installed.
+if [[ ! -x $venv/bin/python ]] && ! "$python" -c 'import ensurepip' >/dev/null 2>&1; then
+  missing+=(python3.11-venv)
+fi
 command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
 # libopenmpi-dev ships the mpicc wrapper and headers that horovod and mpi4py compile against.
 command -v mpicc >/dev/null 2>&1 || missing+=(libopenmpi-dev)
@@ -52,37 +70,54 @@ if ((${#missing[@]})); then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-command -v "$python" >/dev/null 2>&1 || die "$python not found; hvdtrain needs Python 3.11 (set PYTHON=...)"
-"$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
-  || die "$python is $("$python" -V 2>&1); the pinned stack needs Python 3.11"
 
 # --- 2. the virtual environment ----------------------------------------------------------------
 if [[ ! -x $venv/bin/python ]]; then
   say "creating $venv"
   "$python" -m venv "$venv"
 fi
+# A reinstall invalidates the stamp first: an interrupted one must not look complete to `make`.
+rm -f "$stamp"
 pip() {
   # Some machines configure extra package indexes that do not exist; pip then warns once per
   # package. Those lines say nothing about this install, so they are dropped; the rest is shown.
   "$venv/bin/python" -m pip --disable-pip-version-check --quiet "$@" \
     2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
 }
+installed_version() {
+  "$venv/bin/python" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1" \
+    2>/dev/null || true
+}
 pip install --upgrade pip "setuptools<81" wheel
+if [[ -n $(installed_version "$other_tf_distribution") ]]; then
+  # Switching flavor: removing the other wheel deletes files both share, so ours is reinstalled
+  # from scratch, and horovod, compiled against the other wheel, is replaced from its own cache key.
+  say "replacing $other_tf_distribution with $tf_distribution in $venv"
+  replaced=("$other_tf_distribution")
+  for distribution in "$tf_distribution" horovod; do
+    [[ -n $(installed_version "$distribution") ]] && replaced+=("$distribution")
+  done
+  pip uninstall -y "${replaced[@]}"
+fi
 # The constraints file pins every transitive version that was verified together.
 constraints=("-c" "$repo_root/scripts/constraints.txt")
 say "installing $tf_requirement, tf_keras, mpi4py and the rest of the pinned stack"
 pip install "${constraints[@]}" "$tf_requirement" \
-  tf_keras mpi4py scikit-learn matplotlib pytest pytest-timeout \
+  mpi4py scikit-learn matplotlib pytest pytest-timeout \
   packaging cloudpickle psutil pyyaml cffi
+# tf_keras requires `tensorflow` by that name and nothing else; with the CPU wheel installed under
+# its own name, resolving that requirement would put the CUDA build over the same files.
+pip install "${constraints[@]}" --no-deps "tf_keras==$TF_KERAS_VERSION"
 
-# --- 3. horovod, compiled once per (horovod, TF, Python, flavor, machine) ------------------------
+# --- 3. horovod, compiled once per (horovod, TF wheel, Python, flavor, machine) ------------------
 py_tag=$("$venv/bin/python" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
-key="horovod-${HOROVOD_VERSION}_tensorflow-${TF_VERSION}_${py_tag}_${flavor}_$(uname -m)"
+# The TF distribution is part of the key: a wheel built against one TF build is never reused for
+# the other.
+key="horovod-${HOROVOD_VERSION}_${tf_distribution}-${TF_VERSION}_${py_tag}_${flavor}_$(uname -m)"
 cached_wheel_dir=$wheel_cache/$key
-installed_horovod=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
-if [[ $installed_horovod != "$HOROVOD_VERSION" ]]; then
+if [[ $(installed_version horovod) != "$HOROVOD_VERSION" ]]; then
   if ! compgen -G "$cached_wheel_dir/horovod-*.whl" >/dev/null; then
-    say "compiling horovod $HOROVOD_VERSION against TensorFlow $TF_VERSION (takes ~3 minutes on 2 cores)"
+    say "compiling horovod $HOROVOD_VERSION against $tf_distribution $TF_VERSION (takes ~3 minutes on 2 cores)"
     build_dir=$(mktemp -d)
     trap 'rm -rf "$build_dir"' EXIT
     # Build isolation off: horovod must compile against the TensorFlow in this venv, not a fresh one.
@@ -112,10 +147,15 @@ fi
 # --- 4. hvdtrain itself, then verify -----------------------------------------------------------
 pip install --no-deps --no-build-isolation -e "$repo_root"
 
+[[ -z $(installed_version "$other_tf_distribution") ]] \
+  || die "$other_tf_distribution is installed beside $tf_distribution in $venv; remove the venv and run again"
 check_build=$("$venv/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $check_build"
 for feature in TensorFlow MPI Gloo; do
   grep -Eq "\[X\] $feature\b" <<<"$check_build" \
     || die "horovod was built without $feature (horovodrun --check-build):"$'\n'"$check_build"
 done
 "$venv/bin/python" -c 'import hvdtrain' || die "import hvdtrain failed in $venv"
-say "ok: $("$venv/bin/python" -c 'import tensorflow as tf, horovod, tf_keras; print(f"TensorFlow {tf.__version__}, tf_keras {tf_keras.__version__}, horovod {horovod.__version__}")' 2>/dev/null) with MPI + Gloo in $venv"
+# What was installed, for `make` (the file's age) and for tests (its contents).
+printf 'flavor=%s\ntensorflow=%s==%s\nhorovod=%s\n' \
+  "$flavor" "$tf_distribution" "$TF_VERSION" "$HOROVOD_VERSION" >"$stamp"
+say "ok: $("$venv/bin/python" -c 'import tensorflow as tf, horovod, tf_keras; print(f"TensorFlow {tf.__version__}, tf_keras {tf_keras.__version__}, horovod {horovod.__version__}")' 2>/dev/null) ($tf_distribution) with MPI + Gloo in $venv"

@@ -30,11 +30,18 @@ def machine() -> dict:
     except OSError:
         pass
     versions = {}
-    for module in ("tensorflow", "tf_keras", "horovod", "mpi4py", "numpy"):
-        try:
-            versions[module] = version(module)
-        except PackageNotFoundError:
-            versions[module] = "missing"
+    # TensorFlow is installed as tensorflow-cpu on CPU machines, tensorflow-tpu on TPU VMs.
+    distributions = {"tensorflow": ("tensorflow", "tensorflow-cpu", "tensorflow-tpu"),
+                     "tf_keras": ("tf_keras",), "horovod": ("horovod",), "mpi4py": ("mpi4py",),
+                     "numpy": ("numpy",)}
+    for module, names in distributions.items():
+        versions[module] = "missing"
+        for name in names:
+            try:
+                versions[module] = version(name)
+                break
+            except PackageNotFoundError:
+                pass
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "cpu": cpu, "cores": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,

@@ -1,0 +1,147 @@
+"""How hvdtrain installs: package metadata, the Makefile's venv, the CPU TensorFlow wheel.
+
+Pure tests: nothing collective, so under `mpirun -np 2 pytest` both ranks simply run them.
+"""
+from __future__ import annotations
+
+import configparser
+import glob
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from conftest import REPO, clean_env
+
+SETUP_CFG = configparser.ConfigParser()
+SETUP_CFG.read(REPO / "setup.cfg")
+PYTHON_REQUIRES = SpecifierSet(SETUP_CFG["options"]["python_requires"])
+INSTALL_REQUIRES = [Requirement(line) for line in
+                    SETUP_CFG["options"]["install_requires"].strip().splitlines()]
+STAMP = Path(sys.prefix) / ".hvdtrain-installed"
+
+
+def interpreter(minor: str) -> str | None:
+    """A working Python `minor` (e.g. "3.10") on PATH or under pyenv, if this machine has one."""
+    pyenv_root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    candidates = [shutil.which(f"python{minor}"),
+                  *sorted(glob.glob(f"{pyenv_root}/versions/{minor}.*/bin/python"))]
+    for candidate in filter(None, candidates):
+        # pyenv's shims are on PATH for every version but run only the selected ones.
+        probe = subprocess.run([candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                               capture_output=True, text=True, timeout=30)
+        if probe.returncode == 0 and probe.stdout.strip() == minor:
+            return candidate
+    return None
+
+
+@pytest.mark.parametrize("minor", ["3.10", "3.11", "3.12"])
+def test_metadata_admits_the_pythons_of_tpu_vms_and_colab(minor):
+    # TPU VM images and Colab run these, and their path needs no horovod (only install.sh pins 3.11).
+    assert PYTHON_REQUIRES.contains(f"{minor}.0") and PYTHON_REQUIRES.contains(f"{minor}.9"), (
+        f"python_requires {PYTHON_REQUIRES} refuses Python {minor}")
+
+
+@pytest.mark.parametrize("minor", ["3.8", "3.9", "3.10", "3.11", "3.12", "3.13"])
+def test_every_admitted_python_imports_the_package(minor):
+    if not PYTHON_REQUIRES.contains(f"{minor}.0"):
+        pytest.skip(f"python_requires {PYTHON_REQUIRES} does not admit {minor}")
+    python = interpreter(minor)
+    if python is None:
+        pytest.skip(f"no Python {minor} on this machine")
+    # The modules that need neither TensorFlow nor numpy: what a wrong floor breaks first.
+    result = subprocess.run(
+        [python, "-c", "import hvdtrain, hvdtrain.config, hvdtrain.plan, hvdtrain.slurm, "
+                       "hvdtrain.launch, hvdtrain.errors"],
+        capture_output=True, text=True, timeout=60,
+        env={**clean_env(), "PYTHONPATH": str(REPO)}, cwd=REPO)
+    assert result.returncode == 0, (
+        f"python_requires {PYTHON_REQUIRES} admits {minor}, but importing hvdtrain with "
+        f"{python} fails:\n{result.stderr[-1500:]}")
+
+
+def test_horovod_stays_out_of_install_requires():
+    # horovod (and mpi4py, used only beside it) would make `pip install -e .` build or need MPI
+    # on TPU VMs and Colab, which have neither; install.sh compiles horovod for the MPI path.
+    names = {requirement.name.lower().replace("_", "-") for requirement in INSTALL_REQUIRES}
+    assert not names & {"horovod", "mpi4py"}, sorted(names)
+
+
+def make_dry_run(target: str, *make_args: str, env_venv: str | None = None) -> list[str]:
+    """The commands `make -n TARGET` would run, as a user's shell would start it."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    # A `make test` above this test passes its variables down in MAKEFLAGS; a user's shell doesn't.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "VENV", "HVDTRAIN_VENV")}
+    if env_venv is not None:
+        env["HVDTRAIN_VENV"] = env_venv
+    result = subprocess.run(["make", "-n", "-C", str(REPO), "--no-print-directory", target,
+                             *make_args], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def venv_install_sh_uses(commands: list[str], env_venv: str | None) -> str:
+    """The venv scripts/install.sh would install into, from the command make runs it with."""
+    [line] = [line for line in commands if "scripts/install.sh" in line]
+    words = shlex.split(line)
+    assignments = dict(word.split("=", 1) for word in words[:words.index("bash")])
+    # install.sh: HVDTRAIN_VENV from its environment, else .venv in the repository.
+    return assignments.get("HVDTRAIN_VENV", env_venv or ".venv")
+
+
+@pytest.mark.parametrize("chosen_by", ["make VENV=", "HVDTRAIN_VENV="])
+def test_make_and_install_sh_use_the_same_venv(tmp_path, chosen_by):
+    venv = str(tmp_path / "venv")  # no stamp there yet, so `make train` installs first
+    if chosen_by == "make VENV=":
+        commands = make_dry_run("train", f"VENV={venv}")
+        env_venv = None
+    else:
+        commands = make_dry_run("train", env_venv=venv)
+        env_venv = venv
+    assert venv_install_sh_uses(commands, env_venv) == venv, commands
+    [train] = [line for line in commands if "hvdtrain.cnn" in line]
+    assert f"{venv}/bin/horovodrun" in train and f"{venv}/bin/python" in train, train
+
+
+def test_make_install_defaults_to_the_repository_venv():
+    commands = make_dry_run("install")
+    assert venv_install_sh_uses(commands, None) == ".venv", commands
+
+
+def installed(distribution: str) -> bool:
+    try:
+        version(distribution)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def test_cpu_install_has_one_tensorflow_and_no_cuda_noise():
+    if not STAMP.exists():
+        pytest.skip(f"{sys.prefix} was not made by scripts/install.sh")
+    # A stamp without a flavor line predates flavors in it: the default, cpu.
+    facts = dict(line.split("=", 1) for line in STAMP.read_text().splitlines() if "=" in line)
+    if facts.get("flavor", "cpu") != "cpu":
+        pytest.skip(f"flavor {facts['flavor']}: the CUDA build is meant to be there")
+    assert installed("tensorflow-cpu") and not installed("tensorflow"), (
+        "a cpu install must have tensorflow-cpu and not tensorflow (both write the same files): "
+        f"tensorflow-cpu {installed('tensorflow-cpu')}, tensorflow {installed('tensorflow')}")
+    # Listing devices is where the CUDA build looks for drivers (cuInit) on every rank.
+    result = subprocess.run(
+        [sys.executable, "-c", "import hvdtrain, tensorflow as tf; "
+                               "print(tf.config.list_physical_devices())"],
+        capture_output=True, text=True, timeout=120, env=clean_env())
+    assert result.returncode == 0, result.stderr[-1500:]
+    noise = [line for line in result.stderr.splitlines()
+             if re.search(r"cuda|cudnn|cufft|cublas|cuinit|GPU will not be used", line, re.I)]
+    assert not noise, "\n".join(noise)
