@@ -1,5 +1,7 @@
-"""Start a training module on the right ranks: `python -m hvdtrain.launch [options] -- MODULE [args]`.
+"""Start a training job on the right ranks: `python -m hvdtrain.launch [options] -- PROGRAM [args]`.
 
+PROGRAM is a module (``hvdtrain.cnn``: every rank runs ``python -m hvdtrain.cnn args``) or a script
+path (``train.py``: ``python train.py args``), so a horovod script of your own gets the same start.
 Outside Slurm it runs ``horovodrun -np N`` on this machine (N: the GPU count, or 1 on CPU). Inside a
 Slurm allocation it reads the hosts, tasks and GPUs per node from the allocation and passes them on
 (``-np``/``-H`` to horovodrun, or lets ``mpirun``/``srun --mpi=pmix`` read the allocation; pick
@@ -8,6 +10,10 @@ each problem is one line and exit status 2. ``--dry-run`` prints the command and
 
 Signals: SIGUSR1, SIGTERM and SIGINT are forwarded to the ranks (SIGUSR1 is Slurm's warning before
 the time limit; the ranks write a checkpoint and exit 75). The exit status is the job's.
+
+Restarts: with ``--max-restarts N`` a job that failed (a rank died or crashed) is started again in
+the same allocation, up to N times; an hvdtrain job resumes from its last checkpoint. A user error
+(exit 2), a preemption stop (75) and a stop signal end the job without a restart.
 """
 from __future__ import annotations
 
@@ -15,11 +21,13 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -29,6 +37,13 @@ from hvdtrain.slurm import Allocation
 PROGRAM = "hvdtrain.launch"
 VIAS = ("horovodrun", "mpirun", "srun")
 _FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+#: Pause between a failed attempt and the next, in seconds: long enough for the ports and GPU
+#: memory of the dead ranks to be released, short next to the minutes a restart saves.
+RESTART_DELAY_SECONDS = 3.0
+#: Every process of one attempt inherits this variable (launcher pid and attempt number), so the
+#: launcher finds them all afterwards, whichever parent they were left with.
+ATTEMPT_VARIABLE = "HVDTRAIN_LAUNCH_ATTEMPT"
 
 
 @dataclass(frozen=True)
@@ -45,32 +60,116 @@ class Build:
 
 @dataclass(frozen=True)
 class LaunchOptions:
-    module: str
-    module_args: tuple[str, ...] = ()
+    """What every rank runs and how the ranks start: the launcher's flags of the same names."""
+
+    program: str
+    """A module (hvdtrain.cnn, run as `python -m hvdtrain.cnn`) or a script path (train.py, run as
+    `python train.py`); see program_command."""
+    program_args: tuple[str, ...] = ()
+    """Arguments for the program, each passed as its own argv entry."""
     np: int | None = None
+    """Ranks to start; None: the allocation's tasks, else this machine's GPUs, else 1."""
     via: str = "horovodrun"
-    controller: str | None = None  # "mpi" or "gloo" (horovodrun only)
+    """What starts the ranks: horovodrun, mpirun or srun."""
+    controller: str | None = None
+    """horovod's controller, "mpi" or "gloo" (horovodrun only); None: horovodrun's choice (MPI)."""
     python: str = sys.executable
+    """Interpreter of the ranks."""
+    max_restarts: int = 0
+    """How many times a failed job is started again in the same allocation (judge_exit says
+    which failures count)."""
     timeline_filename: str | None = None
+    """Horovod timeline file (chrome://tracing)."""
     autotune: bool = False
+    """Let horovod tune the fusion buffer and cycle time."""
     autotune_log_file: str | None = None
+    """Where horovod's autotuner logs what it tried."""
     fusion_threshold_mb: float | None = None
+    """Tensor fusion buffer in MiB (horovod's default: 128)."""
     cycle_time_ms: float | None = None
+    """Horovod background thread cycle in ms (horovod's default: 1)."""
     stall_check_warning_seconds: int | None = None
+    """Warn when a rank has not joined a collective for this long."""
     stall_check_shutdown_seconds: int | None = None
+    """End the job when a rank has stalled for this long."""
     no_stall_check: bool = False
+    """Turn horovod's stall check off."""
     binding_args: str | None = None
+    """Process binding arguments for mpirun/srun, one string ('--bind-to core')."""
     allow_run_as_root: bool = False
+    """Pass --allow-run-as-root to mpirun (horovodrun does so itself)."""
 
 
 @dataclass(frozen=True)
 class Launch:
     argv: tuple[str, ...]
+    """The command that starts every rank."""
     env: dict[str, str]
     """Variables added to (or changed in) the environment the command runs with."""
     notes: tuple[str, ...] = ()
-    exit_codes_collapsed: bool = False
-    """horovodrun --gloo reports every failed job as 1, whatever its ranks exited with."""
+    """What the launcher derived (allocation, rank count, restarts), for --dry-run."""
+
+
+def is_script_path(program: str) -> bool:
+    """A program names a script when it ends in .py, has a directory part or is an existing file;
+    anything else is a module name."""
+    return program.endswith(".py") or os.sep in program or os.path.isfile(program)
+
+
+def program_command(options: LaunchOptions) -> list[str]:
+    """What every rank runs: `python script.py args` or `python -m module args`.
+
+    The ranks start in the launcher's working directory (horovodrun, mpirun and srun all keep
+    it), so a relative script path means the same there as here.
+    """
+    if is_script_path(options.program):
+        if not os.path.isfile(options.program):
+            raise UserError(f"no such script: {options.program} (a script path runs as `python "
+                            "PATH`, a module name like hvdtrain.cnn as `python -m MODULE`)")
+        return [options.python, options.program, *options.program_args]
+    if not _MODULE_NAME.fullmatch(options.program):
+        raise UserError(f"{options.program!r} is neither a module name (like hvdtrain.cnn) nor "
+                        "a script path (like train.py)")
+    return [options.python, "-m", options.program, *options.program_args]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How one attempt of the job ended, and whether starting it again can help."""
+
+    restart: bool
+    """True when the failure may not happen again (a rank was killed, crashed or lost a peer)."""
+    reason: str
+    """What the exit status means, for the launcher's one-line report."""
+
+
+def judge_exit(status: int, stop_signal: int | None) -> Verdict:
+    """The restart rule: which exit statuses of the job are worth another attempt."""
+    if stop_signal is not None:
+        # Someone asked the job to stop (Slurm's time-limit warning, scancel, Ctrl-C): it stops.
+        # After SIGUSR1 the sbatch script requeues it, which restarts it with a fresh time limit.
+        return Verdict(False, f"stopped on {signal_name(stop_signal)}")
+    if status == 0:
+        return Verdict(False, "finished")
+    if status == EXIT_USAGE:
+        return Verdict(False, "a user error: it would fail the same way again")
+    if status == EXIT_PREEMPTED:
+        return Verdict(False, "stopped for preemption after a checkpoint; requeue it to resume")
+    if status in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+        # The ranks were told to stop (e.g. scancel signals every process of a step): a stop.
+        return Verdict(False, f"stopped on {signal_name(status - 128)}")
+    if status in (126, 127):  # the shell's "cannot execute" / "command not found"
+        return Verdict(False, "the command could not be started")
+    if 128 < status < 128 + signal.NSIG:
+        return Verdict(True, f"a rank ended on {signal_name(status - 128)}")
+    return Verdict(True, "a rank failed")
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # real-time signals other than SIGRTMIN/SIGRTMAX have no name
+        return f"signal {number}"
 
 
 def probe_build(python: str) -> Build:
@@ -191,8 +290,7 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         notes.append(f"no Slurm allocation: {np} rank(s) on this machine"
                      + ("" if options.np else f" (one per GPU; {gpus} GPU(s) seen)"))
     env = horovod_tuning_env(options)
-    collapsed = False
-    program = [options.python, "-m", options.module, *options.module_args]
+    program = program_command(options)
     binding = shlex.split(options.binding_args) if options.binding_args else []
 
     if options.via == "horovodrun":
@@ -203,7 +301,6 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         argv = [horovodrun, "-np", str(np), "-H", hosts]
         if options.controller:
             argv.append(f"--{options.controller}")
-        collapsed = options.controller == "gloo"
         if binding:
             argv += ["--binding-args", options.binding_args]
         argv += program
@@ -230,8 +327,15 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
                 *program]
     else:
         raise UserError(f"--via must be one of {', '.join(VIAS)}, got {options.via!r}")
-    return Launch(tuple(argv), env, tuple(notes),
-                  exit_codes_collapsed=options.via == "horovodrun" and collapsed)
+    if options.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {options.max_restarts}")
+    if options.max_restarts and options.controller == "gloo":
+        # A restart must never repeat a user error (exit 2), and Gloo's horovodrun reports it as 1.
+        raise UserError("--max-restarts needs the ranks' exit statuses, which horovodrun --gloo "
+                        "reports as 1 whatever they were; use --controller mpi")
+    if options.max_restarts:
+        notes.append(f"up to {options.max_restarts} restart(s) after a failure")
+    return Launch(tuple(argv), env, tuple(notes))
 
 
 def describe(launch: Launch) -> str:
@@ -241,87 +345,201 @@ def describe(launch: Launch) -> str:
     return "\n".join(lines)
 
 
-def local_ranks_under(root: int) -> list[int]:
-    """PIDs of the rank processes started under ``root`` on this machine (any depth)."""
-    parents: dict[int, list[int]] = {}
+def attempt_processes(marker: str) -> dict[int, bool]:
+    """This machine's processes of one attempt, {pid: is a rank}: those whose environment holds
+    ``marker`` (set on the launch command, inherited by everything it starts)."""
+    wanted = marker.encode()
+    found = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(parent, []).append(int(entry))
-    ranks, todo = [], list(parents.get(root, []))
-    while todo:
-        pid = todo.pop()
-        todo += parents.get(pid, [])
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as environ:
-                variables = environ.read().split(b"\0")
-        except OSError:
+        if not entry.isdigit():
             continue
-        if any(v.startswith((b"HOROVOD_RANK=", b"OMPI_COMM_WORLD_RANK=")) for v in variables):
-            ranks.append(pid)
-    return ranks
-
-
-def run_forwarding_signals(launch: Launch) -> int:
-    """Run the command in its own process group; forward stop signals to the ranks."""
-    def ignore_usr1_in_shells():
-        # horovodrun execs `/bin/sh -c mpirun ...`; a shell that starts with SIGUSR1 ignored keeps
-        # ignoring it, so the group signal below stops at mpirun (which forwards it to every rank,
-        # on every node) instead of killing the shell. Python ranks install their own handler.
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-
-    process = subprocess.Popen(launch.argv, env={**os.environ, **launch.env},
-                               start_new_session=True, preexec_fn=ignore_usr1_in_shells)
-
-    forwarded = []
-
-    def forward(signum, frame):
-        forwarded.append(signum)
         try:
-            os.killpg(process.pid, signum)
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                variables = environ.read().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if wanted in variables:
+            found[int(entry)] = any(v.startswith((b"HOROVOD_RANK=", b"OMPI_COMM_WORLD_RANK="))
+                                    for v in variables)
+    return found
+
+
+def end_attempt(job_pid: int, marker: str, grace_seconds: float = 30) -> list[int]:
+    """Kill what is left on this machine of a failed attempt; the pids still alive after
+    ``grace_seconds`` of SIGKILL.
+
+    mpirun takes its ranks down with it when one dies, but a process it lost (a rank's child in
+    a session of its own, a Gloo rank) would run on, beside the next attempt: in its allreduce,
+    on its GPU, holding the run directory's lock.
+    """
+    try:
+        os.killpg(job_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_seconds
+    while (left := list(attempt_processes(marker))) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    return left
+
+
+class StopSignals:
+    """SIGUSR1/SIGTERM/SIGINT sent to the launcher: recorded from the moment it starts (the
+    preflight probe takes seconds), and passed on to the ranks of the attempt that is running."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self._job_pid: int | None = None
+        self._marker = ""
+        for signum in _FORWARDED_SIGNALS:
+            signal.signal(signum, self._receive)
+
+    def _receive(self, signum, frame):
+        self.received.append(signum)
+        if self._job_pid is None:
+            return
+        try:
+            os.killpg(self._job_pid, signum)
         except ProcessLookupError:
             pass
         # horovodrun --gloo starts each rank in a session of its own, out of the group's reach;
         # signal the ranks on this machine directly (twice is harmless: the handler records).
-        for pid in local_ranks_under(process.pid):
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
+        for pid, is_rank in attempt_processes(self._marker).items():
+            if is_rank:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
 
-    for signum in _FORWARDED_SIGNALS:
-        signal.signal(signum, forward)
-    returncode = process.wait()  # resumes by itself after each forwarded signal
-    if returncode == 1 and launch.exit_codes_collapsed and signal.SIGUSR1 in forwarded:
-        # The ranks stopped on the forwarded SIGUSR1 (exit 75, checkpoint written), but Gloo's
-        # horovodrun turned that into 1; give the sbatch script the status it requeues on.
-        print(f"{PROGRAM}: the ranks stopped on SIGUSR1; exiting {EXIT_PREEMPTED} so the job "
-              "is requeued", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
-    return returncode if returncode >= 0 else 128 - returncode
+    @property
+    def first(self) -> int | None:
+        return self.received[0] if self.received else None
+
+    def start(self, launch: Launch, marker: str) -> subprocess.Popen | None:
+        """Start the command in its own process group, or None if a stop signal came first."""
+        def prepare_child():
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED_SIGNALS)
+            # horovodrun execs `/bin/sh -c mpirun ...`; a shell that starts with a signal ignored
+            # keeps ignoring it, so the group signal stops at mpirun (which forwards it to every
+            # rank, on every node) instead of killing the shell, and the launcher waits until
+            # the ranks have checkpointed and mpirun is done. mpirun, srun and the Python ranks
+            # install their own handlers.
+            for signum in _FORWARDED_SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
+
+        # A signal between the check and Popen would be recorded but reach no rank: hold signals
+        # until the job is known, so each one is either "before the start" or forwarded.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED_SIGNALS)
+        try:
+            if self.received:
+                return None
+            name, value = marker.split("=", 1)
+            process = subprocess.Popen(launch.argv, env={**os.environ, **launch.env, name: value},
+                                       start_new_session=True, preexec_fn=prepare_child)
+            self._job_pid, self._marker = process.pid, marker
+            return process
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED_SIGNALS)
+
+    def wait(self, process: subprocess.Popen) -> int:
+        """The job's exit status (128 + N when it ended on signal N)."""
+        returncode = process.wait()  # resumes by itself after each forwarded signal
+        self._job_pid = None
+        status = returncode if returncode >= 0 else 128 - returncode
+        if status and self.received:
+            # The ranks stopped on the forwarded signal (75 or 143, checkpoint written), but the
+            # command reports its own status for that (Gloo's horovodrun: 1 for any failure;
+            # mpirun: 1 after a SIGTERM); give the sbatch script the one it acts on.
+            stop = status_for_stop(self.received[0])
+            if status != stop:
+                say(f"the ranks stopped on {signal_name(self.received[0])}; exiting {stop}"
+                    + (" so the job is requeued" if stop == EXIT_PREEMPTED else ""))
+            return stop
+        return status
+
+    def pause(self, seconds: float) -> bool:
+        """Sleep, but return early (True) when a stop signal arrives."""
+        deadline = time.monotonic() + seconds
+        while not self.received and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return bool(self.received)
+
+
+def say(message: str) -> None:
+    print(f"{PROGRAM}: {message}", file=sys.stderr, flush=True)
+
+
+def status_for_stop(signum: int) -> int:
+    """What the launcher exits with after a stop signal: 75 (requeue me) for Slurm's SIGUSR1,
+    128 + N for the others."""
+    return EXIT_PREEMPTED if signum == signal.SIGUSR1 else 128 + signum
+
+
+def run_attempts(launch: Launch, max_restarts: int, stops: StopSignals) -> int:
+    """Run the job; after a failure worth another attempt, run it again, up to ``max_restarts``
+    times. The exit status is the last attempt's."""
+    restarts = 0
+    while True:
+        marker = f"{ATTEMPT_VARIABLE}={os.getpid()}.{restarts}"
+        process = stops.start(launch, marker)
+        if process is None:
+            say(f"{signal_name(stops.first)} before the ranks started; not starting them")
+            return status_for_stop(stops.first)
+        if not restarts:
+            say(shlex.join(launch.argv))
+        status = stops.wait(process)
+        if status == 0:
+            return status
+        left = end_attempt(process.pid, marker)
+        if left:
+            say(f"process(es) {' '.join(map(str, left))} of the failed job would not exit")
+        if not max_restarts:
+            return status
+        verdict = judge_exit(status, stops.first)
+        ended = f"job exited {status} ({verdict.reason})"
+        if not verdict.restart:
+            say(f"{ended}; not restarting")
+            return status
+        if restarts == max_restarts:
+            say(f"{ended}; no restarts left (--max-restarts {max_restarts})")
+            return status
+        if left:  # they would compete with the new ranks for the GPUs and the run directory
+            say(f"{ended}; not restarting beside processes of the failed attempt")
+            return status
+        restarts += 1
+        say(f"{ended}; restart {restarts} of {max_restarts} in {RESTART_DELAY_SECONDS:g} s "
+            "(an hvdtrain job resumes from its last checkpoint)")
+        if stops.pause(RESTART_DELAY_SECONDS):
+            say(f"{signal_name(stops.first)} before the restart; not restarting")
+            return status_for_stop(stops.first)
 
 
 def parse_options(argv: Sequence[str] | None) -> tuple[LaunchOptions, bool, bool]:
     parser = argparse.ArgumentParser(
         prog=f"python -m {PROGRAM}", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="%(prog)s [options] [--] MODULE [training flags...]")
+        usage="%(prog)s [options] [--] MODULE|SCRIPT.py [arguments...]")
     parser.add_argument("--np", type=int, help="number of ranks (default: the allocation's tasks, "
                                                "else this machine's GPUs, else 1)")
     parser.add_argument("--via", choices=VIAS, default="horovodrun",
                         help="what starts the ranks (default horovodrun)")
     parser.add_argument("--controller", choices=("mpi", "gloo"),
-                        help="horovod controller (horovodrun only; default: horovodrun's choice, MPI)")
+                        help="horovod controller (horovodrun only; default: horovodrun's "
+                             "choice, MPI)")
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter of the ranks (default: this one)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the command and environment, start nothing")
     parser.add_argument("--skip-preflight", action="store_true",
                         help="don't check horovod's build and GPUs first (saves ~3 s)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="start a failed job again in the same allocation up to this many "
+                             f"times, {RESTART_DELAY_SECONDS:g} s apart (default 0); not after a "
+                             "user error (exit 2), a preemption stop (75) or a stop signal")
     tuning = parser.add_argument_group("horovod tuning (passed to every rank)")
     tuning.add_argument("--timeline-filename", help="write a Horovod timeline (chrome://tracing)")
     tuning.add_argument("--autotune", action="store_true", help="let horovod tune fusion/cycle")
@@ -339,23 +557,21 @@ def parse_options(argv: Sequence[str] | None) -> tuple[LaunchOptions, bool, bool
                                                "e.g. '--bind-to core --map-by socket'")
     tuning.add_argument("--allow-run-as-root", action="store_true",
                         help="let mpirun start as root (horovodrun does this itself)")
-    parser.add_argument("module", help="training module, e.g. hvdtrain.cnn")
-    parser.add_argument("module_args", nargs=argparse.REMAINDER,
-                        help="flags for the training module")
+    parser.add_argument("program", help="what every rank runs: a module (hvdtrain.cnn, run as "
+                                        "python -m) or a script path (train.py)")
+    parser.add_argument("program_args", nargs=argparse.REMAINDER,
+                        help="arguments for the module or script")
     args = parser.parse_args(argv)
     # Every LaunchOptions field is a flag of the same name.
     values = {field.name: getattr(args, field.name) for field in dataclasses.fields(LaunchOptions)}
-    options = LaunchOptions(**{**values, "module_args": tuple(args.module_args)})
+    options = LaunchOptions(**{**values, "program_args": tuple(args.program_args)})
     return options, args.dry_run, args.skip_preflight
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    # A stop signal during the preflight probe (seconds) must not kill the launcher: record it,
-    # and if it came before any rank started, stop with the status it asks for.
-    early: list[int] = []
-    for signum in _FORWARDED_SIGNALS:
-        signal.signal(signum, lambda number, frame: early.append(number))
+    stops = StopSignals()
     options, dry_run, skip_preflight = parse_options(argv)
+    program_command(options)  # a missing script is reported before the ~3 s probe
     allocation = Allocation.from_env(os.environ)
     running_as_root = os.geteuid() == 0
     build = None if skip_preflight else probe_build(options.python)
@@ -371,12 +587,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if dry_run:
         print(describe(launch))
         return 0
-    if early:
-        print(f"{PROGRAM}: {signal.Signals(early[0]).name} before the ranks started; not "
-              "starting them", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED if early[0] == signal.SIGUSR1 else 128 + early[0]
-    print(f"{PROGRAM}: {shlex.join(launch.argv)}", file=sys.stderr, flush=True)
-    return run_forwarding_signals(launch)
+    return run_attempts(launch, options.max_restarts, stops)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -140,10 +140,15 @@ class SbatchJob:
     account: str | None = None
     """Leave unset to take it from `sbatch -A` or $SBATCH_ACCOUNT at submission."""
     module: str = "hvdtrain.cnn"
+    """What every rank runs by default: a module, or a script path (train.py) run as a script."""
     args: tuple[str, ...] = ()
     """Training arguments baked into the script (more can follow `sbatch script.sh ...`)."""
     signal_seconds: int = 120
     """Seconds before the time limit Slurm sends USR1: time to finish a step and checkpoint."""
+    max_requeues: int = 3
+    """Default cap on requeues (HVDTRAIN_MAX_REQUEUES): a job that keeps stopping for requeue
+    without ever finishing must not loop forever. A job that needs more time-limit windows than
+    this raises it at submission."""
     via: str = "horovodrun"
     """How the launcher starts the ranks: horovodrun, mpirun or srun."""
 
@@ -152,14 +157,18 @@ class SbatchJob:
             raise ValueError("nodes and cpus_per_task must be >= 1, gpus_per_node >= 0")
         if self.tasks_per_node is not None and self.tasks_per_node < 1:
             raise ValueError("tasks_per_node must be >= 1")
+        if self.max_requeues < 0:
+            raise ValueError("max_requeues must be >= 0")
         if self.via not in ("horovodrun", "mpirun", "srun"):
             raise ValueError(f"via must be horovodrun, mpirun or srun, got {self.via!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise ValueError(f"job name {self.name!r}: use letters, digits, '.', '_' or '-'")
         # These land inside #SBATCH lines and a shell default (${VAR:-module}), where quoting
         # does not help: allow only what such names are made of.
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.module):
-            raise ValueError(f"module {self.module!r}: a Python module path like hvdtrain.cnn")
+        if not (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.module)
+                or re.fullmatch(r"[A-Za-z0-9_./-]+\.py", self.module)):
+            raise ValueError(f"module {self.module!r}: a Python module path like hvdtrain.cnn "
+                             "or a script path like train.py")
         for label, value in (("partition", self.partition), ("account", self.account)):
             if value is not None and not re.fullmatch(r"[A-Za-z0-9_.,-]+", value):
                 raise ValueError(f"{label} {value!r}: use letters, digits, '.', ',', '_' or '-'")
@@ -218,27 +227,48 @@ def render(job: SbatchJob) -> str:
         "#   sbatch path/to/this/script.sh [training flags...]",
         "# Override without editing: sbatch flags (-p PARTITION -A ACCOUNT -t TIME -N NODES ...),",
         "# $SBATCH_PARTITION / $SBATCH_ACCOUNT, and these variables:",
-        f"#   HVDTRAIN_MODULE   training module (default {job.module})",
-        "#   HVDTRAIN_ARGS     extra training flags, split on whitespace",
-        "#   HVDTRAIN_RUN_DIR  run directory (default runs/<job name>-<job id>; kept on requeue,",
-        "#                     so a requeued job resumes from its checkpoint)",
-        "#   HVDTRAIN_PYTHON   interpreter with hvdtrain installed (default .venv/bin/python)",
+        f"#   HVDTRAIN_MODULE        what every rank runs (default {job.module}): a module, run",
+        "#                          as `python -m MODULE --run-dir DIR [flags]`, or a script path",
+        "#                          (train.py, or any path with a /), run as `python train.py",
+        "#                          [flags]`; a script finds the run directory in HVDTRAIN_RUN_DIR",
+        "#   HVDTRAIN_ARGS          extra training flags, split on whitespace",
+        "#   HVDTRAIN_RUN_DIR       run directory (default runs/<job name>-<job id>; kept on",
+        "#                          requeue, so a requeued job resumes from its checkpoint)",
+        "#   HVDTRAIN_PYTHON        interpreter with hvdtrain installed (default .venv/bin/python)",
+        "#   HVDTRAIN_MAX_RESTARTS  times the launcher restarts a failed job (a rank died) inside",
+        "#                          this allocation (default 0)",
+        f"#   HVDTRAIN_MAX_REQUEUES  requeues after which a preempted job stops instead (default "
+        f"{job.max_requeues};",
+        "#                          counts Slurm's own requeues too; raise it for a job that needs",
+        "#                          more time-limit windows)",
         *[f"#SBATCH {directive}" for directive in directives],
         "",
         "set -euo pipefail",
         'cd "${SLURM_SUBMIT_DIR:-.}"',
-        f'module="${{HVDTRAIN_MODULE:-{job.module}}}"',
+        f'program="${{HVDTRAIN_MODULE:-{job.module}}}"',
         'run_dir="${HVDTRAIN_RUN_DIR:-runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}"',
         'python="${HVDTRAIN_PYTHON:-.venv/bin/python}"',
+        'max_restarts="${HVDTRAIN_MAX_RESTARTS:-0}"',
+        f'max_requeues="${{HVDTRAIN_MAX_REQUEUES:-{job.max_requeues}}}"',
+        'if [[ ! $max_requeues =~ ^[0-9]+$ ]]; then',
+        '    echo "HVDTRAIN_MAX_REQUEUES must be a whole number, got \'$max_requeues\'" >&2',
+        "    exit 2",
+        "fi",
         'read -r -a env_args <<< "${HVDTRAIN_ARGS:-}"',
+        "# The launcher's rule: a .py file, a path with a / or an existing file is a script, which",
+        "# gets only your flags; a module also gets --run-dir.",
+        'export HVDTRAIN_RUN_DIR="$run_dir"',
+        'run_dir_args=(--run-dir "$run_dir")',
+        'if [[ $program == *.py || $program == */* || -f $program ]]; then run_dir_args=(); fi',
         'echo "[$(date -Is)] job ${SLURM_JOB_ID} run ${SLURM_RESTART_COUNT:-0} on '
-        '${SLURM_JOB_NODELIST}: $module"',
+        '${SLURM_JOB_NODELIST}: $program"',
         "",
         "# Forward Slurm's warning to the launcher (set before it starts, so no signal is missed).",
         "launcher=",
         "trap '[ -n \"$launcher\" ] && kill -USR1 \"$launcher\" 2>/dev/null || true' USR1",
         "# The launcher reads the allocation (hosts, tasks and GPUs per node) and starts the ranks.",
-        f'"$python" -m hvdtrain.launch --via {job.via} -- "$module" --run-dir "$run_dir" '
+        f'"$python" -m hvdtrain.launch --via {job.via} --max-restarts "$max_restarts" -- '
+        '"$program" "${run_dir_args[@]}" '
         + (baked_args + " " if baked_args else "") + '"${env_args[@]}" "$@" &',
         "launcher=$!",
         "# `wait` returns early whenever the trap runs: wait until the launcher is gone, then",
@@ -248,10 +278,20 @@ def render(job: SbatchJob) -> str:
         'wait "$launcher" || status=$?',
         "",
         "if [ \"$status\" -eq 75 ]; then  # 75: stopped by the signal, checkpoint written",
-        '    echo "[$(date -Is)] requeueing job ${SLURM_JOB_ID}; the next run resumes from '
-        '$run_dir"',
-        '    scontrol requeue "$SLURM_JOB_ID" || echo "scontrol requeue failed; resubmit to '
-        'resume" >&2',
+        '    if [ "${SLURM_RESTART_COUNT:-0}" -ge "$max_requeues" ]; then',
+        '        echo "[$(date -Is)] job ${SLURM_JOB_ID} was requeued ${SLURM_RESTART_COUNT:-0} '
+        'time(s) already (HVDTRAIN_MAX_REQUEUES=$max_requeues); not requeueing it. To resume, '
+        'submit again with HVDTRAIN_RUN_DIR=$run_dir" >&2',
+        "    else",
+        "        # An array task requeues itself alone: the id of one of its tasks is also the",
+        "        # array's id, which `scontrol requeue` reads as every task of the array.",
+        '        job="$SLURM_JOB_ID"',
+        '        if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then '
+        'job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"; fi',
+        '        echo "[$(date -Is)] requeueing job $job; the next run resumes from $run_dir"',
+        '        scontrol requeue "$job" || echo "scontrol requeue failed; to resume, submit again '
+        'with HVDTRAIN_RUN_DIR=$run_dir" >&2',
+        "    fi",
         "fi",
         'exit "$status"',
         "",
@@ -278,7 +318,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         if spec.name in ("description", "args"):
             continue
         kind = int if spec.name in ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task",
-                                    "signal_seconds") else str
+                                    "signal_seconds", "max_requeues") else str
         render_parser.add_argument("--" + spec.name.replace("_", "-"), type=kind,
                                    required=spec.name == "name",
                                    default=None if spec.default is MISSING else spec.default)

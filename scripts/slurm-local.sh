@@ -6,8 +6,7 @@
 #   scripts/slurm-local.sh down     cancel jobs, stop what `up` started, remove its state and config
 #   scripts/slurm-local.sh status   print sinfo/squeue; exit 0 when usable, 3 when down or degraded
 #
-# What `up` does (Debian 12, as root, without systemd; see shared/STACK.md "A real Slurm on one
-# machine" for how this was verified):
+# What `up` does (Debian 12, as root, without systemd; verified on this project's CI machine kind):
 #   1. Installs Debian's slurm-wlm (22.05: slurmctld, slurmd, slurm-client) and munge with apt-get
 #      when any of their programs is missing. Service starts by the packages are suppressed with a
 #      temporary policy-rc.d so that this script stays the only thing running the daemons. As
@@ -330,6 +329,13 @@ launch() {
   # 9>&-: the daemon must not inherit (and so keep holding) this script's lock.
   setsid "/usr/sbin/$name" -D "$@" </dev/null >>"$out" 2>&1 9>&- &
   pid=$!
+  # Until setsid has exec'd the daemon, the pid's name is not the daemon's and our_pid would
+  # report it as gone (seen: "slurmd exited" while slurmd was starting).
+  local i
+  for ((i = 0; i < 50; i++)); do
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null || true) == "$name" ]] && break
+    sleep 0.1
+  done
   printf '%s\n' "$pid" >"$(pid_file "$name")"
   say "started $name (pid $pid)"
 }

@@ -1,16 +1,19 @@
-"""Launcher and Slurm renderer: allocation -> command, preflight, quoting, golden templates."""
+"""Launcher and Slurm renderer: allocation -> command, preflight, quoting, golden templates,
+which exits restart; and (integration tier) a plain horovod script run through the launcher."""
 from __future__ import annotations
 
+import re
 import shlex
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, integration, run_job
 from hvdtrain.errors import UserError
 from hvdtrain.launch import (Build, LaunchOptions, build_launch, describe, horovod_tuning_env,
-                             parse_options, preflight)
+                             judge_exit, parse_options, preflight)
 from hvdtrain.slurm import TEMPLATES, Allocation, SbatchJob, expand_tasks_per_node, render
 
 GOOD_BUILD = Build(tensorflow=True, mpi=True, gloo=True)
@@ -28,7 +31,7 @@ def allocation(**env):
 
 
 def options(**changes) -> LaunchOptions:
-    return LaunchOptions(**{"module": "hvdtrain.cnn", "python": PY, **changes})
+    return LaunchOptions(**{"program": "hvdtrain.cnn", "python": PY, **changes})
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -93,21 +96,22 @@ def test_every_flag_reaches_the_launch_options():
         "--autotune-log-file", "a.csv", "--fusion-threshold-mb", "32", "--cycle-time-ms", "0.5",
         "--stall-check-warning-seconds", "30", "--stall-check-shutdown-seconds", "90",
         "--no-stall-check", "--binding-args", "--bind-to core", "--allow-run-as-root",
-        "hvdtrain.cnn", "--preset", "tiny", "--epochs", "2"])
+        "--max-restarts", "2", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "2"])
     assert parsed == LaunchOptions(
-        module="hvdtrain.cnn", module_args=("--preset", "tiny", "--epochs", "2"), np=3,
-        via="mpirun", controller="mpi", python=PY, timeline_filename="t.json", autotune=True,
+        program="hvdtrain.cnn", program_args=("--preset", "tiny", "--epochs", "2"), np=3,
+        via="mpirun", controller="mpi", python=PY, max_restarts=2, timeline_filename="t.json",
+        autotune=True,
         autotune_log_file="a.csv", fusion_threshold_mb=32.0, cycle_time_ms=0.5,
         stall_check_warning_seconds=30, stall_check_shutdown_seconds=90, no_stall_check=True,
         binding_args="--bind-to core", allow_run_as_root=True)
     assert (dry_run, skip_preflight) == (True, True)
     defaults, dry_run, _ = parse_options(["hvdtrain.cnn"])
-    assert defaults == LaunchOptions(module="hvdtrain.cnn") and not dry_run
+    assert defaults == LaunchOptions(program="hvdtrain.cnn") and not dry_run
 
 
 def test_hostile_values_are_quoted_never_interpreted():
     hostile = "x; rm -rf / #"
-    launch = build_launch(options(module_args=("--run-dir", hostile, "$(reboot)")), None,
+    launch = build_launch(options(program_args=("--run-dir", hostile, "$(reboot)")), None,
                           gpus=0)
     assert launch.argv[-3:] == ("--run-dir", hostile, "$(reboot)")  # one argv entry each
     printed = describe(launch).splitlines()[-1]
@@ -202,8 +206,147 @@ def test_render_cli_writes_a_custom_script():
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --nodes=8" in result.stdout and "#SBATCH --gres=gpu:8" in result.stdout
     assert "#SBATCH --partition=a100" in result.stdout
-    assert "--run-dir \"$run_dir\" --epochs 90" in result.stdout
+    assert '"$program" "${run_dir_args[@]}" --epochs 90' in result.stdout
     bad = subprocess.run([sys.executable, "-m", "hvdtrain.slurm", "render", "--name", "a b"],
                          capture_output=True, text=True, timeout=60, env=clean_env())
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "job name" in bad.stderr
 
+
+
+# --- what runs on every rank: a module or a script --------------------------------------------
+def test_a_script_path_runs_as_python_script_under_every_launcher(tmp_path):
+    script = tmp_path / "my jobs" / "train.py"
+    script.parent.mkdir()
+    script.write_text("print('hi')\n")
+    alloc = allocation(SLURM_JOB_NODELIST="gpu01", SLURM_TASKS_PER_NODE="2")
+    for via in ("horovodrun", "mpirun", "srun"):
+        argv = build_launch(options(program=str(script), program_args=("--lr", "0.1"), via=via),
+                            alloc, gpus=0).argv
+        assert argv[-4:] == (PY, str(script), "--lr", "0.1"), (via, argv)
+        assert "-m" not in argv, (via, argv)
+    module = build_launch(options(program_args=("--lr", "0.1")), None, gpus=0).argv
+    assert module[-5:] == (PY, "-m", "hvdtrain.cnn", "--lr", "0.1")
+
+
+def test_what_counts_as_a_script(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train").write_text("")  # an existing file without .py is run as a script
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "run.py").write_text("")
+    for program, expected in (("train", [PY, "train"]), ("sub/run.py", [PY, "sub/run.py"]),
+                              ("mypackage.train", [PY, "-m", "mypackage.train"])):
+        assert list(build_launch(options(program=program), None, gpus=0).argv[-len(expected):]) \
+            == expected
+    for program, message in (("missing.py", "no such script: missing.py"),
+                             ("sub/missing", "no such script: sub/missing"),
+                             ("not a-module", "neither a module name")):
+        with pytest.raises(UserError, match=message):
+            build_launch(options(program=program), None, gpus=0)
+
+
+def launcher_cli(*args: str) -> subprocess.CompletedProcess:
+    """The launcher's command line, for what it prints before starting anything."""
+    return subprocess.run([sys.executable, "-m", "hvdtrain.launch", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env=clean_env())
+
+
+def test_dry_run_shows_a_script_path_as_python_script():
+    result = launcher_cli("--dry-run", "--skip-preflight", "--np", "2", "--",
+                          "tests/scripts/hello_horovod.py", "--greeting", "hi there")
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout.splitlines()[-1])
+    assert command[1:5] == ["-np", "2", "-H", "localhost:2"]
+    assert command[-4:] == [sys.executable, "tests/scripts/hello_horovod.py", "--greeting",
+                            "hi there"]
+
+
+def test_a_missing_script_is_one_line_and_exit_2():
+    result = launcher_cli("--np", "2", "--", "tests/scripts/no_such_script.py")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "hvdtrain.launch: error: no such script: tests/scripts/no_such_script.py (a script path "
+        "runs as `python PATH`, a module name like hvdtrain.cnn as `python -m MODULE`)"]
+
+
+def test_templates_tell_scripts_from_modules_as_the_launcher_does(tmp_path, monkeypatch):
+    """The sbatch templates pass --run-dir to a module only; their bash rule must match
+    hvdtrain.launch.is_script_path, which decides how the program runs."""
+    from hvdtrain.launch import is_script_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train").write_text("")
+    rule = next(line for line in render(TEMPLATES["cpu.sh"]).splitlines()
+                if line.startswith("if [[ $program =="))
+    for program in ("hvdtrain.cnn", "pkg.mod", "train.py", "dir/train", "./train", "train"):
+        shell = subprocess.run(
+            ["bash", "-c", f"program={shlex.quote(program)}; run_dir_args=(--run-dir x)\n"
+                           f'{rule}\necho "${{#run_dir_args[@]}}"'],
+            cwd=tmp_path, capture_output=True, text=True, timeout=30)
+        assert (shell.stdout.strip() == "0") == is_script_path(program), program
+
+
+# --- restarts ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("status, stop_signal, restart, reason", [
+    (137, None, True, "a rank ended on SIGKILL"),  # kill -9, the OOM killer
+    (134, None, True, "a rank ended on SIGABRT"),
+    (1, None, True, "a rank failed"),  # an exception, a lost peer, an NCCL error
+    (0, None, False, "finished"),
+    (2, None, False, "a user error"),  # bad flags or data: it would fail the same way
+    (75, None, False, "stopped for preemption"),  # the sbatch script requeues it
+    (143, None, False, "stopped on SIGTERM"),  # e.g. scancel signalling every process
+    (130, None, False, "stopped on SIGINT"),
+    (127, None, False, "could not be started"),
+    (137, signal.SIGTERM, False, "stopped on SIGTERM"),  # forwarded by the launcher: a stop
+    (1, signal.SIGUSR1, False, "stopped on SIGUSR1"),
+])
+def test_which_exits_restart(status, stop_signal, restart, reason):
+    verdict = judge_exit(status, stop_signal)
+    assert verdict.restart == restart and reason in verdict.reason, verdict
+
+
+def test_max_restarts_is_refused_where_exit_statuses_are_lost():
+    with pytest.raises(UserError, match="horovodrun --gloo reports as 1"):
+        build_launch(options(controller="gloo", max_restarts=1), None, gpus=0)
+    with pytest.raises(UserError, match="--max-restarts must be 0 or more"):
+        build_launch(options(max_restarts=-1), None, gpus=0)
+    launch = build_launch(options(max_restarts=2), None, gpus=0)
+    assert "# up to 2 restart(s) after a failure" in describe(launch)
+
+
+# --- requeues in the sbatch templates ----------------------------------------------------------
+@pytest.mark.parametrize("file_name", sorted(TEMPLATES))
+def test_templates_cap_requeues_and_requeue_only_their_own_array_task(file_name):
+    text = (REPO / "slurm" / file_name).read_text()
+    assert 'max_requeues="${HVDTRAIN_MAX_REQUEUES:-3}"' in text
+    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -ge "$max_requeues" ]; then' in text
+    # An array task's own id can be the array's id, which would requeue every task.
+    assert 'job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' in text
+    assert 'scontrol requeue "$job"' in text and "scontrol requeue \"$SLURM_JOB_ID\"" not in text
+    assert '--max-restarts "$max_restarts"' in text
+    assert 'max_restarts="${HVDTRAIN_MAX_RESTARTS:-0}"' in text
+    custom = render(SbatchJob(name="long", max_requeues=20))
+    assert 'max_requeues="${HVDTRAIN_MAX_REQUEUES:-20}"' in custom
+
+
+def test_a_bad_requeue_cap_stops_the_script_with_one_line(tmp_path):
+    """Past the variables, the template would need Slurm; a bad cap must stop before that."""
+    script = tmp_path / "job.sh"
+    script.write_text(render(TEMPLATES["cpu.sh"]))
+    env = clean_env(HVDTRAIN_MAX_REQUEUES="three", HVDTRAIN_RUN_DIR=str(tmp_path / "run"),
+                    SLURM_SUBMIT_DIR=str(tmp_path))
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30,
+                            env=env)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["HVDTRAIN_MAX_REQUEUES must be a whole number, got "
+                                          "'three'"]
+
+
+# --- a user's own horovod script through the launcher (integration tier) ------------------------
+@integration
+@pytest.mark.timeout(150)
+def test_a_plain_horovod_script_runs_on_two_ranks_through_the_launcher():
+    result = run_job([sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--",
+                      "tests/scripts/hello_horovod.py", "--greeting", "hi there"], timeout=140)
+    lines = re.findall(r"rank (\d) of (\d): sum (\d+) args (.*?\])", result.stdout)
+    assert sorted(lines) == [("0", "2", "1", "['--greeting', 'hi there']"),
+                             ("1", "2", "1", "['--greeting', 'hi there']")], result.stdout[-3000:]

@@ -51,10 +51,11 @@ class Job:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             state = self.field("JobState")
-            if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-                break
             if state == until and int(self.field("Restarts") or 0) >= restarts:
                 return state
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                         "OUT_OF_MEMORY"):
+                break
             time.sleep(2)
         pytest.fail(f"job {self.id} is {self.field('JobState')} (wanted {until}); log:\n"
                     f"{self.text()[-5000:]}")
@@ -67,10 +68,13 @@ class Job:
 def submit(slurm_cluster, tmp_path):
     jobs = []
 
-    def sbatch(*args: str, run_dir: Path | None = None) -> Job:
+    def sbatch(*args: str, run_dir: Path | None = None, **env: str) -> Job:
+        """Submit; the log is slurm-N.out in tmp_path (slurm-N-T.out for array task T)."""
         log = tmp_path / f"slurm-{len(jobs)}.out"
-        env = clean_env(HVDTRAIN_RUN_DIR=str(run_dir or tmp_path / "run"))
-        job_id = run_job(["sbatch", "--parsable", f"--output={log}", *args], timeout=60,
+        array = any(arg.startswith("--array") for arg in args)
+        output = tmp_path / f"slurm-{len(jobs)}-%a.out" if array else log
+        env = clean_env(HVDTRAIN_RUN_DIR=str(run_dir or tmp_path / "run"), **env)
+        job_id = run_job(["sbatch", "--parsable", f"--output={output}", *args], timeout=60,
                          env=env).stdout.strip().split(";")[0]
         jobs.append(job_id)
         return Job(job_id, log)
@@ -135,3 +139,30 @@ def test_dry_run_for_a_simulated_two_node_allocation(slurm_cluster):
                      timeout=60, env=env)
     assert "-np 8 -H node07:4,node08:4" in result.stdout  # scontrol show hostnames expanded it
     assert "# Slurm job 1234: 2 node(s)" in result.stdout
+
+
+def test_an_array_task_requeues_alone_and_at_most_max_requeues_times(submit, tmp_path):
+    """Task 1 stops for requeue (exit 75) on every run, task 0 finishes; HVDTRAIN_MAX_REQUEUES=1.
+
+    Task 1 is the task whose own job id is also the array's id (checked below): there
+    `scontrol requeue $SLURM_JOB_ID` would requeue task 0 as well. The program is a script path
+    (HVDTRAIN_MODULE), which must get only its own arguments (no --run-dir).
+    """
+    record = tmp_path / "runs.txt"
+    array = submit("--array=0-1", "slurm/cpu.sh", str(record), "75", "--only-task", "1",
+                   HVDTRAIN_MODULE="tests/scripts/exit_status.py", HVDTRAIN_MAX_REQUEUES="1")
+    finished = Job(f"{array.id}_0", tmp_path / "slurm-0-0.out")
+    stopped = Job(f"{array.id}_1", tmp_path / "slurm-0-1.out")
+    stopped.wait(until="FAILED", restarts=1, timeout=300)
+    finished.wait(timeout=120)
+    assert stopped.field("JobId") == array.id  # the task the array's id names
+    runs = [line for line in record.read_text().splitlines() if " rank=0 " in line]
+    assert sorted(runs) == ["task=0 run=0 rank=0 status=0", "task=1 run=0 rank=0 status=75",
+                            "task=1 run=1 rank=0 status=75"], record.read_text()
+    assert finished.field("Restarts") == "0" and stopped.field("Restarts") == "1"
+    assert stopped.field("ExitCode") == "75:0"
+    log = stopped.text()
+    assert log.count("requeueing job") == 1, log[-3000:]
+    assert f"requeueing job {array.id}_1;" in log
+    assert log.count("not requeueing it") == 1, log[-3000:]
+    assert "was requeued 1 time(s) already (HVDTRAIN_MAX_REQUEUES=1)" in log

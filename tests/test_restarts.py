@@ -1,0 +1,184 @@
+"""`hvdtrain.launch --max-restarts N`: a failed job starts again in the same allocation, a user
+error or a stop signal does not, and the restarts stop after N.
+
+Integration tier: each test starts a real launcher (real horovodrun or mpirun, real ranks), kills
+or signals real processes, and cleans up everything it starts within its time limit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, integration, run_job
+
+pytestmark = [integration]
+SCRIPTS = Path(__file__).parent / "scripts"
+LAUNCH = [sys.executable, "-m", "hvdtrain.launch"]
+
+
+def ranks_of(run_dir: Path) -> dict[int, int]:
+    """{rank: pid} of the running training ranks writing to ``run_dir``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(run_dir).encode() not in command or b"hvdtrain.cnn" not in command:
+            continue
+        for variable in environ:
+            if variable.startswith(b"OMPI_COMM_WORLD_RANK="):
+                found[int(variable.split(b"=")[1])] = int(entry.name)
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def runs_in(record: Path) -> int:
+    """How many times exit_status.py was started (its rank 0 notes each run)."""
+    return sum(" rank=0 " in line for line in record.read_text().splitlines())
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_is_restarted_and_the_job_resumes_to_the_end(tmp_path):
+    run_dir = tmp_path / "run"
+    # --via mpirun: the restart path of horovodrun without horovodrun's own TensorFlow import,
+    # which costs many seconds per attempt on 2 busy cores (the user-error test uses horovodrun).
+    launcher = subprocess.Popen(
+        [*LAUNCH, "--np", "2", "--via", "mpirun", "--max-restarts", "1", "--skip-preflight",
+         "--", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "4", "--steps-per-epoch", "30",
+         "--no-tensorboard", "--no-export", "--run-dir", str(run_dir)],
+        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        # The first epoch is done and checkpointed (its metrics are written just before).
+        while not (run_dir / "checkpoints" / "checkpoint").exists():
+            if launcher.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("the job ended or never finished an epoch")
+            time.sleep(0.1)
+        ranks = ranks_of(run_dir)
+        epochs_before = len(json.loads((run_dir / "metrics.json").read_text()))
+        assert sorted(ranks) == [0, 1] and epochs_before < 4, (ranks, epochs_before)
+        os.kill(ranks[1], signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=150)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, output[-4000:]
+    restarts = re.findall(r"hvdtrain\.launch: job exited (\d+) \(([^)]*)\); restart (\d) of 1",
+                          output)
+    assert restarts == [("137", "a rank ended on SIGKILL", "1")], output[-4000:]
+    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", output)
+    assert resumed and int(resumed.group(1)) >= epochs_before - 1, output[-4000:]
+    epochs = [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())]
+    assert epochs == [1, 2, 3, 4], epochs  # every epoch once, none lost or logged twice
+    assert not ranks_of(run_dir), "ranks outlived the job"
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_always_fails_runs_max_restarts_plus_one_times(tmp_path):
+    record = tmp_path / "runs.txt"
+    result = run_job([*LAUNCH, "--np", "2", "--via", "mpirun", "--skip-preflight",
+                      "--max-restarts", "2", str(SCRIPTS / "exit_status.py"), str(record), "1"],
+                     timeout=100, check=False)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert runs_in(record) == 3, record.read_text()
+    lines = [l for l in result.stdout.splitlines() if l.startswith("hvdtrain.launch: job exited")]
+    assert lines == [
+        "hvdtrain.launch: job exited 1 (a rank failed); restart 1 of 2 in 3 s (an hvdtrain job "
+        "resumes from its last checkpoint)",
+        "hvdtrain.launch: job exited 1 (a rank failed); restart 2 of 2 in 3 s (an hvdtrain job "
+        "resumes from its last checkpoint)",
+        "hvdtrain.launch: job exited 1 (a rank failed); no restarts left (--max-restarts 2)"], \
+        result.stdout[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_nothing_of_a_failed_attempt_runs_beside_the_next_one(tmp_path):
+    """Each attempt leaves a process behind in a session of its own (mpirun does not stop it);
+    the launcher must have killed it before the next attempt starts, and after the last one."""
+    record = tmp_path / "runs.txt"
+    try:
+        result = run_job([*LAUNCH, "--np", "2", "--via", "mpirun", "--skip-preflight",
+                          "--max-restarts", "1", str(SCRIPTS / "exit_status.py"), str(record),
+                          "1", "--leave-behind"], timeout=100, check=False)
+        lines = record.read_text().splitlines()
+        leftovers = [int(line.split()[1]) for line in lines if line.startswith("leftover ")]
+        assert result.returncode == 1 and runs_in(record) == 2, result.stdout[-3000:]
+        assert len(leftovers) == 2, lines
+        # The second attempt found the first one's leftover gone; none outlives the launcher.
+        assert [l for l in lines if l.startswith("leftovers-running")] == [
+            "leftovers-running 0", "leftovers-running 0"], lines
+        assert not [pid for pid in leftovers if running(pid)]
+    finally:
+        for line in record.read_text().splitlines() if record.exists() else []:
+            if line.startswith("leftover "):
+                try:
+                    os.kill(int(line.split()[1]), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+@pytest.mark.timeout(150)
+def test_a_user_error_is_not_restarted(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_job([*LAUNCH, "--np", "2", "--max-restarts", "2", "--skip-preflight", "--",
+                      "hvdtrain.cnn", "--batch-size", "0", "--run-dir", str(run_dir)],
+                     timeout=130, check=False)
+    assert result.returncode == 2, result.stdout[-3000:]
+    errors = [l for l in result.stdout.splitlines() if "hvdtrain.cnn: error:" in l]
+    assert len(errors) == 1 and "--batch-size must be at least 1" in errors[0], result.stdout
+    assert "restart 1" not in result.stdout
+    assert ("hvdtrain.launch: job exited 2 (a user error: it would fail the same way again); "
+            "not restarting") in result.stdout
+    assert not run_dir.exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_stop_signal_to_the_launcher_stops_instead_of_restarting(tmp_path):
+    """SIGTERM (what scancel sends): the ranks checkpoint and stop, nothing restarts, and the
+    launcher exits only once they are done (an sbatch script that exits earlier would have Slurm
+    kill the ranks in the middle of their checkpoint)."""
+    run_dir, log = tmp_path / "run", tmp_path / "launcher.log"
+    with log.open("w") as sink:
+        launcher = subprocess.Popen(
+            [*LAUNCH, "--np", "2", "--max-restarts", "2", "--skip-preflight", "--",
+             "hvdtrain.cnn", "--preset", "tiny", "--epochs", "200", "--no-tensorboard",
+             "--run-dir", str(run_dir)],
+            env=clean_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not (run_dir / "metrics.json").exists():
+            if launcher.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("the job ended or never finished an epoch")
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+        ranks_left = ranks_of(run_dir)  # at the moment the launcher is gone
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    output = log.read_text()
+    assert launcher.returncode == 143, output[-3000:]
+    assert not ranks_left, f"ranks {ranks_left} still ran after the launcher exited"
+    assert re.search(r"stopped by SIGTERM in epoch \d+; checkpoint written", output), output[-3000:]
+    assert "restart 1" not in output
