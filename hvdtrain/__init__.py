@@ -20,6 +20,22 @@ import sys
 
 __version__ = "0.1.0"
 
+# The public API for your own training job (README "Your own training job"); everything else in
+# hvdtrain is internal. Resolved on first use, so that `import hvdtrain` stays instant.
+__all__ = ["Datasets", "Shard", "Task", "TrainConfig", "main", "run"]
+
+
+def __getattr__(name: str):
+    if name == "TrainConfig":
+        from hvdtrain import config
+
+        return config.TrainConfig
+    if name in __all__:
+        from hvdtrain import task
+
+        return getattr(task, name)
+    raise AttributeError(f"module 'hvdtrain' has no attribute {name!r}")
+
 
 class _KerasIsTfKeras(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """``import keras`` / ``import keras.x`` -> the already-imported ``tf_keras`` / ``tf_keras.x``."""

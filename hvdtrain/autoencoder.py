@@ -15,21 +15,22 @@ import tensorflow as tf
 import tf_keras as keras
 
 from hvdtrain import train
-from hvdtrain.config import TrainConfig, parse_config
+from hvdtrain.config import ImageConfig, parse_config
 from hvdtrain.errors import reported
 from hvdtrain.models.autoencoder import build_autoencoder
 from hvdtrain.plots import plot_reconstructions
 from hvdtrain.runtime import Runtime
+from hvdtrain.task import Task
 
 PROGRAM = "hvdtrain.autoencoder"
 SAMPLES_IN_GRID = 8
 
 
-def default() -> TrainConfig:
-    return TrainConfig(epochs=20, run_dir="runs/autoencoder", lr_decay="constant")
+def default() -> ImageConfig:
+    return ImageConfig(epochs=20, run_dir="runs/autoencoder", lr_decay="constant")
 
 
-def tiny() -> TrainConfig:
+def tiny() -> ImageConfig:
     return dataclasses.replace(default(), epochs=3, warmup_epochs=0.5, tensorboard=False,
                                run_dir="runs/autoencoder-tiny")
 
@@ -42,8 +43,8 @@ def as_reconstruction_pairs(images, labels):
     return images, tf.cast(images, tf.float32) / 255.0
 
 
-RECONSTRUCTOR = train.Task(
-    build_model=lambda listing: build_autoencoder(listing.image_shape),
+RECONSTRUCTOR = Task(
+    build_model=lambda data: build_autoencoder(data.image_shape),
     loss=lambda: keras.losses.MeanSquaredError(),
     metrics=lambda: [],
     to_pairs=as_reconstruction_pairs,
@@ -54,7 +55,7 @@ def write_reconstructions(result: train.TrainingResult, runtime: Runtime) -> str
     """Rank 0: the grid of inputs over reconstructions, as <run_dir>/<cpu|gpu|tpu>.png."""
     if not runtime.world.is_chief:
         return None
-    source = result.pipelines.validation or result.pipelines.train
+    source = result.datasets.validation or result.datasets.train
     images = next(iter(source))[0][:SAMPLES_IN_GRID]  # (images, labels[, weights])
     reconstructions = result.model.predict(images, verbose=0)
     name = f"{runtime.devices.kind}.png"

@@ -1,107 +1,19 @@
-"""Keras callbacks of a training run, in the order ``train.fit`` lists them.
+"""Keras callbacks of a training run that are neither checkpointing (``checkpoint.py``) nor
+preemption (``preemption.py``): data problems, batch-norm statistics, throughput, metrics.
 
-Only ``PreemptionCheck`` communicates (it is a collective: every rank must reach it equally
-often); the rest are local. Callbacks that write files are only attached on rank 0.
+``DecodeFailureReport`` and ``BatchNormStatistics`` are collectives (attached on every rank or
+none); the rest are local. Callbacks that write files are only attached on rank 0.
 """
 from __future__ import annotations
 
-import signal
-import sys
 import time
-from dataclasses import dataclass
-from typing import Callable
 
 import tf_keras as keras
 
 from hvdtrain.errors import UserError
 from hvdtrain.plots import plot_curves
+from hvdtrain.preemption import StopRequest
 from hvdtrain.rundir import RunDir
-
-
-@dataclass
-class StopRequest:
-    """A stop signal as this rank saw it, and as all ranks agreed on it."""
-
-    received: int = 0
-    """Signal number this rank caught (0: none yet)."""
-    agreed: int = 0
-    """Signal number all ranks agreed to stop on, at the same step (0: keep training)."""
-    epoch: int | None = None
-    """The epoch in which training stopped."""
-    mid_epoch: bool = False
-    """True when steps of that epoch were left undone (it is re-run on resume)."""
-    saved: bool = False
-    """Rank 0 already wrote the checkpoint for this stop."""
-
-
-class StopSignals:
-    """Records SIGUSR1 and SIGTERM from the start of a run to its end, instead of dying of them.
-
-    Slurm sends ``--signal=B:USR1@<seconds>`` before the time limit (the sbatch templates forward
-    it to the ranks). Installed for the whole run, not just ``fit``: a signal that arrives while
-    the data is listed or the model exported must not kill a rank either.
-    """
-
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-    def __init__(self, rank: int, request: StopRequest):
-        self.rank = rank
-        self.request = request
-        self._previous = {}
-
-    def __enter__(self) -> StopSignals:
-        for signum in self.SIGNALS:
-            self._previous[signum] = signal.signal(signum, self._on_signal)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _on_signal(self, signum, frame) -> None:
-        if not self.request.received:
-            print(f"rank {self.rank}: caught {signal.Signals(signum).name}; stopping after the "
-                  "current step to write a checkpoint", file=sys.stderr, flush=True)
-        self.request.received = signum
-
-
-class PreemptionCheck(keras.callbacks.Callback):
-    """Stop all ranks at the same step when any rank caught a stop signal.
-
-    Every ``check_every`` batches the ranks agree on ``request.received`` with one small
-    collective, so they all leave ``fit`` after the same step and no rank is left waiting in an
-    allreduce. On agreement ``on_stop(epoch, mid_epoch)`` runs at once (rank 0 writes the
-    checkpoint there, before Keras' end-of-epoch validation eats into Slurm's warning time).
-    """
-
-    def __init__(self, runtime, request: StopRequest, check_every: int,
-                 on_stop: Callable[[int, bool], None]):
-        super().__init__()
-        # Reads no metrics per batch: Keras then need not copy them out of the step every batch.
-        self._supports_tf_logs = True
-        self.runtime = runtime
-        self.request = request
-        self.check_every = check_every
-        self.on_stop = on_stop
-        self.next_check = check_every
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.request.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        # Counted in batches, not calls: with steps_per_execution one call covers many batches.
-        # Every rank sees the same batch numbers, so every rank checks at the same steps.
-        steps = self.params["steps"]
-        done = self.request.epoch * steps + batch + 1
-        if done < self.next_check:
-            return
-        self.next_check = done + self.check_every
-        agreed = self.runtime.max_over_ranks(self.request.received)
-        if agreed:
-            self.request.agreed = agreed
-            self.request.mid_epoch = batch + 1 < steps
-            self.model.stop_training = True
-            self.on_stop(self.request.epoch, self.request.mid_epoch)
 
 
 class DecodeFailureReport(keras.callbacks.Callback):
@@ -248,19 +160,6 @@ class LearningRateLog(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         logs["learning_rate"] = float(self.schedule(self.model.optimizer.iterations))
-
-
-class SaveCheckpoint(keras.callbacks.Callback):
-    """Rank 0: a checkpoint after every completed epoch (a stop writes its own, see train.fit)."""
-
-    def __init__(self, checkpoints, request: StopRequest):
-        super().__init__()
-        self.checkpoints = checkpoints
-        self.request = request
-
-    def on_epoch_end(self, epoch, logs=None):
-        if not self.request.saved:
-            self.checkpoints.save(resume_epoch=epoch + 1)
 
 
 class MetricsLog(keras.callbacks.Callback):

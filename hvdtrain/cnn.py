@@ -2,29 +2,64 @@
 
 Runs the same way on one CPU, several ranks of horovodrun/mpirun/srun, MirroredStrategy or a TPU
 (--backend). Data: the embedded handwritten digits by default, --data-dir for an image folder
-(one sub-folder per class), --tfrecords for shards. Rank 0 writes everything into --run-dir; a
-run directory that holds a checkpoint is resumed.
+(one sub-folder per class), --tfrecords for shards. --model picks the network: a built-in one or
+your own FILE.py:FUNCTION. Rank 0 writes everything into --run-dir; a run directory that holds a
+checkpoint is resumed.
 """
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import tf_keras as keras
 
 from hvdtrain import train
-from hvdtrain.config import CNN_PRESETS, parse_config
+from hvdtrain.config import ImageConfig, parse_config
 from hvdtrain.errors import reported
-from hvdtrain.models import build_classifier
+from hvdtrain.models import BUILT_IN_CLASSIFIERS, build_classifier
+from hvdtrain.models.user import is_user_model
+from hvdtrain.task import Task
 
 PROGRAM = "hvdtrain.cnn"
 
 
-def classifier(model: str = "cnn") -> train.Task:
+@dataclass(kw_only=True)
+class ClassifierConfig(ImageConfig):
+    """The image classifier job: the image data and training flags, plus the model to train."""
+
+    model: str = "cnn"
+    """The classifier: 'cnn' (hvdtrain's small CNN), 'resnet50', 'mobilenetv2', 'efficientnetb0'
+    (Keras applications, untrained, sized from the data; images of at least 32x32), or
+    'FILE.py:FUNCTION', your own FUNCTION(input_shape, num_classes) returning a keras.Model that
+    maps uint8 images to class logits."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model not in BUILT_IN_CLASSIFIERS and not is_user_model(self.model):
+            raise ValueError(f"--model must be one of {', '.join(BUILT_IN_CLASSIFIERS)} or "
+                             f"FILE.py:FUNCTION, got {self.model!r}")
+
+
+# --- presets --------------------------------------------------------------------------------------
+def default() -> ClassifierConfig:
+    """The CNN on the embedded digits: reaches >= 95% validation accuracy on 1, 2 or 4 ranks."""
+    return ClassifierConfig(run_dir="runs/cnn")
+
+
+def tiny() -> ClassifierConfig:
+    """The same job in a few seconds on 2 CPU ranks, for tests and a first look."""
+    return ClassifierConfig(epochs=3, warmup_epochs=0.5, learning_rate=3e-3, tensorboard=False,
+                            run_dir="runs/cnn-tiny")
+
+
+PRESETS: Mapping[str, Callable[[], ClassifierConfig]] = {"default": default, "tiny": tiny}
+
+
+def classifier(model: str = "cnn") -> Task:
     """Image classification with ``--model``: a built-in network or the user's own file."""
-    return train.Task(
-        build_model=lambda listing: build_classifier(model, listing.image_shape,
-                                                     len(listing.class_names)),
+    return Task(
+        build_model=lambda data: build_classifier(model, data.image_shape, len(data.class_names)),
         loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=lambda: ["accuracy"],
     )
@@ -35,7 +70,7 @@ CLASSIFIER = classifier()
 
 def run(argv: Sequence[str] | None = None) -> int:
     # 1. configuration: a preset, then command-line overrides, validated
-    config = parse_config(argv, CNN_PRESETS, prog=f"python -m {PROGRAM}", description=__doc__)
+    config = parse_config(argv, PRESETS, prog=f"python -m {PROGRAM}", description=__doc__)
     # 2. compute: horovod ranks, a tf.distribute strategy, or one process
     runtime = train.start_runtime(config)
     # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)

@@ -1,6 +1,8 @@
-"""Training configuration: one typed dataclass, named presets, command-line overrides.
+"""Training configuration: typed dataclasses, named presets, command-line overrides.
 
-The path is always the same: a preset function builds a ``TrainConfig``, flags given on the command
+``TrainConfig`` holds what every job shares, ``ImageConfig`` adds the image data hvdtrain reads, a
+job's own subclass adds its own fields (``hvdtrain.cnn``'s ``--model``). The path is always the
+same: a preset function (kept beside its job) builds the config, flags given on the command
 line replace its fields, and ``__post_init__`` validates the result (``ValueError`` with a message a
 user understands; the CLI turns it into a one-line error). The help text of every flag is the
 docstring under its field, so the documentation cannot drift from the code.
@@ -30,35 +32,12 @@ EmbeddedData = Literal["digits", "synthetic"]
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    # --- data -----------------------------------------------------------------------------------
-    data: EmbeddedData = "digits"
-    """Embedded data used when neither --data-dir nor --tfrecords is given: 'digits' (scikit-learn's
-    1797 8x8 handwritten digits, shipped with scikit-learn, no download) or 'synthetic' (random
-    images and labels, for measuring speed without an input pipeline)."""
-    data_dir: str | None = None
-    """Image folder with one sub-folder per class (PNG, JPEG, GIF or BMP files of any size)."""
-    tfrecords: str | None = None
-    """Directory of TFRecord shards written by `python -m hvdtrain.tfrecords` (train-*.tfrecord,
-    validation-*.tfrecord, dataset.json) or a glob of shards holding `image` (encoded PNG/JPEG
-    bytes) and `label` (int64)."""
-    tfrecord_sharding: TfrecordSharding = "file"
-    """How TFRecords are split across ranks: 'file' (each rank reads whole shards; needs at least
-    as many shards as ranks) or 'example' (every rank reads every shard, keeps every N-th record)."""
-    image_size: int | None = None
-    """Side length in pixels images are resized to. Default: native size for embedded data, 64 for
-    image files."""
-    channels: int | None = None
-    """Colour channels images from files are decoded to: 1 (grayscale) or 3 (RGB). Default: 3
-    for image folders, what dataset.json says for TFRecords."""
-    synthetic_samples: int = 1797
-    """Number of samples in the synthetic data set (same as digits by default)."""
-    validation_fraction: float = 0.2
-    """Fraction of the samples held out for validation (image folders and embedded data)."""
-    on_bad_image: BadImagePolicy = "skip"
-    """What to do with files in an image folder that are not images: 'skip' (and report how many)
-    or 'fail'."""
-    cache: bool = True
-    """Cache decoded images in memory after the first epoch."""
+    """What every job shares: batch and learning-rate scaling, training, outputs.
+
+    Each field is a command-line flag (its docstring is the help). Jobs with more to configure
+    subclass it (``ImageConfig`` for the image data hvdtrain reads; your own fields in a
+    kw_only dataclass subclass become flags too).
+    """
 
     # --- batch and learning-rate scaling --------------------------------------------------------
     batch_size: int = 32
@@ -116,7 +95,7 @@ class TrainConfig:
     one tiny allreduce; a signal is acted on within this many batches."""
 
     # --- outputs --------------------------------------------------------------------------------
-    run_dir: str = "runs/cnn"
+    run_dir: str = "runs/train"
     """Where rank 0 writes checkpoints, metrics, plots and the final model. A run directory that
     already holds a checkpoint is resumed."""
     keep_checkpoints: int = 3
@@ -133,27 +112,17 @@ class TrainConfig:
             if allowed and value not in allowed:
                 raise ValueError(f"{_flag(field.name)} must be one of {', '.join(allowed)}, "
                                  f"got {value!r}")
-        if self.data_dir and self.tfrecords:
-            raise ValueError("give either --data-dir or --tfrecords, not both")
         positive = ["batch_size", "epochs", "grad_accum_steps", "keep_checkpoints",
-                    "synthetic_samples", "signal_check_every_steps"]
+                    "signal_check_every_steps"]
+        optional_positive = ["steps_per_epoch", "steps_per_execution", "threads_per_worker"]
+        _check_at_least_one(self, positive, optional_positive)
         if self.bn_recompute_batches < 0:
             raise ValueError(f"--bn-recompute-batches must be >= 0, got "
                              f"{self.bn_recompute_batches}")
-        optional_positive = ["steps_per_epoch", "steps_per_execution", "threads_per_worker",
-                             "image_size"]
-        for name in positive + [n for n in optional_positive if getattr(self, n) is not None]:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
-        if self.channels not in (None, 1, 3):
-            raise ValueError(f"--channels must be 1 or 3, got {self.channels}")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}")
         if self.warmup_epochs < 0:
             raise ValueError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
-        if not 0 <= self.validation_fraction < 1:
-            raise ValueError("--validation-fraction must be in [0, 1), "
-                             f"got {self.validation_fraction}")
         if not self.run_dir:
             raise ValueError("--run-dir must not be empty")
 
@@ -162,38 +131,55 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
-class ClassifierConfig(TrainConfig):
-    """The image classifier job (``hvdtrain.cnn``): a training config plus the model to train."""
+class ImageConfig(TrainConfig):
+    """A job on the image data hvdtrain reads itself: embedded digits, an image folder, TFRecords."""
 
-    model: str = "cnn"
-    """The classifier: 'cnn' (hvdtrain's small CNN), 'resnet50', 'mobilenetv2', 'efficientnetb0'
-    (Keras applications, untrained, sized from the data; images of at least 32x32), or
-    'FILE.py:FUNCTION', your own FUNCTION(input_shape, num_classes) returning a keras.Model that
-    maps uint8 images to class logits."""
+    data: EmbeddedData = "digits"
+    """Embedded data used when neither --data-dir nor --tfrecords is given: 'digits' (scikit-learn's
+    1797 8x8 handwritten digits, shipped with scikit-learn, no download) or 'synthetic' (random
+    images and labels, for measuring speed without an input pipeline)."""
+    data_dir: str | None = None
+    """Image folder with one sub-folder per class (PNG, JPEG, GIF or BMP files of any size)."""
+    tfrecords: str | None = None
+    """Directory of TFRecord shards written by `python -m hvdtrain.tfrecords` (train-*.tfrecord,
+    validation-*.tfrecord, dataset.json) or a glob of shards holding `image` (encoded PNG/JPEG
+    bytes) and `label` (int64)."""
+    tfrecord_sharding: TfrecordSharding = "file"
+    """How TFRecords are split across ranks: 'file' (each rank reads whole shards; needs at least
+    as many shards as ranks) or 'example' (every rank reads every shard, keeps every N-th record)."""
+    image_size: int | None = None
+    """Side length in pixels images are resized to. Default: native size for embedded data, 64 for
+    image files."""
+    channels: int | None = None
+    """Colour channels images from files are decoded to: 1 (grayscale) or 3 (RGB). Default: 3
+    for image folders, what dataset.json says for TFRecords."""
+    synthetic_samples: int = 1797
+    """Number of samples in the synthetic data set (same as digits by default)."""
+    validation_fraction: float = 0.2
+    """Fraction of the samples held out for validation (image folders and embedded data)."""
+    on_bad_image: BadImagePolicy = "skip"
+    """What to do with files in an image folder that are not images: 'skip' (and report how many)
+    or 'fail'."""
+    cache: bool = True
+    """Cache decoded images in memory after the first epoch."""
+
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from hvdtrain.models import BUILT_IN_CLASSIFIERS
-        from hvdtrain.models.user import is_user_model
-
-        if self.model not in BUILT_IN_CLASSIFIERS and not is_user_model(self.model):
-            raise ValueError(f"--model must be one of {', '.join(BUILT_IN_CLASSIFIERS)} or "
-                             f"FILE.py:FUNCTION, got {self.model!r}")
-
-
-# --- presets --------------------------------------------------------------------------------------
-def default() -> ClassifierConfig:
-    """The CNN on the embedded digits: reaches >= 95% validation accuracy on 1, 2 or 4 ranks."""
-    return ClassifierConfig()
+        if self.data_dir and self.tfrecords:
+            raise ValueError("give either --data-dir or --tfrecords, not both")
+        _check_at_least_one(self, ["synthetic_samples"], ["image_size"])
+        if self.channels not in (None, 1, 3):
+            raise ValueError(f"--channels must be 1 or 3, got {self.channels}")
+        if not 0 <= self.validation_fraction < 1:
+            raise ValueError("--validation-fraction must be in [0, 1), "
+                             f"got {self.validation_fraction}")
 
 
-def tiny() -> ClassifierConfig:
-    """The same job in a few seconds on 2 CPU ranks, for tests and a first look."""
-    return ClassifierConfig(epochs=3, warmup_epochs=0.5, learning_rate=3e-3, tensorboard=False,
-                            run_dir="runs/cnn-tiny")
-
-
-CNN_PRESETS: Mapping[str, Callable[[], ClassifierConfig]] = {"default": default, "tiny": tiny}
+def _check_at_least_one(config: TrainConfig, always: list[str], when_set: list[str]) -> None:
+    for name in always + [n for n in when_set if getattr(config, n) is not None]:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(config, name)}")
 
 
 # --- command line ---------------------------------------------------------------------------------

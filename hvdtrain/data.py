@@ -21,11 +21,12 @@ import numpy as np
 
 from hvdtrain.errors import UserError, first_line
 from hvdtrain.runtime import World
+from hvdtrain.task import Datasets
 
 if TYPE_CHECKING:
     import tensorflow as tf
 
-    from hvdtrain.config import TrainConfig
+    from hvdtrain.config import ImageConfig
     from hvdtrain.runtime import Runtime
 
 # File signatures of the formats tf.io.decode_image reads.
@@ -92,7 +93,7 @@ def split_indices(num_samples: int, validation_fraction: float, seed: int
 
 
 # --- listing the sources ------------------------------------------------------------------------
-def list_data(config: TrainConfig) -> Listing:
+def list_data(config: ImageConfig) -> Listing:
     """Find the samples named by the config. Raises UserError for anything unusable."""
     if config.data_dir:
         return list_image_folder(config.data_dir, image_size=config.image_size,
@@ -270,28 +271,26 @@ def max_label(paths: list[str]) -> int:
     return int(dataset.reduce(tf.constant(-1, tf.int64), tf.maximum))
 
 
-def load_listing(config: TrainConfig, runtime: Runtime) -> Listing:
+def load_listing(config: ImageConfig, runtime: Runtime) -> Listing:
     """Rank 0 lists and checks the data; every rank receives the same result or the same error.
 
     Embedded data is deterministic and in memory, so every rank simply loads its own copy.
     """
     if not (config.data_dir or config.tfrecords):
         return list_data(config)
-    result: Listing | UserError | None = None
-    if runtime.world.is_chief:
-        try:
-            result = list_data(config)
-        except UserError as error:
-            result = error
-        except Exception as error:  # unreadable files: a corrupt dataset.json or shard, ...
-            if not _is_data_error(error):
-                raise
-            result = UserError(f"cannot read {config.data_dir or config.tfrecords}: "
-                               f"{type(error).__name__}: {first_line(error)}")
-    result = runtime.broadcast_object(result)
-    if isinstance(result, UserError):
-        raise result
-    return result
+    return runtime.from_chief(lambda: _list_files(config))
+
+
+def _list_files(config: ImageConfig) -> Listing:
+    try:
+        return list_data(config)
+    except UserError:
+        raise
+    except Exception as error:  # unreadable files: a corrupt dataset.json or shard, ...
+        if not _is_data_error(error):
+            raise
+        raise UserError(f"cannot read {config.data_dir or config.tfrecords}: "
+                        f"{type(error).__name__}: {first_line(error)}") from None
 
 
 def _is_data_error(error: Exception) -> bool:
@@ -304,15 +303,16 @@ def _is_data_error(error: Exception) -> bool:
 
 # --- from a listing to tf.data pipelines ---------------------------------------------------------
 @dataclass
-class Pipelines:
-    """The per-rank training and validation datasets, batched, ready for ``model.fit``.
+class ImageDatasets(Datasets):
+    """The per-rank training and validation datasets of image data, batched, ready for ``fit``.
 
     Batches are ``(images, labels)``, or ``(images, labels, weights)`` for data read from files,
     where a sample that did not decode is a blank image of weight 0 (see ``DecodeFailures``).
     """
 
-    train: tf.data.Dataset
-    validation: tf.data.Dataset | None
+    image_shape: tuple[int, int, int] = (0, 0, 0)
+    """(height, width, channels) of every image."""
+    class_names: tuple[str, ...] = ()
     decode_failures: tuple[DecodeFailures, ...] = ()
     """One counter per split read from files (none for in-memory data, which always decodes)."""
 
@@ -393,7 +393,7 @@ def tfrecord_files_for_rank(split: Split, world: World, order: np.ndarray
 def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                     validation_batch_size: int, validation_steps: int, seed: int, cache: bool,
                     tfrecord_sharding: str = "file", on_bad_image: str = "skip",
-                    threads: int | None = None) -> Pipelines:
+                    threads: int | None = None) -> ImageDatasets:
     """``batch_size`` and ``validation_batch_size`` are what this process feeds per step: a
     worker's batch for a horovod rank, all of its replicas' batches under a tf.distribute
     strategy (Keras splits them)."""
@@ -449,7 +449,8 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         options.threading.private_threadpool_size = max(2, threads)
     train = train.with_options(options)
     validation = validation.with_options(options) if validation is not None else None
-    return Pipelines(train, validation, tuple(failures))
+    return ImageDatasets(train, validation, listing.description, image_shape=listing.image_shape,
+                         class_names=listing.class_names, decode_failures=tuple(failures))
 
 
 def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: DecodeFailures,
@@ -546,3 +547,58 @@ def _parse_example(record):
         "label": tf.io.FixedLenFeature([], tf.int64),
     })
     return features["image"], features["label"]
+
+
+# --- a job's own datasets ------------------------------------------------------------------------
+def agreed_batches(runtime: Runtime, datasets: Datasets, steps_per_epoch: int | None
+                   ) -> tuple[int, int]:
+    """(training batches per epoch, validation batches) that every rank feeds; ``UserError`` on
+    every rank when the ranks' pipelines disagree or cannot be counted.
+
+    A collective. A rank with fewer batches would finish its epoch (or its validation) first and
+    leave the others waiting in an allreduce forever, so unequal counts are refused before the
+    first step. ``steps_per_epoch`` (the flag) replaces the training count: hvdtrain then repeats
+    the training data and every rank takes exactly that many batches.
+    """
+    mine = (_cardinality(datasets.train),
+            _cardinality(datasets.validation) if datasets.validation is not None else 0)
+    everyone = runtime.allgather_object(mine)
+    import tensorflow as tf
+
+    infinite, unknown = int(tf.data.INFINITE_CARDINALITY), int(tf.data.UNKNOWN_CARDINALITY)
+    train_counts, validation_counts = [c[0] for c in everyone], [c[1] for c in everyone]
+    if steps_per_epoch is None:
+        if infinite in train_counts:
+            raise UserError("the training dataset repeats forever; pass --steps-per-epoch, or "
+                            "return one epoch of batches (hvdtrain repeats it)")
+        _require_equal("training", train_counts, unknown)
+        if train_counts[0] == 0:
+            raise UserError("the training dataset has no batches (fewer samples than one batch "
+                            "per rank?)")
+        steps_per_epoch = train_counts[0]
+    if infinite in validation_counts:
+        raise UserError("the validation dataset repeats forever; it must end (it runs in full "
+                        "every epoch)")
+    _require_equal("validation", validation_counts, unknown)
+    return steps_per_epoch, validation_counts[0]
+
+
+def _cardinality(dataset: tf.data.Dataset) -> int:
+    return int(dataset.cardinality())
+
+
+def _require_equal(split: str, counts: list[int], unknown: int) -> None:
+    if unknown in counts:
+        rank = counts.index(unknown)
+        raise UserError(
+            f"cannot count the {split} batches of rank {rank} (a filter or a generator hides the "
+            "count); declare it with dataset.apply(tf.data.experimental.assert_cardinality(N))"
+            + (" or pass --steps-per-epoch" if split == "training" else ""))
+    if len(set(counts)) > 1:
+        per_rank = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
+        raise UserError(
+            f"the ranks' {split} datasets have different numbers of batches ({per_rank}); every "
+            "rank must feed the same number (shard, then batch with drop_remainder=True and take() "
+            "the smallest rank's count)"
+            + (", or pass --steps-per-epoch" if split == "training" else ""))
+

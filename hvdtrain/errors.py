@@ -12,22 +12,14 @@ import contextlib
 import os
 import sys
 import traceback
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator
+
+from hvdtrain.launcher_env import launch_rank
 
 #: Exit status for bad input or environment (argparse's convention).
 EXIT_USAGE = 2
 #: Exit status for "stopped on a preemption signal, checkpoint written, run me again" (EX_TEMPFAIL).
 EXIT_PREEMPTED = 75
-
-# What launchers tell each process before it starts, as (rank, size) variables, in order of
-# trust: horovodrun (Gloo), OpenMPI's mpirun, PMI-1/2 (srun --mpi=pmi2, MPICH), PMIx (srun
-# --mpi=pmix, which names the rank but not the size). Read only to decide who prints an error
-# that happens before the runtime starts, and which backend `auto` means; once horovod runs,
-# the runtime asks horovod.
-_LAUNCHER_VARIABLES = (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK",
-                                                         "OMPI_COMM_WORLD_SIZE"),
-                       ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", None))
-
 
 #: What horovod's collectives raise on every rank once horovod has shut down.
 HOROVOD_SHUT_DOWN = "Horovod has been shut down"
@@ -48,23 +40,6 @@ def first_line(error: BaseException) -> str:
     """
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
-
-
-def launched_as(env: Mapping[str, str] | None = None) -> tuple[int, int | None] | None:
-    """(rank, size) as a launcher announced them; size None if it didn't; None if no launcher."""
-    env = os.environ if env is None else env
-    for rank_name, size_name in _LAUNCHER_VARIABLES:
-        rank = env.get(rank_name, "")
-        if rank.isdigit():
-            size = env.get(size_name or "", "")
-            return int(rank), int(size) if size.isdigit() else None
-    return None
-
-
-def launch_rank(env: Mapping[str, str] | None = None) -> int:
-    """This process's global rank as the launcher announced it (0 when not launched by one)."""
-    launched = launched_as(env)
-    return launched[0] if launched else 0
 
 
 @contextlib.contextmanager

@@ -75,6 +75,9 @@ class LaunchOptions:
     """horovod's controller, "mpi" or "gloo" (horovodrun only); None: horovodrun's choice (MPI)."""
     python: str = sys.executable
     """Interpreter of the ranks."""
+    keras: str = "2"
+    """The Keras a script's `import keras` and `tf.keras` give: "2" (tf_keras, which horovod's
+    Keras API needs; the script runs through hvdtrain.script) or "3" (TensorFlow's own)."""
     max_restarts: int = 0
     """How many times a failed job is started again in the same allocation (judge_exit says
     which failures count)."""
@@ -117,7 +120,8 @@ def is_script_path(program: str) -> bool:
 
 
 def program_command(options: LaunchOptions) -> list[str]:
-    """What every rank runs: `python script.py args` or `python -m module args`.
+    """What every rank runs: `python -m hvdtrain.script script.py args` (or with --keras 3
+    `python script.py args`) or `python -m module args`.
 
     The ranks start in the launcher's working directory (horovodrun, mpirun and srun all keep
     it), so a relative script path means the same there as here.
@@ -126,7 +130,11 @@ def program_command(options: LaunchOptions) -> list[str]:
         if not os.path.isfile(options.program):
             raise UserError(f"no such script: {options.program} (a script path runs as `python "
                             "PATH`, a module name like hvdtrain.cnn as `python -m MODULE`)")
-        return [options.python, options.program, *options.program_args]
+        if options.keras == "3":
+            return [options.python, options.program, *options.program_args]
+        # horovod.tensorflow.keras needs Keras 2; hvdtrain.script selects it, then runs the
+        # script exactly as `python script.py args` would.
+        return [options.python, "-m", "hvdtrain.script", options.program, *options.program_args]
     if not _MODULE_NAME.fullmatch(options.program):
         raise UserError(f"{options.program!r} is neither a module name (like hvdtrain.cnn) nor "
                         "a script path (like train.py)")
@@ -181,7 +189,7 @@ result = {"tensorflow": False, "mpi": False, "gloo": False, "gpus": 0}
 try:
     import tensorflow as tf
     result["gpus"] = len(tf.config.list_physical_devices("GPU"))
-    from hvdtrain.horovod_runtime import build_info
+    from hvdtrain.runtime.horovod import build_info
     result.update(build_info())
 except Exception as error:
     result["error"] = f"{type(error).__name__}: {first_line(error)}"
@@ -532,6 +540,9 @@ def parse_options(argv: Sequence[str] | None) -> tuple[LaunchOptions, bool, bool
                              "choice, MPI)")
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter of the ranks (default: this one)")
+    parser.add_argument("--keras", choices=("2", "3"), default="2",
+                        help="for a script: the Keras its `import keras` and tf.keras give, 2 "
+                             "(tf_keras, which horovod.tensorflow.keras needs; default) or 3")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the command and environment, start nothing")
     parser.add_argument("--skip-preflight", action="store_true",

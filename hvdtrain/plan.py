@@ -81,23 +81,27 @@ class TrainingPlan:
         return dataclasses.asdict(self)
 
 
+def per_worker_batch(batch_size: int, batch_policy: str, num_workers: int) -> int:
+    """Samples each worker takes per step under ``batch_policy``; ``ValueError`` when impossible."""
+    if num_workers < 1:
+        raise ValueError(f"need at least one worker, got {num_workers}")
+    if batch_policy == "per-worker":
+        return batch_size
+    if batch_policy == "global":
+        if batch_size % num_workers:
+            raise ValueError(
+                f"global batch {batch_size} does not divide by {num_workers} workers; use a "
+                f"multiple of {num_workers} or --batch-policy per-worker")
+        return batch_size // num_workers
+    raise ValueError(f"unknown batch policy {batch_policy!r}")
+
+
 def make_plan(*, batch_size: int, batch_policy: str, learning_rate: float, lr_scaling: str,
               warmup_epochs: float, grad_accum_steps: int, epochs: int, num_workers: int,
               num_train_samples: int, num_validation_samples: int,
               steps_per_epoch: int | None = None) -> TrainingPlan:
     """Derive everything the job needs from the user's numbers; ``ValueError`` when impossible."""
-    if num_workers < 1:
-        raise ValueError(f"need at least one worker, got {num_workers}")
-    if batch_policy == "per-worker":
-        per_worker_batch_size = batch_size
-    elif batch_policy == "global":
-        if batch_size % num_workers:
-            raise ValueError(
-                f"global batch {batch_size} does not divide by {num_workers} workers; use a "
-                f"multiple of {num_workers} or --batch-policy per-worker")
-        per_worker_batch_size = batch_size // num_workers
-    else:
-        raise ValueError(f"unknown batch policy {batch_policy!r}")
+    per_worker_batch_size = per_worker_batch(batch_size, batch_policy, num_workers)
     global_batch_size = per_worker_batch_size * num_workers
     if num_train_samples < global_batch_size:
         raise ValueError(

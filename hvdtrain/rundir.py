@@ -308,10 +308,10 @@ def ensure_writable(run_dir: RunDir, runtime, bytes_needed: int,
                     job: str | None = None) -> str | None:
     """Rank 0 checks it can write here and takes the lock; every rank raises the same one-line
     error if either failed. Returns rank 0's ``lock_note`` (None on other ranks)."""
-    # Both checks in one broadcast: the other ranks wait once for rank 0's verdict, and a
-    # refusal reaches every rank, so they exit together instead of waiting in a later collective.
-    problem = (run_dir.problem(bytes_needed) or run_dir.lock(job)) if run_dir.is_chief else None
-    problem = runtime.broadcast_object(problem)
-    if problem:
-        raise UserError(problem)
+    def check_and_lock() -> None:  # both checks, so the other ranks wait for one verdict
+        problem = run_dir.problem(bytes_needed) or run_dir.lock(job)
+        if problem:
+            raise UserError(problem)
+
+    runtime.from_chief(check_and_lock)
     return run_dir.lock_note

@@ -1,15 +1,15 @@
-"""The training run every job shares: plan, data, compile, resume, fit, save.
+"""The training run every job shares: data, plan, compile, resume, fit, save.
 
-A job (``hvdtrain.cnn``, ``hvdtrain.autoencoder``) supplies a ``Task``: how to build its model,
-its loss and metrics, and how to turn (image, label) batches into (input, target) pairs. The rest
-(scaling, checkpoints, callbacks, outputs) is the same for every job and every backend.
+A job supplies a ``Task`` (``hvdtrain/task.py``: how to build its model, its loss and metrics, and
+optionally its own datasets); the built-in jobs (``hvdtrain.cnn``, ``hvdtrain.autoencoder``) are
+tasks on the image data hvdtrain reads itself. The rest (scaling, checkpoints, preemption,
+callbacks, outputs) is the same for every job and every backend.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import platform
-import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -20,31 +20,26 @@ import tf_keras as keras
 
 from hvdtrain import __version__
 from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
-                                MetricsLog, PreemptionCheck, SaveCheckpoint, StopRequest,
-                                StopSignals, Throughput, batch_norm_layers)
-from hvdtrain.config import TrainConfig
-from hvdtrain.data import Listing, Pipelines, build_pipelines, load_listing
-from hvdtrain.errors import EXIT_PREEMPTED, UserError, first_line
-from hvdtrain.plan import TrainingPlan, make_plan
+                                MetricsLog, Throughput, batch_norm_layers)
+from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, training_state,
+                                 variables_bytes)
+from hvdtrain.config import ImageConfig, TrainConfig
+from hvdtrain.data import ImageDatasets, agreed_batches, build_pipelines, load_listing
+from hvdtrain.errors import UserError
+from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch
+from hvdtrain.preemption import (PreemptionCheck, StopRequest, StopSignals, describe_stop,
+                                 stop_exit_code)
 from hvdtrain.rundir import MODEL_FILE, RunDir, ensure_writable
 from hvdtrain.runtime import Runtime, make_runtime, placement
 from hvdtrain.slurm import job_label
-
-
-@dataclass(frozen=True)
-class Task:
-    build_model: Callable[[Listing], keras.Model]
-    loss: Callable[[], keras.losses.Loss]
-    metrics: Callable[[], list]
-    to_pairs: Callable | None = None
-    """Map from batched (images, labels) to (inputs, targets); None keeps them as they are."""
+from hvdtrain.task import Datasets, Shard, Task
 
 
 @dataclass
 class TrainingResult:
     model: keras.Model
     plan: TrainingPlan
-    pipelines: Pipelines
+    datasets: Datasets
     run_dir: RunDir
     initial_epoch: int
     """Epochs already completed when this run started (from a checkpoint)."""
@@ -63,52 +58,86 @@ def start_runtime(config: TrainConfig) -> Runtime:
 
 
 def run(program: str, config: TrainConfig, runtime: Runtime, task: Task) -> TrainingResult:
-    """Data -> plan -> pipelines -> banner -> fit: a whole job once the runtime is up."""
+    """Data -> plan -> banner -> fit: a whole job once the runtime is up."""
     request = StopRequest()
     with StopSignals(runtime.world.rank, request):  # a stop signal is recorded, never fatal
-        listing = load_listing(config, runtime)  # rank 0 lists and checks, everyone receives
-        plan = plan_for(config, runtime, listing)  # batch sizes, learning rate, steps
-        pipelines = make_pipelines(config, runtime, listing, plan)  # sharded tf.data per rank
-        runtime.print0(banner(program, runtime, listing, plan, config))
-        return fit(program, config, runtime, listing, plan, pipelines, task, request)
+        if task.datasets is None:
+            plan, datasets, notes = image_data(config, runtime)
+        else:
+            plan, datasets, notes = task_data(config, runtime, task)
+        runtime.print0(banner(program, runtime, datasets, notes, plan, config))
+        return fit(program, config, runtime, plan, datasets, task, request)
 
 
-def plan_for(config: TrainConfig, runtime: Runtime, listing: Listing) -> TrainingPlan:
-    try:
-        return make_plan(
-            batch_size=config.batch_size, batch_policy=config.batch_policy,
-            learning_rate=config.learning_rate, lr_scaling=config.lr_scaling,
-            warmup_epochs=config.warmup_epochs, grad_accum_steps=config.grad_accum_steps,
-            epochs=config.epochs, num_workers=runtime.world.num_replicas,
-            num_train_samples=listing.train.num_samples,
-            num_validation_samples=listing.validation.num_samples,
-            steps_per_epoch=config.steps_per_epoch)
-    except ValueError as error:
-        raise UserError(str(error)) from None
-
-
-def make_pipelines(config: TrainConfig, runtime: Runtime, listing: Listing,
-                   plan: TrainingPlan) -> Pipelines:
+def image_data(config: TrainConfig, runtime: Runtime
+               ) -> tuple[TrainingPlan, ImageDatasets, tuple[str, ...]]:
+    """The image data the flags name: rank 0 lists and checks it, everyone plans and shards."""
+    if not isinstance(config, ImageConfig):
+        raise UserError("this task reads hvdtrain's image data, which needs an ImageConfig "
+                        "(or give the Task a datasets builder)")
+    listing = load_listing(config, runtime)
+    plan = plan_for(config, runtime, listing.train.num_samples, listing.validation.num_samples)
     # A process driving several replicas (tf.distribute) feeds all of them: Keras splits its
     # batch between the replicas. A horovod rank feeds exactly one.
     per_process = runtime.world.replicas_per_process
-    return build_pipelines(
+    datasets = build_pipelines(
         listing, runtime.world,
         batch_size=plan.per_worker_batch_size * per_process,
         validation_batch_size=plan.validation_batch_size * per_process,
         validation_steps=plan.validation_steps, seed=config.seed, cache=config.cache,
         tfrecord_sharding=config.tfrecord_sharding, on_bad_image=config.on_bad_image,
         threads=runtime.devices.threads)
+    return plan, datasets, listing.notes
 
 
-def banner(program: str, runtime: Runtime, listing: Listing, plan: TrainingPlan,
-           config: TrainConfig) -> str:
+def task_data(config: TrainConfig, runtime: Runtime, task: Task
+              ) -> tuple[TrainingPlan, Datasets, tuple[str, ...]]:
+    """A job's own datasets: built per rank for the planned batch, then counted and agreed on."""
+    world = runtime.world
+    try:
+        per_worker = per_worker_batch(config.batch_size, config.batch_policy, world.num_replicas)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    batch_size = per_worker * world.replicas_per_process
+    datasets = task.datasets(Shard(rank=world.rank, num_shards=world.size, batch_size=batch_size,
+                                   validation_batch_size=batch_size, seed=config.seed,
+                                   config=config))
+    if not isinstance(datasets, Datasets):
+        raise UserError(f"the task's datasets builder must return hvdtrain.Datasets, got "
+                        f"{type(datasets).__name__}")
+    steps, validation_steps = agreed_batches(runtime, datasets, config.steps_per_epoch)
+    global_batch = per_worker * world.num_replicas
+    plan = plan_for(config, runtime, steps * global_batch,
+                    validation_steps * global_batch)
+    # Endless, so that every epoch (Keras stops each after steps_per_epoch) has its batches.
+    train = datasets.train if datasets.train.cardinality() == tf.data.INFINITE_CARDINALITY \
+        else datasets.train.repeat()
+    validation = datasets.validation if validation_steps else None
+    return plan, dataclasses.replace(datasets, train=train, validation=validation), ()
+
+
+def plan_for(config: TrainConfig, runtime: Runtime, num_train_samples: int,
+             num_validation_samples: int) -> TrainingPlan:
+    try:
+        return make_plan(
+            batch_size=config.batch_size, batch_policy=config.batch_policy,
+            learning_rate=config.learning_rate, lr_scaling=config.lr_scaling,
+            warmup_epochs=config.warmup_epochs, grad_accum_steps=config.grad_accum_steps,
+            epochs=config.epochs, num_workers=runtime.world.num_replicas,
+            num_train_samples=num_train_samples, num_validation_samples=num_validation_samples,
+            steps_per_epoch=config.steps_per_epoch)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+
+
+def banner(program: str, runtime: Runtime, datasets: Datasets, notes: tuple[str, ...],
+           plan: TrainingPlan, config: TrainConfig) -> str:
     """The start-up summary. A collective (it gathers every rank's host): call it on all ranks."""
     world = runtime.world
     lines = [f"{program} | backend {world.backend} | {world.size} process(es), "
              f"{world.num_replicas} worker(s) | {runtime.devices.description}",
              f"placement: {placement(runtime.allgather_object(socket.gethostname()))}",
-             f"data: {listing.description}", *listing.notes, *plan.describe(),
+             f"data: {datasets.description}", *notes, *plan.describe(),
              f"run dir: {config.run_dir}"]
     return "\n".join(lines)
 
@@ -129,94 +158,20 @@ def learning_rate_schedule(plan: TrainingPlan, decay: str):
     )
 
 
-class Checkpoints:
-    """Model + optimizer + "epoch to resume at", via tf.train.CheckpointManager on rank 0.
-
-    CheckpointManager writes the data files first and only then atomically rewrites the
-    ``checkpoint`` index that names the latest one, so a crash mid-save leaves the previous
-    checkpoint as the latest; it also deletes all but the newest ``keep``.
-    """
-
-    def __init__(self, run_dir: RunDir, model: keras.Model, keep: int):
-        self.resume_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="resume_epoch")
-        self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
-                                              resume_epoch=self.resume_epoch)
-        self.manager = (tf.train.CheckpointManager(self.checkpoint, run_dir.checkpoints,
-                                                   max_to_keep=keep)
-                        if run_dir.is_chief else None)
-
-    def restore_latest(self) -> tuple[int, str | None]:
-        """Rank 0: restore the newest loadable checkpoint -> (epoch to resume at, its path)."""
-        errors = []
-        for path in reversed(self.manager.checkpoints):
-            try:
-                self.checkpoint.restore(path).assert_existing_objects_matched()
-                return int(self.resume_epoch.numpy()), path
-            except (AssertionError, ValueError, tf.errors.OpError) as error:
-                errors.append(f"{path}: {first_line(error)}")
-        if errors:
-            raise UserError(f"no checkpoint in {self.manager.directory} could be restored into "
-                            f"this model (first: {errors[0]}); use another --run-dir")
-        return 0, None
-
-    def save(self, resume_epoch: int) -> str:
-        self.resume_epoch.assign(resume_epoch)
-        return self.manager.save()
-
-
-def variables_bytes(variables) -> int:
-    return sum(v.shape.num_elements() * v.dtype.size for v in variables)
-
-
-def training_state(model: keras.Model) -> list[tf.Variable]:
-    """Every variable a checkpoint of the model and its optimizer holds, each once.
-
-    Read from the checkpoint's object graph rather than ``model.variables`` and
-    ``optimizer.variables``: tf_keras' LossScaleOptimizer lists neither its current loss scale nor
-    its good-step counter there, and a rank that missed them after a resume would unscale its
-    gradients by another factor than rank 0 (the replicas drift apart).
-    """
-    root = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-    unique = {}
-    for trackable in tf.train.TrackableView(root).descendants():  # holds root weakly
-        if isinstance(trackable, tf.Variable):
-            unique.setdefault(id(trackable), trackable)
-    return list(unique.values())
-
-
-def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
-        plan: TrainingPlan, pipelines: Pipelines, task: Task,
-        request: StopRequest) -> TrainingResult:
+def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
+        datasets: Datasets, task: Task, request: StopRequest) -> TrainingResult:
     world = runtime.world
     run_dir = RunDir(config.run_dir, is_chief=world.is_chief)
     # Each rank draws its own dropout masks and augmentations (seed + rank): identical draws would
     # make N ranks N copies of one sample's noise. Weights still start equal: rank 0's are
-    # broadcast below.
+    # broadcast by restore_or_start.
     keras.utils.set_random_seed(config.seed + world.rank)
     precision = runtime.default_precision() if config.precision == "auto" else config.precision
     keras.mixed_precision.set_global_policy("float32" if precision == "fp32" else precision)
 
     # --- model and optimizer ------------------------------------------------------------------
     schedule = learning_rate_schedule(plan, config.lr_decay)
-    with runtime.scope():
-        try:
-            model = task.build_model(listing)
-        except ValueError as error:  # the data does not fit the model (e.g. its image size)
-            raise UserError(str(error)) from None
-        optimizer = runtime.distribute_optimizer(
-            keras.optimizers.Adam(learning_rate=schedule),
-            fp16_allreduce=config.fp16_allreduce, grad_accum_steps=config.grad_accum_steps)
-        # Samples read from files carry a weight (0 for one that did not decode, see
-        # data.DecodeFailures): the metrics must honour it as the loss does.
-        weighted = len(pipelines.train.element_spec) == 3
-        model.compile(optimizer=optimizer, loss=task.loss(),
-                      metrics=None if weighted else task.metrics(),
-                      weighted_metrics=task.metrics() if weighted else None,
-                      steps_per_execution=(config.steps_per_execution
-                                           or runtime.default_steps_per_execution()))
-        # Create the optimizer's slots now, so a checkpoint restores them immediately and the
-        # broadcast below covers them.
-        model.optimizer.build(model.trainable_variables)
+    model = build_and_compile(config, runtime, task, datasets, schedule)
     state_variables = training_state(model)
 
     # --- run directory and resume ---------------------------------------------------------------
@@ -229,28 +184,12 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
     if lock_note:
         runtime.print0(lock_note)
     checkpoints = Checkpoints(run_dir, model, config.keep_checkpoints)
-    restored: tuple[int, str | None] | UserError = (0, None)
-    if world.is_chief:
-        try:
-            restored = checkpoints.restore_latest()
-        except UserError as error:
-            restored = error
-        else:
-            # A run stopped mid-epoch re-runs that epoch; restart its step count there too, so
-            # the schedule follows the epochs (and a resume on another world size stays right).
-            model.optimizer.iterations.assign(restored[0] * plan.steps_per_epoch)
-    # Rank 0 alone reads the checkpoint (run directories need not be shared); everyone learns the
-    # epoch, and the broadcast below hands its weights and optimizer state to every rank.
-    restored = runtime.broadcast_object(restored)
-    if isinstance(restored, UserError):
-        raise restored
-    initial_epoch, restored_from = restored
-    runtime.broadcast_variables(state_variables)
+    initial_epoch, restored_from = restore_or_start(checkpoints, runtime, state_variables,
+                                                    plan.steps_per_epoch)
     # Rank 0 keeps the metrics of the epochs a resumed run already has (and drops any later
     # rows an interrupted run wrote after its last checkpoint).
     earlier_rows = run_dir.read_json("metrics.json", []) if world.is_chief and restored_from else []
     rows = [row for row in earlier_rows if row.get("epoch", 0) <= initial_epoch]
-
     run_dir.write_json("config.json", {
         "program": program, "config": config.to_dict(), "plan": plan.to_dict(),
         "world": dataclasses.asdict(world), "precision": precision,
@@ -259,15 +198,15 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done")
 
     # --- fit ------------------------------------------------------------------------------------
+    train, validation = datasets.train, datasets.validation
+    if task.to_pairs is not None:
+        train = with_targets(train, task.to_pairs)
+        validation = with_targets(validation, task.to_pairs) if validation is not None else None
+
     def save_on_stop(epoch: int, mid_epoch: bool) -> None:
         if world.is_chief:  # an epoch cut short is re-run from its start on resume
             checkpoints.save(resume_epoch=epoch if mid_epoch else epoch + 1)
             request.saved = True
-
-    train, validation = pipelines.train, pipelines.validation
-    if task.to_pairs is not None:
-        train = with_targets(train, task.to_pairs)
-        validation = with_targets(validation, task.to_pairs) if validation is not None else None
 
     throughput = Throughput(plan.global_batch_size)
     callbacks = [
@@ -281,9 +220,9 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
         # Before validation and the checkpoint, which read the statistics (see the callback).
         callbacks.append(BatchNormStatistics(runtime, norm_layers, train,
                                              config.bn_recompute_batches))
-    if pipelines.decode_failures:
-        callbacks.append(DecodeFailureReport(runtime, pipelines.decode_failures,
-                                             config.on_bad_image))
+    decode_failures = getattr(datasets, "decode_failures", ())
+    if decode_failures:
+        callbacks.append(DecodeFailureReport(runtime, decode_failures, config.on_bad_image))
     if world.is_chief:
         # Metrics before the checkpoint: a crash between the two then costs a repeated epoch,
         # never a missing row.
@@ -304,23 +243,49 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, listing: Listing,
     else:
         runtime.print0(f"{initial_epoch} of {config.epochs} epochs already done; nothing to train")
 
+    # --- finish ---------------------------------------------------------------------------------
     if request.agreed:
-        runtime.print0(f"stopped by {_signal_name(request.agreed)} in epoch "
-                       f"{request.epoch + 1}; checkpoint written, rerun to resume")
+        runtime.print0(describe_stop(request))
         # Nobody leaves before rank 0 has written the checkpoint: the ranks exit non-zero, and
         # mpirun kills the rest of a job as soon as one rank does so.
         runtime.barrier()
-        # SIGUSR1 (Slurm's warning before the time limit) asks to be run again: exit 75, which
-        # the sbatch templates answer with `scontrol requeue`. SIGTERM is a plain stop.
-        exit_code = EXIT_PREEMPTED if request.agreed == signal.SIGUSR1 else 128 + request.agreed
-        return TrainingResult(model, plan, pipelines, run_dir, initial_epoch, rows, exit_code)
+        return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows,
+                              stop_exit_code(request.agreed))
     if config.export and world.is_chief:
         # The exported model carries no optimizer: the distributed optimizer is a class horovod
         # makes on the fly, which a serving or fine-tuning process could not deserialize.
         inference_model = keras.models.clone_model(model)
         inference_model.set_weights(model.get_weights())
         run_dir.write_with(MODEL_FILE, inference_model.save, suffix=".keras")
-    return TrainingResult(model, plan, pipelines, run_dir, initial_epoch, rows, 0)
+    return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows, 0)
+
+
+def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, datasets: Datasets,
+                      schedule) -> keras.Model:
+    """The task's model, compiled with the distributed optimizer, its slots already created."""
+    with runtime.scope():
+        try:
+            model = task.build_model(datasets)
+        except ValueError as error:  # the data does not fit the model (e.g. its image size)
+            raise UserError(str(error)) from None
+        if not isinstance(model, keras.Model):
+            raise UserError(f"the task's build_model must return a keras.Model, got "
+                            f"{type(model).__name__}")
+        optimizer = runtime.distribute_optimizer(
+            keras.optimizers.Adam(learning_rate=schedule),
+            fp16_allreduce=config.fp16_allreduce, grad_accum_steps=config.grad_accum_steps)
+        # Samples read from files carry a weight (0 for one that did not decode, see
+        # data.DecodeFailures): the metrics must honour it as the loss does.
+        weighted = len(datasets.train.element_spec) == 3
+        model.compile(optimizer=optimizer, loss=task.loss(),
+                      metrics=None if weighted else task.metrics(),
+                      weighted_metrics=task.metrics() if weighted else None,
+                      steps_per_execution=(config.steps_per_execution
+                                           or runtime.default_steps_per_execution()))
+        # Create the optimizer's slots now, so a checkpoint restores them immediately and the
+        # broadcast in restore_or_start covers them.
+        model.optimizer.build(model.trainable_variables)
+    return model
 
 
 def with_targets(dataset: tf.data.Dataset, to_pairs: Callable) -> tf.data.Dataset:
@@ -347,10 +312,6 @@ def _verbosity(world) -> int:
     # A live bar only for one process on a terminal. mpirun hands every rank a pseudo-terminal,
     # where a bar's carriage returns turn into a wall of prefixed fragments: a line per epoch.
     return 1 if world.size == 1 and sys.stdout.isatty() else 2
-
-
-def _signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
 
 
 def _versions() -> dict:

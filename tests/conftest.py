@@ -36,7 +36,7 @@ integration = pytest.mark.skipif(
 @pytest.fixture(scope="session")
 def runtime():
     """This process's horovod runtime: a world of 1 under plain pytest, of N under mpirun."""
-    from hvdtrain.horovod_runtime import HorovodRuntime
+    from hvdtrain.runtime.horovod import HorovodRuntime
 
     return HorovodRuntime()
 

@@ -39,7 +39,7 @@ def starts_a_job(test):
 
 
 def test_every_local_rank_holds_every_local_ranks_cores(runtime):
-    from hvdtrain.horovod_runtime import local_cpu_sets
+    from hvdtrain.runtime.horovod import local_cpu_sets
 
     def local() -> tuple[str, list[list[int]]]:
         cpu_sets = local_cpu_sets(runtime.world)

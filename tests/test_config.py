@@ -3,7 +3,9 @@ import dataclasses
 
 import pytest
 
-from hvdtrain.config import CNN_PRESETS, TrainConfig, field_docs, parse_config
+from hvdtrain.cnn import PRESETS as CNN_PRESETS
+from hvdtrain.cnn import ClassifierConfig
+from hvdtrain.config import ImageConfig, TrainConfig, field_docs, parse_config
 from hvdtrain.errors import UserError
 
 
@@ -11,10 +13,13 @@ def parse(*argv):
     return parse_config(list(argv), CNN_PRESETS, prog="test", description="")
 
 
-def test_every_field_has_a_docstring():
-    docs = field_docs(TrainConfig)
-    undocumented = [f.name for f in dataclasses.fields(TrainConfig) if not docs.get(f.name)]
-    assert undocumented == []
+@pytest.mark.parametrize("config_class", [TrainConfig, ImageConfig, ClassifierConfig])
+def test_every_field_has_a_docstring(config_class):
+    # Each class documents the fields it declares (they are its flags' help).
+    declared = [f.name for f in dataclasses.fields(config_class)
+                if f.name in config_class.__dict__.get("__annotations__", {})]
+    docs = field_docs(config_class)
+    assert declared and [name for name in declared if not docs.get(name)] == []
 
 
 def all_presets():

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from hvdtrain.config import TrainConfig
+from hvdtrain.config import ImageConfig
 from hvdtrain.data import (build_pipelines, list_data, list_image_folder, list_tfrecords,
                            shard_records, split_indices, tfrecord_file_order,
                            tfrecord_files_for_rank)
@@ -21,7 +21,7 @@ def ids_of(dataset) -> list[int]:
 
 
 def test_digits_are_real_embedded_data():
-    listing = list_data(TrainConfig())
+    listing = list_data(ImageConfig())
     assert listing.image_shape == (8, 8, 1)
     assert len(listing.class_names) == 10
     assert listing.train.num_samples + listing.validation.num_samples == 1797
@@ -39,7 +39,7 @@ def test_split_is_deterministic_disjoint_and_complete():
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_shards_are_disjoint_and_cover_the_split(size):
-    listing = list_data(TrainConfig())
+    listing = list_data(ImageConfig())
     shards = [ids_of(shard_records(listing.train, World(rank=r, size=size), seed=0,
                                    by_file=False)) for r in range(size)]
     flat = [i for shard in shards for i in shard]
@@ -51,7 +51,7 @@ def test_shards_are_disjoint_and_cover_the_split(size):
 @pytest.mark.parametrize("samples", [7, 10, 13, 29])
 @pytest.mark.parametrize("size", [2, 3])
 def test_uneven_shards_still_give_every_rank_the_planned_steps(samples, size):
-    config = TrainConfig(data="synthetic", synthetic_samples=samples, validation_fraction=0.0)
+    config = ImageConfig(data="synthetic", synthetic_samples=samples, validation_fraction=0.0)
     listing = list_data(config)
     batch = 2
     steps = samples // (batch * size)
@@ -236,7 +236,7 @@ def test_tfrecords_and_run_directory_on_a_url_file_system(tmp_path):
 
     from hvdtrain import train
     from hvdtrain.cnn import CLASSIFIER
-    from hvdtrain.config import tiny
+    from hvdtrain.cnn import tiny
     from hvdtrain.runtime import Runtime, configure_devices
 
     root = make_image_folder(tmp_path / "images", classes=2, per_class=10)

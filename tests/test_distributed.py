@@ -16,9 +16,10 @@ import pytest
 import tf_keras as keras
 
 from conftest import LAUNCHED_RANKS, gather_checked
-from hvdtrain import train
+from hvdtrain import checkpoint, train
 from hvdtrain.cnn import CLASSIFIER
-from hvdtrain.config import TrainConfig, tiny
+from hvdtrain.cnn import tiny
+from hvdtrain.config import ImageConfig
 from hvdtrain.data import build_pipelines, list_data, shard_records
 from hvdtrain.models.cnn import build_cnn
 from hvdtrain.plan import make_plan
@@ -26,7 +27,7 @@ from hvdtrain.plan import make_plan
 pytestmark = pytest.mark.timeout(300)
 
 
-def config_in(run_dir, **changes) -> TrainConfig:
+def config_in(run_dir, **changes) -> ImageConfig:
     return dataclasses.replace(tiny(), **{"run_dir": str(run_dir), "tensorboard": False,
                                           **changes})
 
@@ -54,7 +55,7 @@ def test_the_world_is_what_the_launcher_started(runtime):
 
 
 def test_shards_are_disjoint_and_cover_the_training_set(runtime):
-    listing = list_data(TrainConfig())
+    listing = list_data(ImageConfig())
 
     def my_ids():
         records = shard_records(listing.train, runtime.world, seed=0, by_file=False)
@@ -70,7 +71,7 @@ def test_shards_are_disjoint_and_cover_the_training_set(runtime):
 def test_sizes_that_do_not_divide_give_every_rank_the_same_steps(runtime, extra):
     size = runtime.world.size
     samples = 4 * size + extra
-    listing = list_data(TrainConfig(data="synthetic", synthetic_samples=samples,
+    listing = list_data(ImageConfig(data="synthetic", synthetic_samples=samples,
                                     validation_fraction=0.0))
 
     def steps_this_rank_can_run():
@@ -100,9 +101,9 @@ def test_one_step_leaves_every_rank_identical_and_only_rank_0_writes(runtime, tm
     # Each rank gets its own run directory and its own random initial weights: the broadcast must
     # equalise them, the allreduce keep them equal, and only rank 0's directory may fill up.
     seeded = dataclasses.replace(
-        CLASSIFIER, build_model=lambda listing: (
+        CLASSIFIER, build_model=lambda data: (
             keras.utils.set_random_seed(1000 + runtime.world.rank),
-            build_cnn(listing.image_shape, len(listing.class_names)))[1])
+            build_cnn(data.image_shape, len(data.class_names)))[1])
     config = config_in(tmp_path / "run", epochs=1, steps_per_epoch=1, tensorboard=True)
 
     def one_step():
@@ -212,7 +213,7 @@ def test_only_rank_0_writes_in_every_path(runtime, tmp_path):
 
 def loss_scale_of(model) -> float:
     """The dynamic loss scale a mixed_float16 model's optimizer currently applies."""
-    scales = [v for v in train.training_state(model) if v.name.startswith("current_loss_scale")]
+    scales = [v for v in checkpoint.training_state(model) if v.name.startswith("current_loss_scale")]
     assert len(scales) == 1
     return float(scales[0].numpy())
 
@@ -232,10 +233,10 @@ def test_a_resumed_mixed_precision_run_keeps_every_rank_identical(runtime, share
             if runtime.world.is_chief:
                 # The state a long run reaches after overflows: a loss scale below the initial
                 # 2**15. Rank 0 checkpoints it, as the epoch's own checkpoint would.
-                scale = [v for v in train.training_state(model)
+                scale = [v for v in checkpoint.training_state(model)
                          if v.name.startswith("current_loss_scale")][0]
                 scale.assign(1024.0)
-                train.Checkpoints(RunDir(run_dir, is_chief=True), model, keep=3).save(1)
+                checkpoint.Checkpoints(RunDir(run_dir, is_chief=True), model, keep=3).save(1)
         finally:
             keras.mixed_precision.set_global_policy("float32")
 
@@ -246,7 +247,7 @@ def test_a_resumed_mixed_precision_run_keeps_every_rank_identical(runtime, share
         finally:
             keras.mixed_precision.set_global_policy("float32")
         return (result.initial_epoch, loss_scale_of(result.model),
-                [v.numpy() for v in train.training_state(result.model)])
+                [v.numpy() for v in checkpoint.training_state(result.model)])
 
     gather_checked(runtime, first_run_with_a_lowered_loss_scale)
     results = gather_checked(runtime, resumed)
@@ -333,7 +334,7 @@ def test_epoch_metrics_are_the_mean_over_ranks(runtime):
 
 def test_a_stall_ends_the_job_by_default(runtime):
     """hvd.init() ran with a stall shutdown limit: a stuck rank can never hang the job forever."""
-    from hvdtrain.horovod_runtime import STALL_SHUTDOWN_SECONDS
+    from hvdtrain.runtime.horovod import STALL_SHUTDOWN_SECONDS
 
     limits = gather_checked(runtime, lambda: os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"])
     assert limits == [str(STALL_SHUTDOWN_SECONDS)] * runtime.world.size

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import REPO, horovodrun, integration
-from hvdtrain.config import ClassifierConfig
+from hvdtrain.cnn import ClassifierConfig
 from hvdtrain.models import build_classifier
 
 EXAMPLE = REPO / "examples" / "my_model.py"

@@ -140,7 +140,9 @@ def test_a_holder_that_has_not_written_its_name_yet_is_still_a_holder(tmp_path, 
 
 
 def test_only_the_chief_takes_the_lock(tmp_path):
-    assert ensure_writable(RunDir(tmp_path, is_chief=False), single_runtime(), 0) is None
+    # Rank 1 of 2, with a broadcast that hands back what it is given (rank 0's verdict: none).
+    second_rank = Runtime(World(rank=1, size=2), Devices("cpu", "test"))
+    assert ensure_writable(RunDir(tmp_path, is_chief=False), second_rank, 0) is None
     assert not (tmp_path / LOCK_FILE).exists()
     assert try_lock(tmp_path) == "locked"
 

@@ -68,14 +68,15 @@ class Job:
 def submit(slurm_cluster, tmp_path):
     jobs = []
 
-    def sbatch(*args: str, run_dir: Path | None = None, **env: str) -> Job:
-        """Submit; the log is slurm-N.out in tmp_path (slurm-N-T.out for array task T)."""
+    def sbatch(*args: str, run_dir: Path | None = None, cwd: Path = REPO, **env: str) -> Job:
+        """Submit from ``cwd``; the log is slurm-N.out in tmp_path (slurm-N-T.out for array
+        task T)."""
         log = tmp_path / f"slurm-{len(jobs)}.out"
         array = any(arg.startswith("--array") for arg in args)
         output = tmp_path / f"slurm-{len(jobs)}-%a.out" if array else log
         env = clean_env(HVDTRAIN_RUN_DIR=str(run_dir or tmp_path / "run"), **env)
         job_id = run_job(["sbatch", "--parsable", f"--output={output}", *args], timeout=60,
-                         env=env).stdout.strip().split(";")[0]
+                         env=env, cwd=cwd).stdout.strip().split(";")[0]
         jobs.append(job_id)
         return Job(job_id, log)
 
@@ -166,3 +167,20 @@ def test_an_array_task_requeues_alone_and_at_most_max_requeues_times(submit, tmp
     assert f"requeueing job {array.id}_1;" in log
     assert log.count("not requeueing it") == 1, log[-3000:]
     assert "was requeued 1 time(s) already (HVDTRAIN_MAX_REQUEUES=1)" in log
+
+
+def test_a_plain_horovod_keras_script_runs_unchanged_from_the_cpu_template(submit, tmp_path):
+    # Submitted from an empty directory, as a user would from their project: the job runs there.
+    project = tmp_path / "project"
+    project.mkdir()
+    job = submit("--ntasks-per-node=2", str(REPO / "slurm" / "cpu.sh"), cwd=project,
+                 HVDTRAIN_MODULE=str(REPO / "examples" / "plain_horovod.py"),
+                 HVDTRAIN_PYTHON=str(VENV_BIN / "python"))
+    job.wait()
+    log = job.text()
+    assert "-np 2 -H" in log, log[-3000:]  # from the allocation
+    accuracy = dict(re.findall(r"rank (\d) of 2: test accuracy ([\d.]+)", log))
+    assert sorted(accuracy) == ["0", "1"], log[-3000:]
+    assert accuracy["0"] == accuracy["1"] and float(accuracy["0"]) >= 0.9
+    assert sorted(p.name for p in project.iterdir()) == [f"checkpoint-{e}.h5" for e in range(1, 7)]
+

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from hvdtrain.bench.harness import interleave
-from hvdtrain.horovod_runtime import HorovodRuntime
+from hvdtrain.runtime.horovod import HorovodRuntime
 from hvdtrain.rundir import RunDir
 
 

@@ -24,7 +24,7 @@ from typing import Sequence
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
-from hvdtrain.errors import launch_rank  # noqa: E402
+from hvdtrain.launcher_env import launch_rank  # noqa: E402
 
 MODES = ("none", "horovod", "horovod-busy-poll")
 
@@ -41,7 +41,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.mode != "none":
         if args.mode == "horovod-busy-poll":
             os.environ["OMPI_MCA_mpi_yield_when_idle"] = "0"
-        from hvdtrain.horovod_runtime import HorovodRuntime
+        from hvdtrain.runtime.horovod import HorovodRuntime
 
         runtime = HorovodRuntime(threads_per_worker=1)
         runtime.barrier()  # both ranks are up and cycling before the clock starts

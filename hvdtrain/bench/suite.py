@@ -190,11 +190,11 @@ def pipeline_run(s: Settings, *, data: str = "digits", data_dir: str | None = No
     """Samples per second the input pipeline alone delivers (one process, one thread)."""
     code = (
         "import json, sys, time, hvdtrain\n"
-        "from hvdtrain.config import TrainConfig\n"
+        "from hvdtrain.config import ImageConfig\n"
         "from hvdtrain.data import list_data, build_pipelines\n"
         "from hvdtrain.runtime import World, configure_devices\n"
         "configure_devices(World(), 1)\n"
-        f"config = TrainConfig(data={data!r}, data_dir={data_dir!r}, "
+        f"config = ImageConfig(data={data!r}, data_dir={data_dir!r}, "
         f"image_size={s.image_size}, validation_fraction=0.0, channels=1)\n"
         "listing = list_data(config)\n"
         f"train = build_pipelines(listing, World(), batch_size={s.batch_size}, "

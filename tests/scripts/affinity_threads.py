@@ -14,7 +14,7 @@ from hvdtrain.errors import reported
 def main() -> None:
     import tensorflow as tf
 
-    from hvdtrain.horovod_runtime import HorovodRuntime, local_cpu_sets
+    from hvdtrain.runtime.horovod import HorovodRuntime, local_cpu_sets
 
     runtime = HorovodRuntime()
     world = runtime.world

@@ -7,7 +7,7 @@ from hvdtrain.errors import reported
 
 
 def main() -> None:
-    from hvdtrain.horovod_runtime import HorovodRuntime
+    from hvdtrain.runtime.horovod import HorovodRuntime
 
     runtime = HorovodRuntime()
     print(f"rank {runtime.world.rank}: stall shutdown after "

@@ -11,9 +11,9 @@ import sys
 import hvdtrain  # noqa: F401
 from hvdtrain import train
 from hvdtrain.cnn import CLASSIFIER
-from hvdtrain.config import tiny
+from hvdtrain.cnn import tiny
 from hvdtrain.errors import UserError
-from hvdtrain.horovod_runtime import HorovodRuntime
+from hvdtrain.runtime.horovod import HorovodRuntime
 
 
 def main(run_root: str) -> None:

@@ -17,7 +17,7 @@ import tensorflow as tf
 from horovod.runner.http import http_client
 
 from hvdtrain.errors import RankError, UserError
-from hvdtrain.runtime import Runtime, World, configure_devices
+from hvdtrain.runtime.base import Runtime, World, configure_devices
 
 
 #: Seconds a rank may wait in a collective for a peer before horovod ends the job.

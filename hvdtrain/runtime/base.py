@@ -1,30 +1,20 @@
-"""Where a job runs: the world's facts and the backend that owns them.
+"""The runtime every backend refines: the world's facts, device placement, and ``Runtime``.
 
-Training code sees one object, a ``Runtime``: its ``world`` (rank, size, ...) and a handful of
-methods (wrap the optimizer, broadcast, agree). Which backend stands behind it is decided once, by
-``select_backend``; the backends are
-
-* ``single``   one process, one device (this class itself);
-* ``horovod``  one process per device, MPI/Gloo collectives (``hvdtrain.horovod_runtime``, the only
-               module that imports horovod, imported only when chosen: TPU VMs usually lack it);
-* ``mirrored`` ``tf.distribute.MirroredStrategy`` over this host's GPUs, no MPI;
-* ``tpu``      ``tf.distribute.TPUStrategy`` through a TPU cluster resolver.
+``Runtime`` is one process on one device with no collectives (the ``single`` backend); the
+horovod backend (``runtime/horovod.py``) and the tf.distribute strategies (``runtime/strategy.py``)
+override its methods. Nothing here imports horovod, and nothing here chooses a backend (the
+factory in ``runtime/__init__.py`` does).
 """
 from __future__ import annotations
 
 import contextlib
-import glob
-import importlib.util
 import os
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Callable, Mapping, Sequence
+from typing import AbstractSet, Any, Callable, Sequence, TypeVar
 
-from hvdtrain.errors import RankError, UserError, first_line, launched_as
+from hvdtrain.errors import RankError, UserError
 
-# What a TPU looks like from the host: a named TPU (Cloud TPU node / TPU VM), a Colab TPU, or the
-# local device files of a TPU VM (/dev/accel* on v2-v4, /dev/vfio/* on v5e and later; VFIO is also
-# used for other passthrough devices, so it only counts where libtpu is installed).
-_TPU_VARIABLES = ("TPU_NAME", "COLAB_TPU_ADDR")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,32 +41,6 @@ class World:
     @property
     def is_chief(self) -> bool:
         return self.rank == 0
-
-
-def select_backend(requested: str, env: Mapping[str, str] | None = None,
-                   tpu_devices: Callable[[], list[str]] | None = None, *,
-                   needs_horovod: bool = False) -> str:
-    """Resolve ``--backend auto``: horovod when launched as several ranks, else a TPU if one is
-    visible, else one process. A launcher that started a single rank gets ``single``, unless the
-    job needs a horovod feature (gradient accumulation): horovod would only add its background
-    thread (about 3% of the step time, docs/benchmarks.md)."""
-    if requested != "auto":
-        return requested
-    env = os.environ if env is None else env
-    launched = launched_as(env)
-    if launched and (launched[1] != 1 or needs_horovod):
-        return "horovod"
-    find_tpu_devices = tpu_devices or local_tpu_devices
-    if any(env.get(name) for name in _TPU_VARIABLES) or find_tpu_devices():
-        return "tpu"
-    return "single"
-
-
-def local_tpu_devices() -> list[str]:
-    devices = glob.glob("/dev/accel*")
-    if importlib.util.find_spec("libtpu") is not None:
-        devices += glob.glob("/dev/vfio/[0-9]*")
-    return sorted(devices)
 
 
 def cpu_threads_per_local_rank(cpu_sets: Sequence[AbstractSet[int]]) -> list[int]:
@@ -218,6 +182,25 @@ class Runtime:
     def broadcast_object(self, obj: Any) -> Any:
         return obj
 
+    def from_chief(self, compute: Callable[[], T]) -> T:
+        """Rank 0 runs ``compute``; every rank returns its result or raises its ``UserError``.
+
+        For work one rank should do for all (list the data, check the run directory, read the
+        checkpoint): the other ranks wait in the broadcast, and a refusal reaches every rank, so
+        they all exit together instead of waiting in a later collective. Other exceptions are
+        bugs and end rank 0 (the launcher then stops the rest).
+        """
+        outcome: tuple[T | None, UserError | None] = (None, None)
+        if self.world.is_chief:
+            try:
+                outcome = (compute(), None)
+            except UserError as error:
+                outcome = (None, error)
+        result, error = self.broadcast_object(outcome)
+        if error is not None:
+            raise error
+        return result
+
     def allgather_object(self, obj: Any) -> list:
         return [obj]
 
@@ -238,109 +221,3 @@ class Runtime:
         """Print from the chief only, flushed (ranks' stdout is interleaved by the launcher)."""
         if self.world.is_chief:
             print(*args, flush=True)
-
-
-class StrategyRuntime(Runtime):
-    """One process driving several replicas through a tf.distribute strategy (mirrored, TPU)."""
-
-    def __init__(self, strategy, backend: str, devices: Devices):
-        self.strategy = strategy
-        world = World(replicas_per_process=strategy.num_replicas_in_sync, backend=backend)
-        super().__init__(world, devices)
-
-    def scope(self):
-        # Variables created in the scope are mirrored on every replica; Keras fit then splits
-        # each global batch between the replicas and all-reduces the gradients itself.
-        return self.strategy.scope()
-
-    def default_steps_per_execution(self) -> int:
-        # Each host -> TPU round trip costs milliseconds; run many steps per call on TPU.
-        return 32 if self.world.backend == "tpu" else 1
-
-    def default_precision(self) -> str:
-        # TPUs compute in bfloat16 natively and need no loss scaling for it.
-        return "mixed_bfloat16" if self.world.backend == "tpu" else "fp32"
-
-
-def make_runtime(backend: str, *, threads_per_worker: int | None = None,
-                 needs_horovod: bool = False) -> Runtime:
-    """Start the runtime for ``--backend`` (after ``auto`` is resolved)."""
-    chosen = select_backend(backend, needs_horovod=needs_horovod)
-    launched = launched_as()
-    if chosen != "horovod" and launched and launched[1] != 1:
-        # Every process would think it is the only one (and rank 0), train alone, and write
-        # into the same run directory as the others.
-        ranks = launched[1] or "several"
-        raise UserError(f"started as {ranks} ranks by a launcher, but --backend {backend} runs "
-                        "one process; use --backend horovod (or auto), or start one process")
-    if chosen == "horovod":
-        try:
-            from hvdtrain.horovod_runtime import HorovodRuntime
-        except ImportError as error:
-            raise UserError(f"the horovod backend needs horovod ({error}); run `make install`, "
-                            "or use --backend single") from None
-        return HorovodRuntime(threads_per_worker=threads_per_worker)
-    if chosen == "tpu":
-        return _tpu_runtime()
-    if chosen == "mirrored":
-        return _mirrored_runtime(threads_per_worker)
-    if chosen == "single":
-        world = World()
-        return Runtime(world, configure_devices(world, threads_per_worker))
-    raise UserError(f"unknown backend {chosen!r}")
-
-
-def _mirrored_runtime(threads_per_worker: int | None) -> StrategyRuntime:
-    import tensorflow as tf
-
-    world = World(backend="mirrored")
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        devices = None  # all of this host's GPUs
-        described = Devices("gpu", f"{len(gpus)} GPU(s)")
-    else:
-        # Without GPUs, HVDTRAIN_CPU_REPLICAS splits the CPU into that many logical devices: it
-        # is how the mirrored path is exercised for real on a laptop or CI.
-        replicas = int(os.environ.get("HVDTRAIN_CPU_REPLICAS", "1"))
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        try:
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
-        except RuntimeError:
-            pass  # already initialised in this process; use the devices it has
-        configure_devices(world, threads_per_worker)
-        devices = [d.name for d in tf.config.list_logical_devices("CPU")][:replicas]
-        described = Devices("cpu", f"{len(devices)} logical CPU device(s)")
-    strategy = tf.distribute.MirroredStrategy(devices=devices)
-    return StrategyRuntime(strategy, "mirrored", described)
-
-
-def tpu_address(env: Mapping[str, str], tpu_devices: list[str]) -> str | None:
-    """What to hand TPUClusterResolver, or None when no TPU is in sight."""
-    if env.get("TPU_NAME"):
-        return env["TPU_NAME"]
-    if env.get("COLAB_TPU_ADDR"):
-        return "grpc://" + env["COLAB_TPU_ADDR"]
-    if tpu_devices:
-        return "local"  # a TPU VM: the TPU is attached to this host
-    return None
-
-
-def _tpu_runtime() -> StrategyRuntime:
-    address = tpu_address(os.environ, local_tpu_devices())
-    if address is None:
-        raise UserError("--backend tpu: no TPU found (looked for $TPU_NAME, $COLAB_TPU_ADDR and "
-                        "TPU device files /dev/accel*, /dev/vfio/*)")
-    import tensorflow as tf
-
-    try:
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
-        tf.config.experimental_connect_to_cluster(resolver)
-        tf.tpu.experimental.initialize_tpu_system(resolver)
-    except (ValueError, RuntimeError, tf.errors.OpError) as error:
-        raise UserError(f"--backend tpu: could not connect to TPU '{address}': "
-                        f"{first_line(error)}") from None
-    strategy = tf.distribute.TPUStrategy(resolver)
-    cores = strategy.num_replicas_in_sync
-    return StrategyRuntime(strategy, "tpu", Devices("tpu", f"TPU '{address}', {cores} cores"))
-

@@ -1,0 +1,105 @@
+"""Checkpoints and resume, in one place: what a checkpoint holds, who writes it, how a run resumes.
+
+* Rank 0 alone writes and reads checkpoints (run directories need not be shared between nodes);
+  ``tf.train.CheckpointManager`` makes each save atomic and keeps the newest few.
+* A checkpoint holds the model, the optimizer (slots, step counter, loss scale) and the epoch to
+  resume at. ``restore_or_start`` reads the newest loadable one on rank 0 and broadcasts every
+  variable of it, so all ranks continue from identical state.
+* ``SaveCheckpoint`` writes one after every completed epoch; a preemption stop writes its own
+  (``preemption.py``), so an epoch cut short is re-run from its start.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+import tf_keras as keras
+
+from hvdtrain.errors import UserError, first_line
+from hvdtrain.preemption import StopRequest
+from hvdtrain.rundir import RunDir
+
+
+class Checkpoints:
+    """Model + optimizer + "epoch to resume at", via tf.train.CheckpointManager on rank 0.
+
+    CheckpointManager writes the data files first and only then atomically rewrites the
+    ``checkpoint`` index that names the latest one, so a crash mid-save leaves the previous
+    checkpoint as the latest; it also deletes all but the newest ``keep``.
+    """
+
+    def __init__(self, run_dir: RunDir, model: keras.Model, keep: int):
+        self.model = model
+        self.resume_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="resume_epoch")
+        self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
+                                              resume_epoch=self.resume_epoch)
+        self.manager = (tf.train.CheckpointManager(self.checkpoint, run_dir.checkpoints,
+                                                   max_to_keep=keep)
+                        if run_dir.is_chief else None)
+
+    def restore_latest(self) -> tuple[int, str | None]:
+        """Rank 0: restore the newest loadable checkpoint -> (epoch to resume at, its path)."""
+        errors = []
+        for path in reversed(self.manager.checkpoints):
+            try:
+                self.checkpoint.restore(path).assert_existing_objects_matched()
+                return int(self.resume_epoch.numpy()), path
+            except (AssertionError, ValueError, tf.errors.OpError) as error:
+                errors.append(f"{path}: {first_line(error)}")
+        if errors:
+            raise UserError(f"no checkpoint in {self.manager.directory} could be restored into "
+                            f"this model (first: {errors[0]}); use another --run-dir")
+        return 0, None
+
+    def save(self, resume_epoch: int) -> str:
+        self.resume_epoch.assign(resume_epoch)
+        return self.manager.save()
+
+
+def variables_bytes(variables) -> int:
+    return sum(v.shape.num_elements() * v.dtype.size for v in variables)
+
+
+def training_state(model: keras.Model) -> list[tf.Variable]:
+    """Every variable a checkpoint of the model and its optimizer holds, each once.
+
+    Read from the checkpoint's object graph rather than ``model.variables`` and
+    ``optimizer.variables``: tf_keras' LossScaleOptimizer lists neither its current loss scale nor
+    its good-step counter there, and a rank that missed them after a resume would unscale its
+    gradients by another factor than rank 0 (the replicas drift apart).
+    """
+    root = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    unique = {}
+    for trackable in tf.train.TrackableView(root).descendants():  # holds root weakly
+        if isinstance(trackable, tf.Variable):
+            unique.setdefault(id(trackable), trackable)
+    return list(unique.values())
+
+
+def restore_or_start(checkpoints: Checkpoints, runtime, state_variables: list,
+                      steps_per_epoch: int) -> tuple[int, str | None]:
+    """(epoch to start at, checkpoint it came from or None), the same on every rank, and every
+    rank holding the state to start from: rank 0's restored (or freshly initialised) variables."""
+    def restore() -> tuple[int, str | None]:
+        epoch, path = checkpoints.restore_latest()
+        # A run stopped mid-epoch re-runs that epoch; restart its step count there too, so the
+        # schedule follows the epochs (and a resume on another world size stays right).
+        checkpoints.model.optimizer.iterations.assign(epoch * steps_per_epoch)
+        return epoch, path
+
+    # Rank 0 alone reads the checkpoint; everyone learns the epoch, and the broadcast hands its
+    # weights and optimizer state to every rank (fresh random initialisations differ per rank).
+    initial_epoch, restored_from = runtime.from_chief(restore)
+    runtime.broadcast_variables(state_variables)
+    return initial_epoch, restored_from
+
+
+class SaveCheckpoint(keras.callbacks.Callback):
+    """Rank 0: a checkpoint after every completed epoch (a stop writes its own, see train.fit)."""
+
+    def __init__(self, checkpoints: Checkpoints, request: StopRequest):
+        super().__init__()
+        self.checkpoints = checkpoints
+        self.request = request
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not self.request.saved:
+            self.checkpoints.save(resume_epoch=epoch + 1)

@@ -1,0 +1,136 @@
+"""Your own training job: what you describe, and what hvdtrain does with it.
+
+The public API (exported from ``hvdtrain``; README "Your own training job")::
+
+    import hvdtrain          # first: it selects the Keras horovod works with
+    import keras             # tf_keras (Keras 2) in this process
+
+    def datasets(shard: hvdtrain.Shard) -> hvdtrain.Datasets:
+        ...  # this rank's batched tf.data pipelines
+
+    task = hvdtrain.Task(build_model=..., loss=..., metrics=..., datasets=datasets)
+    if __name__ == "__main__":
+        hvdtrain.main(task)  # flags, banner, run directory, checkpoints, resume, preemption
+
+A dataset builder returns *this rank's* batches: ``shard`` says which slice and how big a batch.
+Every rank must feed the same number of batches per epoch (a rank that runs out first would leave
+the others waiting in an allreduce forever): hvdtrain counts each rank's batches and refuses to
+start, in one line, when they differ.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+    from hvdtrain.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What a dataset builder is told about its rank's part of the data."""
+
+    rank: int
+    """This process's index among the processes feeding data (``dataset.shard(num_shards,
+    rank)``)."""
+    num_shards: int
+    """Processes feeding data (horovod ranks; 1 under a tf.distribute strategy, which splits each
+    batch between its replicas itself)."""
+    batch_size: int
+    """Samples per training batch this process feeds (the per-worker batch times the replicas it
+    drives). Batch with ``drop_remainder=True`` so every batch has this size."""
+    validation_batch_size: int
+    """Samples per validation batch this process feeds."""
+    seed: int
+    """The job's ``--seed``: use it for a shuffle all ranks share before sharding."""
+    config: TrainConfig
+    """The whole parsed configuration, including fields of your own config class."""
+
+
+@dataclass
+class Datasets:
+    """A rank's batched pipelines, as a dataset builder returns them."""
+
+    train: tf.data.Dataset
+    """Batches of ``(inputs, targets)`` or ``(inputs, targets, sample_weights)``. One epoch's worth
+    (hvdtrain repeats it; its batch count is the steps per epoch), or endless with
+    ``--steps-per-epoch``."""
+    validation: tf.data.Dataset | None = None
+    """Validation batches, finite (run in full at the end of every epoch), or None."""
+    description: str = "from the job's dataset builder"
+    """What the data is, for the start-up banner."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """A training job: the model, its loss and metrics, and (optionally) its data."""
+
+    build_model: Callable[[Datasets], Any]
+    """Returns a new, uncompiled ``keras.Model``; receives the rank's datasets (shapes are in
+    ``datasets.train.element_spec``). Called inside the backend's scope: build every variable
+    here."""
+    loss: Callable[[], Any]
+    """Returns the Keras loss (an object or a name such as ``"mse"``)."""
+    metrics: Callable[[], list] = list
+    """Returns the Keras metrics to report (averaged over ranks every epoch)."""
+    datasets: Callable[[Shard], Datasets] | None = None
+    """Returns this rank's pipelines. None: the image data the flags name (``--data-dir``,
+    ``--tfrecords``, the embedded digits); the config must then be an ``ImageConfig``."""
+    to_pairs: Callable | None = None
+    """For the image data hvdtrain reads: map batched ``(images, labels)`` to
+    ``(inputs, targets)`` (an autoencoder's targets are its inputs). None keeps them."""
+
+
+def main(task: Task, argv: Sequence[str] | None = None, *, name: str | None = None,
+         presets: Mapping[str, Callable[[], TrainConfig]] | None = None) -> None:
+    """Run ``task`` with hvdtrain's flags from ``argv`` (default ``sys.argv[1:]``) and exit with
+    the job's status: 0, 2 for bad input (one line), 75 or 128+N when a signal stopped it.
+
+    ``name`` names the job in messages and its default run directory (``runs/NAME``; default: the
+    script's file name). ``presets`` maps ``--preset`` names to functions returning the starting
+    configuration; the default is one preset, ``default``, of plain ``TrainConfig`` (or an
+    ``ImageConfig`` when the task reads hvdtrain's image data).
+    """
+    from hvdtrain.errors import reported
+
+    program = name or _script_name()
+    with reported(program):
+        sys.exit(run(task, argv, name=program, presets=presets))
+
+
+def run(task: Task, argv: Sequence[str] | None = None, *, name: str | None = None,
+        presets: Mapping[str, Callable[[], TrainConfig]] | None = None) -> int:
+    """``main`` without the exit: returns the job's exit status, raises ``UserError`` for bad
+    input (for running a task from your own code or a test)."""
+    from hvdtrain import train
+    from hvdtrain.config import ImageConfig, TrainConfig, parse_config
+
+    program = name or _script_name()
+    if presets is None:
+        config_class = TrainConfig if task.datasets else ImageConfig
+        presets = {"default": lambda: config_class(run_dir=f"runs/{program}")}
+    # 1. configuration: a preset, then command-line overrides, validated
+    config = parse_config(argv, presets, prog=program, description=_description())
+    # 2. compute: horovod ranks, a tf.distribute strategy, or one process
+    runtime = train.start_runtime(config)
+    # 3. data, plan, model, resume, fit, checkpoints, export
+    result = train.run(program, config, runtime, task)
+    # 4. summary
+    runtime.print0(train.summary(result))
+    return result.exit_code
+
+
+def _script_name() -> str:
+    main_module = sys.modules.get("__main__")
+    path = getattr(main_module, "__file__", None) or "hvdtrain-job"
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def _description() -> str | None:
+    main_module = sys.modules.get("__main__")
+    doc = getattr(main_module, "__doc__", None)
+    return doc.strip() if doc else None

@@ -1,0 +1,139 @@
+"""The public API (hvdtrain.Task / Shard / Datasets / main) and the examples that use it.
+
+Collective tests run under `mpirun -np 2 pytest` as well as alone; the example jobs are
+integration tests (they start their own horovodrun / launcher jobs).
+"""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import hvdtrain
+from conftest import LAUNCHED_RANKS, REPO, VENV_BIN, clean_env, gather_checked, integration, \
+    run_job
+from hvdtrain.data import agreed_batches
+from hvdtrain.errors import UserError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_only_the_documented_names_are_public():
+    assert sorted(hvdtrain.__all__) == ["Datasets", "Shard", "Task", "TrainConfig", "main", "run"]
+    assert all(getattr(hvdtrain, name) for name in hvdtrain.__all__)
+    with pytest.raises(AttributeError):
+        hvdtrain.no_such_name  # noqa: B018
+
+
+def batches(count: int) -> tf.data.Dataset:
+    return tf.data.Dataset.range(count * 4).batch(4, drop_remainder=True)
+
+
+def refusal_on_every_rank(runtime, datasets, steps_per_epoch=None):
+    def attempt():
+        try:
+            return agreed_batches(runtime, datasets, steps_per_epoch)
+        except UserError as error:
+            return f"refused: {error}"
+    return gather_checked(runtime, attempt)
+
+
+def test_ranks_that_agree_get_their_counts(runtime):
+    counts = refusal_on_every_rank(runtime, hvdtrain.Datasets(batches(5), batches(2)))
+    assert counts == [(5, 2)] * LAUNCHED_RANKS
+
+
+@pytest.mark.skipif(LAUNCHED_RANKS < 2, reason="needs ranks that disagree (mpirun -np 2)")
+def test_unequal_training_batches_are_refused_on_every_rank_naming_the_counts(runtime):
+    rank = runtime.world.rank
+    outcomes = refusal_on_every_rank(runtime, hvdtrain.Datasets(batches(5 + rank), batches(2)))
+    expected = ", ".join(f"rank {r}: {5 + r}" for r in range(LAUNCHED_RANKS))
+    assert len(set(outcomes)) == 1, outcomes  # the same refusal everywhere: all ranks exit 2
+    assert outcomes[0].startswith(f"refused: the ranks' training datasets have different "
+                                  f"numbers of batches ({expected})")
+    # --steps-per-epoch makes the training count the flag's (hvdtrain repeats the data) ...
+    agreed = refusal_on_every_rank(runtime, hvdtrain.Datasets(batches(5 + rank), batches(2)), 3)
+    assert agreed == [(3, 2)] * LAUNCHED_RANKS
+    # ... but validation runs in full every epoch, so its counts must always agree.
+    uneven_validation = refusal_on_every_rank(
+        runtime, hvdtrain.Datasets(batches(5), batches(2 + rank)), 3)
+    assert len(set(uneven_validation)) == 1
+    assert "validation datasets have different numbers of batches" in uneven_validation[0]
+
+
+def test_counts_that_cannot_be_known_are_refused_with_the_remedy(runtime):
+    endless = refusal_on_every_rank(runtime, hvdtrain.Datasets(batches(5).repeat()))
+    assert endless[0] == ("refused: the training dataset repeats forever; pass --steps-per-epoch, "
+                          "or return one epoch of batches (hvdtrain repeats it)")
+    assert refusal_on_every_rank(runtime, hvdtrain.Datasets(batches(5).repeat()), 7)[0] == (7, 0)
+    filtered = batches(5).filter(lambda batch: True)
+    unknown = refusal_on_every_rank(runtime, hvdtrain.Datasets(filtered))
+    assert "assert_cardinality" in unknown[0] and "--steps-per-epoch" in unknown[0]
+    counted = filtered.apply(tf.data.experimental.assert_cardinality(5))
+    assert refusal_on_every_rank(runtime, hvdtrain.Datasets(counted))[0] == (5, 0)
+
+
+# --- the examples, as users run them (integration tier) -------------------------------------------
+@integration
+@pytest.mark.timeout(400)
+def test_diabetes_regression_through_the_api_learns_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    job = [str(VENV_BIN / "horovodrun"), "-np", "2", sys.executable,
+           str(REPO / "examples" / "diabetes.py"), "--run-dir", str(run_dir)]
+    first = run_job(job, timeout=300).stdout
+    assert "data: scikit-learn diabetes: 354 train, 88 validation patients" in first, first[-3000:]
+    assert "steps per epoch: 11" in first  # 354 rows -> 177 per rank -> 11 batches of 16
+    rows = json.loads((run_dir / "metrics.json").read_text())
+    assert [row["epoch"] for row in rows] == list(range(1, 61))
+    # Predicting the training mean misses by 64.7 on these validation patients; scikit-learn's
+    # least squares by 50.7.
+    assert rows[-1]["val_error_in_progression_units"] < 55, rows[-1]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["program"] == "diabetes" and config["world"]["size"] == 2
+    assert (run_dir / "model.keras").is_file()
+
+    more = run_job(job + ["--epochs", "62"], timeout=300).stdout
+    assert re.search(r"resuming from \S+: 60 epoch\(s\) done", more), more[-3000:]
+    rows = json.loads((run_dir / "metrics.json").read_text())
+    assert [row["epoch"] for row in rows] == list(range(1, 63))
+
+
+@integration
+@pytest.mark.timeout(200)
+def test_an_api_job_whose_ranks_disagree_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    result = run_job([str(VENV_BIN / "horovodrun"), "-np", "2", sys.executable,
+                      str(REPO / "tests" / "scripts" / "uneven_task.py"),
+                      "--run-dir", str(tmp_path / "run")], timeout=180, check=False)
+    errors = [line for line in result.stdout.splitlines() if "error" in line.lower()]
+    assert result.returncode != 0
+    assert len(errors) == 1, result.stdout[-3000:]
+    assert ("uneven_task: error: the ranks' training datasets have different numbers of batches "
+            "(rank 0: 4, rank 1: 3); every rank must feed the same number (shard, then batch with "
+            "drop_remainder=True and take() the smallest rank's count), or pass --steps-per-epoch"
+            ) in errors[0]
+    assert not (tmp_path / "run").exists()
+
+
+@integration
+@pytest.mark.timeout(300)
+def test_a_plain_horovod_keras_script_runs_unchanged_through_the_launcher(tmp_path):
+    result = run_job([sys.executable, "-m", "hvdtrain.launch", "--np", "2",
+                      str(REPO / "examples" / "plain_horovod.py")], timeout=280, cwd=tmp_path)
+    accuracy = dict(re.findall(r"rank (\d) of 2: test accuracy ([\d.]+)", result.stdout))
+    assert sorted(accuracy) == ["0", "1"], result.stdout[-3000:]
+    # Broadcast at the start, averaged gradients after: both ranks hold the same model.
+    assert accuracy["0"] == accuracy["1"] and float(accuracy["0"]) >= 0.9
+    # Only rank 0 saved (horovod's example: ModelCheckpoint on rank 0), one file per epoch.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"checkpoint-{e}.h5"
+                                                          for e in range(1, 7)]
+
+
+@integration
+def test_without_hvdtrain_script_the_horovod_keras_script_fails_on_keras_3(tmp_path):
+    # Why the launcher runs scripts through hvdtrain.script: TensorFlow 2.18's own Keras is 3.
+    result = subprocess.run([sys.executable, str(REPO / "examples" / "plain_horovod.py")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=clean_env())
+    assert result.returncode != 0 and "get_value" in result.stderr, result.stderr[-2000:]
