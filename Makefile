@@ -15,7 +15,7 @@ MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # The collective tests run once as 2 ranks. Oversubscribe: CI machines may have fewer cores.
 MPIRUN := $(MPI_ENV) mpirun -np 2 --oversubscribe --bind-to none
 
-.PHONY: install train test test-unit test-mpi bench slurm-up slurm-down clean distclean
+.PHONY: install train test test-unit test-mpi bench slurm-up slurm-down cluster-up cluster-down clean distclean
 
 $(STAMP): setup.cfg scripts/install.sh scripts/constraints.txt
 	HVDTRAIN_VENV=$(VENV) bash scripts/install.sh
@@ -45,6 +45,14 @@ slurm-up:
 
 slurm-down:
 	bash scripts/slurm-local.sh down
+
+# A multi-host cluster on this machine (root): NODES network-namespace nodes with ssh and Slurm.
+NODES ?= 2
+cluster-up:
+	bash scripts/cluster-local.sh up --nodes $(NODES)
+
+cluster-down:
+	bash scripts/cluster-local.sh down
 
 clean:
 	rm -rf runs .pytest_cache build hvdtrain.egg-info

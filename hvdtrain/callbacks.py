@@ -6,10 +6,15 @@ none); the rest are local. Callbacks that write files are only attached on rank 
 """
 from __future__ import annotations
 
+import os
+import socket
+import sys
+import threading
 import time
 
 import tf_keras as keras
 
+from hvdtrain import ranklog
 from hvdtrain.errors import UserError
 from hvdtrain.plots import plot_curves
 from hvdtrain.preemption import StopRequest
@@ -151,6 +156,77 @@ class Throughput(keras.callbacks.Callback):
         """One row of metrics.json: the 1-based epoch, its (averaged) metrics, its timings."""
         return {"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items()},
                 **self.timings}
+
+
+class StallWatchdog(keras.callbacks.Callback):
+    """Ends this rank when training has made no progress for ``limit_seconds``.
+
+    Horovod's stall check (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) runs on its background thread
+    between two collectives. When a node's network link goes down in the middle of an allreduce,
+    that thread waits in a TCP send or receive the kernel keeps retrying for ~15 minutes, so the
+    check never runs and the job hangs (measured on the local cluster: still running 150 s after
+    the link went down with a 30 s limit). This watch has a thread of its own and no collective:
+    when no training step and no epoch boundary passed for the same limit, it prints one line and
+    exits the process with status 1, and the launcher (mpirun, srun) then ends the other ranks.
+
+    Armed from the first finished step (the first one includes tracing and compilation), paused
+    during validation (no collectives, and a large validation set takes its time). Local: every
+    rank watches itself.
+    """
+
+    def __init__(self, limit_seconds: float, rank: int, poll_seconds: float = 1.0):
+        super().__init__()
+        self._supports_tf_logs = True  # batch hooks read no metrics
+        self.limit_seconds = limit_seconds
+        self.rank = rank
+        self.poll_seconds = min(poll_seconds, limit_seconds / 4)
+        self.last_progress: float | None = None
+        self.paused = False
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _progress(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def on_train_begin(self, logs=None):
+        self._done.clear()
+        self._thread = threading.Thread(target=self._watch, name="hvdtrain-stall-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._progress()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.last_progress is not None:
+            self._progress()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._progress()
+
+    def on_test_begin(self, logs=None):
+        self.paused = True
+
+    def on_test_end(self, logs=None):
+        self.paused = False
+        self._progress()
+
+    def on_train_end(self, logs=None):
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.poll_seconds):
+            last = self.last_progress
+            if self.paused or last is None or time.monotonic() - last < self.limit_seconds:
+                continue
+            log = ranklog.current()
+            print(f"hvdtrain: rank {self.rank} on {socket.gethostname()}: no training step "
+                  f"finished in {self.limit_seconds:g} s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS): "
+                  "a peer stopped answering (a node or its network link down?); ending this rank "
+                  "so that the job ends" + (f"; its log: {log}" if log else ""),
+                  file=sys.stderr, flush=True)
+            # Not an exception: the main thread is blocked in the collective that never returns.
+            os._exit(1)
 
 
 class LearningRateLog(keras.callbacks.Callback):

@@ -98,6 +98,9 @@ class TrainConfig:
     run_dir: str = "runs/train"
     """Where rank 0 writes checkpoints, metrics, plots and the final model. A run directory that
     already holds a checkpoint is resumed."""
+    rank_logs: bool = True
+    """Every rank also copies its output into <run_dir>/logs/rank-K.log (from the moment the run
+    directory is checked and locked), so a failure on another node can be read afterwards."""
     keep_checkpoints: int = 3
     """Number of most recent checkpoints kept."""
     tensorboard: bool = True

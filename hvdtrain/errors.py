@@ -14,6 +14,7 @@ import sys
 import traceback
 from typing import Callable, Iterator
 
+from hvdtrain import ranklog
 from hvdtrain.launcher_env import launch_rank
 
 #: Exit status for bad input or environment (argparse's convention).
@@ -39,6 +40,12 @@ def first_line(error: BaseException) -> str:
     TensorFlow and horovod errors run to many lines; a one-line report quotes only the first.
     """
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if lines and lines[0] == "Graph execution error:":
+        # TensorFlow's wrapper around an op's error: after it comes the Python stack where the
+        # op was defined, indented, then the op's own message (the line worth quoting).
+        said = [line for line in str(error).splitlines()[1:]
+                if line.strip() and not line[0].isspace() and not line.startswith("Detected at")]
+        return said[0].strip() if said else lines[0]
     return lines[0] if lines else type(error).__name__
 
 
@@ -62,6 +69,10 @@ def reported(program: str, rank: Callable[[], int] = launch_rank) -> Iterator[No
         sys.exit(130)
     except Exception as error:  # a bug: rank 0 shows where, the others one line each
         this_rank = rank()
+        # A rank's log keeps what it printed before failing (on its node, after the launcher
+        # and its terminal are gone): every failure line names it.
+        log = ranklog.current()
+        its_log = f"; its log: {log}" if log else ""
         if HOROVOD_SHUT_DOWN in str(error):
             # Horovod ends every rank's pending collective with this when a rank failed or
             # stalled past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS. Any rank may be the stuck one
@@ -69,12 +80,14 @@ def reported(program: str, rank: Callable[[], int] = launch_rank) -> Iterator[No
             # stops the rest.
             print(f"{program}: rank {this_rank}: horovod shut the job down: a rank failed (its "
                   "error is above) or stalled in a collective past the stall limit "
-                  "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)", file=sys.stderr, flush=True)
+                  f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS){its_log}", file=sys.stderr, flush=True)
             sys.exit(1)
         if this_rank == 0 or os.environ.get("HVDTRAIN_TRACEBACKS") == "all":
             traceback.print_exc()
+            if log:
+                print(f"{program}: rank {this_rank} failed{its_log}", file=sys.stderr, flush=True)
         else:
-            print(f"{program}: rank {this_rank} failed: {type(error).__name__}: {error} "
-                  "(HVDTRAIN_TRACEBACKS=all shows every rank's traceback)",
-                  file=sys.stderr, flush=True)
+            print(f"{program}: rank {this_rank} failed: {type(error).__name__}: "
+                  f"{first_line(error)}{its_log} (HVDTRAIN_TRACEBACKS=all shows every rank's "
+                  "traceback)", file=sys.stderr, flush=True)
         sys.exit(1)

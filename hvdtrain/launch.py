@@ -18,6 +18,7 @@ the same allocation, up to N times; an hvdtrain job resumes from its last checkp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from hvdtrain import netcheck
 from hvdtrain.errors import EXIT_PREEMPTED, EXIT_USAGE, UserError, reported
 from hvdtrain.slurm import Allocation
 
@@ -44,6 +46,9 @@ RESTART_DELAY_SECONDS = 3.0
 #: Every process of one attempt inherits this variable (launcher pid and attempt number), so the
 #: launcher finds them all afterwards, whichever parent they were left with.
 ATTEMPT_VARIABLE = "HVDTRAIN_LAUNCH_ATTEMPT"
+#: Seconds a launch command (mpirun) may outlive its ranks on this host before the launcher
+#: ends it: mpirun needs a moment to collect the exit statuses of every node.
+ORPHANED_COMMAND_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,12 @@ class LaunchOptions:
     """Process binding arguments for mpirun/srun, one string ('--bind-to core')."""
     allow_run_as_root: bool = False
     """Pass --allow-run-as-root to mpirun (horovodrun does so itself)."""
+    hosts: str | None = None
+    """Outside Slurm: the hosts and their ranks, horovodrun/mpirun -H syntax (node1:2,node2:2);
+    None: this machine only. Inside an allocation the allocation decides."""
+    network_interface: str | None = None
+    """The network interface(s) the ranks talk over (eth0, or eth0,ib0); None: the network
+    check picks the ones that connect every host (see hvdtrain.netcheck)."""
 
 
 @dataclass(frozen=True)
@@ -278,20 +289,59 @@ def horovod_tuning_env(options: LaunchOptions) -> dict[str, str]:
         env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(options.stall_check_warning_seconds)
     if options.stall_check_shutdown_seconds is not None:
         env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(options.stall_check_shutdown_seconds)
+        if options.stall_check_warning_seconds is None and options.stall_check_shutdown_seconds < 60:
+            # Horovod inspects stalls every HOROVOD_STALL_CHECK_TIME_SECONDS (60): a shorter
+            # shutdown limit would only be seen at the next inspection (and horovod warns).
+            env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(options.stall_check_shutdown_seconds)
     if options.controller == "gloo" and options.via != "horovodrun":
         raise UserError("--controller gloo needs --via horovodrun (it runs the Gloo rendezvous)")
     return env
 
 
+def parse_hosts(text: str) -> list[tuple[str, int]]:
+    """horovodrun's -H syntax, 'node1:2,node2:2' (a host without a count has 1 slot)."""
+    parsed = []
+    for item in text.split(","):
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?::(\d+))?", item.strip())
+        if not match or match.group(2) == "0":
+            raise UserError(f"--hosts {text!r}: give HOST:RANKS,HOST:RANKS (e.g. node1:2,node2:2)")
+        parsed.append((match.group(1), int(match.group(2) or 1)))
+    if len({host for host, _ in parsed}) != len(parsed):
+        raise UserError(f"--hosts {text!r} names a host twice")
+    return parsed
+
+
+def job_hosts(options: LaunchOptions, allocation: Allocation | None) -> list[str]:
+    """The hosts the ranks will run on."""
+    if allocation is not None:
+        return list(allocation.hosts)
+    if options.hosts is not None:
+        return [host for host, _ in parse_hosts(options.hosts)]
+    return ["localhost"]
+
+
 def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: int,
-                 running_as_root: bool = False) -> Launch:
-    """The exact command for these options and this allocation (pure: no processes started)."""
+                 running_as_root: bool = False,
+                 interfaces: tuple[str, ...] | None = None) -> Launch:
+    """The exact command for these options and this allocation (pure: no processes started).
+
+    ``interfaces``: the network interfaces the ranks must talk over (the network check's choice,
+    or --network-interface); None leaves the choice to MPI, Gloo and NCCL.
+    """
     notes = []
     if allocation is not None:
+        if options.hosts is not None:
+            raise UserError("--hosts is for outside Slurm; inside an allocation the ranks go "
+                            "where Slurm put the tasks (ask sbatch for other nodes instead)")
         np = options.np or allocation.num_tasks
         hosts = allocation.host_slots()
         notes.append(f"Slurm job {allocation.job_id}: {len(allocation.hosts)} node(s), "
                      f"{hosts}, {allocation.gpus_per_host or 0} GPU(s) per node")
+    elif options.hosts is not None:
+        slots = parse_hosts(options.hosts)
+        np = options.np or sum(count for _, count in slots)
+        hosts = ",".join(f"{host}:{count}" for host, count in slots)
+        notes.append(f"no Slurm allocation: {np} rank(s) on {hosts}")
     else:
         np = options.np or max(1, gpus)
         hosts = f"localhost:{np}"
@@ -300,6 +350,13 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
     env = horovod_tuning_env(options)
     program = program_command(options)
     binding = shlex.split(options.binding_args) if options.binding_args else []
+    interface_list = ",".join(interfaces) if interfaces else None
+    if interface_list:
+        # Every transport picks its own interface, and each can pick one that connects nothing
+        # (docker0 on every node): MPI's TCP transport and its out-of-band channel, NCCL on GPU
+        # nodes, horovod's Gloo. Pin them all to the interfaces that connect the hosts.
+        env["NCCL_SOCKET_IFNAME"] = interface_list
+        notes.append(f"network interface(s): {interface_list}")
 
     if options.via == "horovodrun":
         # The horovodrun next to the ranks' interpreter, so both come from the same venv.
@@ -309,6 +366,8 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         argv = [horovodrun, "-np", str(np), "-H", hosts]
         if options.controller:
             argv.append(f"--{options.controller}")
+        if interface_list:  # horovodrun passes it on to mpirun's MCA options or to Gloo
+            argv += ["--network-interface", interface_list]
         if binding:
             argv += ["--binding-args", options.binding_args]
         argv += program
@@ -318,6 +377,9 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         argv = ["mpirun", "-np", str(np)]
         if allocation is None:
             argv += ["-H", hosts]
+        if interface_list:
+            argv += ["--mca", "btl_tcp_if_include", interface_list,
+                     "--mca", "oob_tcp_if_include", interface_list]
         if running_as_root and options.allow_run_as_root:
             argv.append("--allow-run-as-root")
         # One process per slot with no core binding, as horovodrun does by default: ranks size
@@ -333,6 +395,9 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         # would wait in their next allreduce forever.
         argv = ["srun", "--mpi=pmix", f"--ntasks={np}", "--kill-on-bad-exit=1", *binding,
                 *program]
+        if interface_list:  # srun passes the environment on; each rank's MPI reads these
+            env["OMPI_MCA_btl_tcp_if_include"] = interface_list
+            env["OMPI_MCA_oob_tcp_if_include"] = interface_list
     else:
         raise UserError(f"--via must be one of {', '.join(VIAS)}, got {options.via!r}")
     if options.max_restarts < 0:
@@ -353,9 +418,10 @@ def describe(launch: Launch) -> str:
     return "\n".join(lines)
 
 
-def attempt_processes(marker: str) -> dict[int, bool]:
+def attempt_processes(marker: str, whole: bool = True) -> dict[int, bool]:
     """This machine's processes of one attempt, {pid: is a rank}: those whose environment holds
-    ``marker`` (set on the launch command, inherited by everything it starts)."""
+    ``marker`` (set on the launch command, inherited by everything it starts); with ``whole``
+    False, a variable that starts with it (every attempt of one launcher)."""
     wanted = marker.encode()
     found = {}
     for entry in os.listdir("/proc"):
@@ -366,7 +432,7 @@ def attempt_processes(marker: str) -> dict[int, bool]:
                 variables = environ.read().split(b"\0")
         except OSError:  # gone, or not ours to read
             continue
-        if wanted in variables:
+        if wanted in variables if whole else any(v.startswith(wanted) for v in variables):
             found[int(entry)] = any(v.startswith((b"HOROVOD_RANK=", b"OMPI_COMM_WORLD_RANK="))
                                     for v in variables)
     return found
@@ -455,7 +521,7 @@ class StopSignals:
 
     def wait(self, process: subprocess.Popen) -> int:
         """The job's exit status (128 + N when it ended on signal N)."""
-        returncode = process.wait()  # resumes by itself after each forwarded signal
+        returncode = wait_for_job(process, self._marker)
         self._job_pid = None
         status = returncode if returncode >= 0 else 128 - returncode
         if status and self.received:
@@ -475,6 +541,44 @@ class StopSignals:
         while not self.received and time.monotonic() < deadline:
             time.sleep(0.05)
         return bool(self.received)
+
+
+def wait_for_job(process: subprocess.Popen, marker: str,
+                 grace_seconds: float = ORPHANED_COMMAND_SECONDS) -> int:
+    """The command's return code, once it ended; or 1 after ending a command whose ranks on
+    this host are gone while it still runs.
+
+    mpirun, once a rank failed, tells the daemons of every node to end theirs and waits for
+    their answers. A node whose network link went down never answers (TCP retries for ~15
+    minutes), so mpirun would hang long after every rank it could reach has ended. Watched here:
+    this host's ranks all ended and the command still runs ``grace_seconds`` later, so the
+    launcher ends it.
+    """
+    ranks_seen, ranks_gone_since = False, None
+    while True:
+        try:
+            return process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        ranks_here = any(attempt_processes(marker).values())
+        ranks_seen = ranks_seen or ranks_here
+        if not ranks_seen or ranks_here:
+            ranks_gone_since = None
+            continue
+        ranks_gone_since = ranks_gone_since or time.monotonic()
+        if time.monotonic() - ranks_gone_since < grace_seconds:
+            continue
+        say(f"the ranks on this host ended {grace_seconds:g} s ago, but {process.args[0]} "
+            "still waits for another node (unreachable?); ending it")
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        except ProcessLookupError:
+            pass
+        return 1
 
 
 def say(message: str) -> None:
@@ -568,6 +672,16 @@ def parse_options(argv: Sequence[str] | None) -> tuple[LaunchOptions, bool, bool
                                                "e.g. '--bind-to core --map-by socket'")
     tuning.add_argument("--allow-run-as-root", action="store_true",
                         help="let mpirun start as root (horovodrun does this itself)")
+    hosts = parser.add_argument_group("several hosts")
+    hosts.add_argument("-H", "--hosts",
+                       help="outside Slurm: hosts and ranks per host, node1:2,node2:2 (reached "
+                            "over passwordless ssh, as horovodrun does); inside an allocation "
+                            "Slurm's hosts are used")
+    hosts.add_argument("--network-interface",
+                       help="the interface(s) the ranks talk over, e.g. eth0 or eth0,ib0 "
+                            "(default: the ones the network check finds connecting every host; "
+                            "passed to horovodrun, mpirun's btl/oob_tcp_if_include, Gloo and "
+                            "NCCL)")
     parser.add_argument("program", help="what every rank runs: a module (hvdtrain.cnn, run as "
                                         "python -m) or a script path (train.py)")
     parser.add_argument("program_args", nargs=argparse.REMAINDER,
@@ -594,11 +708,66 @@ def run(argv: Sequence[str] | None = None) -> int:
                 print(f"{PROGRAM}: error: {problem}", file=sys.stderr)
             return EXIT_USAGE
     gpus = build.gpus if build else count_gpus_without_tensorflow()
-    launch = build_launch(options, allocation, gpus, running_as_root)
+    interfaces = network_interfaces(options, allocation, check=not (skip_preflight or dry_run))
+    launch = build_launch(options, allocation, gpus, running_as_root, interfaces)
     if dry_run:
         print(describe(launch))
         return 0
-    return run_attempts(launch, options.max_restarts, stops)
+    with reaper(options.python):
+        return run_attempts(launch, options.max_restarts, stops)
+
+
+def network_interfaces(options: LaunchOptions, allocation: Allocation | None,
+                       check: bool) -> tuple[str, ...] | None:
+    """The interfaces the ranks must talk over: across several hosts, checked first (a wrong one
+    would make the ranks hang in their first allreduce)."""
+    told = tuple(options.network_interface.split(",")) if options.network_interface else None
+    hosts = job_hosts(options, allocation)
+    if len(hosts) < 2 or not check:
+        return told
+    if allocation is not None:  # Slurm's own channel reaches every node of the allocation
+        start = netcheck.start_with_srun(options.python, len(hosts))
+    else:  # ssh, which horovodrun and mpirun use to start the remote ranks too
+        start = netcheck.start_with_ssh(options.python, hosts, local_host_names())
+    started = time.monotonic()
+    try:
+        plan = netcheck.check(hosts, options.network_interface, start)
+    except netcheck.NetworkError as error:
+        raise UserError(f"network check: {error}") from None
+    say(f"{plan.note} [{time.monotonic() - started:.1f} s]")
+    return plan.interfaces if told is None else told
+
+
+def local_host_names() -> set[str]:
+    import socket
+
+    name = socket.gethostname()
+    return {"localhost", "127.0.0.1", name, name.split(".")[0]}
+
+
+@contextlib.contextmanager
+def reaper(python: str):
+    """While the job runs, a watcher that ends it if this launcher dies.
+
+    The ranks run in a session of their own (so that forwarded signals reach them, not the
+    user's shell), so a launcher killed with SIGKILL, or whose terminal or ssh connection went
+    away (SIGHUP), would leave them training, on every node, holding the GPUs and the run
+    directory. The watcher holds a pipe whose other end only this process has: when it reads end
+    of file without the word "done", the launcher died, and it sends SIGTERM to every process of
+    the job on this host (mpirun passes it to the ranks of every node; the ranks checkpoint and
+    stop together), then SIGKILL to what is left after a grace period.
+    """
+    read_end, write_end = os.pipe()
+    watcher = subprocess.Popen(
+        [python, "-m", "hvdtrain.launch_reaper", str(read_end), str(os.getpid())], pass_fds=(read_end,), start_new_session=True,
+        stdin=subprocess.DEVNULL)
+    os.close(read_end)
+    try:
+        yield
+    finally:
+        os.write(write_end, b"done")
+        os.close(write_end)
+        watcher.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

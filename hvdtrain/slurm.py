@@ -237,6 +237,10 @@ def render(job: SbatchJob) -> str:
         "#   HVDTRAIN_PYTHON        interpreter with hvdtrain installed (default .venv/bin/python)",
         "#   HVDTRAIN_MAX_RESTARTS  times the launcher restarts a failed job (a rank died) inside",
         "#                          this allocation (default 0)",
+        f"#   HVDTRAIN_VIA           what starts the ranks: horovodrun, mpirun or srun (default "
+        f"{job.via})",
+        "#   HVDTRAIN_NETWORK_INTERFACE  the interface(s) the ranks talk over (eth0, or eth0,ib0;",
+        "#                          default: the launcher checks which connect every node)",
         f"#   HVDTRAIN_MAX_REQUEUES  requeues after which a preempted job stops instead (default "
         f"{job.max_requeues};",
         "#                          counts Slurm's own requeues too; raise it for a job that needs",
@@ -249,6 +253,10 @@ def render(job: SbatchJob) -> str:
         'run_dir="${HVDTRAIN_RUN_DIR:-runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}"',
         'python="${HVDTRAIN_PYTHON:-.venv/bin/python}"',
         'max_restarts="${HVDTRAIN_MAX_RESTARTS:-0}"',
+        f'via="${{HVDTRAIN_VIA:-{job.via}}}"',
+        'network_args=()',
+        'if [[ -n ${HVDTRAIN_NETWORK_INTERFACE:-} ]]; then '
+        'network_args=(--network-interface "$HVDTRAIN_NETWORK_INTERFACE"); fi',
         f'max_requeues="${{HVDTRAIN_MAX_REQUEUES:-{job.max_requeues}}}"',
         'if [[ ! $max_requeues =~ ^[0-9]+$ ]]; then',
         '    echo "HVDTRAIN_MAX_REQUEUES must be a whole number, got \'$max_requeues\'" >&2',
@@ -267,8 +275,8 @@ def render(job: SbatchJob) -> str:
         "launcher=",
         "trap '[ -n \"$launcher\" ] && kill -USR1 \"$launcher\" 2>/dev/null || true' USR1",
         "# The launcher reads the allocation (hosts, tasks and GPUs per node) and starts the ranks.",
-        f'"$python" -m hvdtrain.launch --via {job.via} --max-restarts "$max_restarts" -- '
-        '"$program" "${run_dir_args[@]}" '
+        '"$python" -m hvdtrain.launch --via "$via" "${network_args[@]}" --max-restarts '
+        '"$max_restarts" -- "$program" "${run_dir_args[@]}" '
         + (baked_args + " " if baked_args else "") + '"${env_args[@]}" "$@" &',
         "launcher=$!",
         "# `wait` returns early whenever the trap runs: wait until the launcher is gone, then",

@@ -8,6 +8,7 @@ callbacks, outputs) is the same for every job and every backend.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import platform
 import socket
@@ -18,9 +19,9 @@ from typing import Callable
 import tensorflow as tf
 import tf_keras as keras
 
-from hvdtrain import __version__
+from hvdtrain import __version__, ranklog
 from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
-                                MetricsLog, Throughput, batch_norm_layers)
+                                MetricsLog, StallWatchdog, Throughput, batch_norm_layers)
 from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, training_state,
                                  variables_bytes)
 from hvdtrain.config import ImageConfig, TrainConfig
@@ -29,7 +30,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch
 from hvdtrain.preemption import (PreemptionCheck, StopRequest, StopSignals, describe_stop,
                                  stop_exit_code)
-from hvdtrain.rundir import MODEL_FILE, RunDir, ensure_writable
+from hvdtrain.rundir import MODEL_FILE, RunDir, ensure_writable, is_url
 from hvdtrain.runtime import Runtime, make_runtime, placement
 from hvdtrain.slurm import job_label
 from hvdtrain.task import Datasets, Shard, Task
@@ -65,8 +66,9 @@ def run(program: str, config: TrainConfig, runtime: Runtime, task: Task) -> Trai
             plan, datasets, notes = image_data(config, runtime)
         else:
             plan, datasets, notes = task_data(config, runtime, task)
-        runtime.print0(banner(program, runtime, datasets, notes, plan, config))
-        return fit(program, config, runtime, plan, datasets, task, request)
+        summary_lines = banner(program, runtime, datasets, notes, plan, config)
+        runtime.print0(summary_lines)
+        return fit(program, config, runtime, plan, datasets, task, request, summary_lines)
 
 
 def image_data(config: TrainConfig, runtime: Runtime
@@ -159,7 +161,8 @@ def learning_rate_schedule(plan: TrainingPlan, decay: str):
 
 
 def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
-        datasets: Datasets, task: Task, request: StopRequest) -> TrainingResult:
+        datasets: Datasets, task: Task, request: StopRequest,
+        banner_text: str = "") -> TrainingResult:
     world = runtime.world
     run_dir = RunDir(config.run_dir, is_chief=world.is_chief)
     # Each rank draws its own dropout masks and augmentations (seed + rank): identical draws would
@@ -181,6 +184,11 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     lock_note = ensure_writable(run_dir, runtime, bytes_needed=(config.keep_checkpoints + 1)
                                 * variables_bytes(state_variables) + 2**20,
                                 job=job_label(os.environ))
+    if config.rank_logs and not is_url(run_dir.path):
+        # Every rank's own output, kept beside the run: after a failure on another node the
+        # launcher's terminal may be gone, and its stream interleaves all ranks.
+        ranklog.start(run_dir.path, world.rank, header=rank_log_header(program, world)
+                      + ("\n" + banner_text if world.is_chief and banner_text else ""))
     if lock_note:
         runtime.print0(lock_note)
     checkpoints = Checkpoints(run_dir, model, config.keep_checkpoints)
@@ -215,6 +223,11 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         LearningRateLog(schedule),
         PreemptionCheck(runtime, request, config.signal_check_every_steps, save_on_stop),
     ]
+    stall_limit = runtime.stall_limit_seconds()
+    if stall_limit:
+        # A peer lost mid-allreduce (its link down) blocks horovod's own stall check; this one
+        # has a thread of its own (see the callback).
+        callbacks.append(StallWatchdog(stall_limit, world.rank))
     norm_layers = batch_norm_layers(model)
     if world.size > 1 and norm_layers and config.bn_recompute_batches:
         # Before validation and the checkpoint, which read the statistics (see the callback).
@@ -258,6 +271,11 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         inference_model.set_weights(model.get_weights())
         run_dir.write_with(MODEL_FILE, inference_model.save, suffix=".keras")
     return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows, 0)
+
+
+def rank_log_header(program: str, world) -> str:
+    return (f"{program}: rank {world.rank} of {world.size} on {socket.gethostname()}, pid "
+            f"{os.getpid()}, started {datetime.datetime.now().isoformat(timespec='seconds')}")
 
 
 def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, datasets: Datasets,

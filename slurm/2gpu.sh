@@ -16,6 +16,9 @@
 #   HVDTRAIN_PYTHON        interpreter with hvdtrain installed (default .venv/bin/python)
 #   HVDTRAIN_MAX_RESTARTS  times the launcher restarts a failed job (a rank died) inside
 #                          this allocation (default 0)
+#   HVDTRAIN_VIA           what starts the ranks: horovodrun, mpirun or srun (default horovodrun)
+#   HVDTRAIN_NETWORK_INTERFACE  the interface(s) the ranks talk over (eth0, or eth0,ib0;
+#                          default: the launcher checks which connect every node)
 #   HVDTRAIN_MAX_REQUEUES  requeues after which a preempted job stops instead (default 3;
 #                          counts Slurm's own requeues too; raise it for a job that needs
 #                          more time-limit windows)
@@ -36,6 +39,9 @@ program="${HVDTRAIN_MODULE:-hvdtrain.cnn}"
 run_dir="${HVDTRAIN_RUN_DIR:-runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}"
 python="${HVDTRAIN_PYTHON:-.venv/bin/python}"
 max_restarts="${HVDTRAIN_MAX_RESTARTS:-0}"
+via="${HVDTRAIN_VIA:-horovodrun}"
+network_args=()
+if [[ -n ${HVDTRAIN_NETWORK_INTERFACE:-} ]]; then network_args=(--network-interface "$HVDTRAIN_NETWORK_INTERFACE"); fi
 max_requeues="${HVDTRAIN_MAX_REQUEUES:-3}"
 if [[ ! $max_requeues =~ ^[0-9]+$ ]]; then
     echo "HVDTRAIN_MAX_REQUEUES must be a whole number, got '$max_requeues'" >&2
@@ -53,7 +59,7 @@ echo "[$(date -Is)] job ${SLURM_JOB_ID} run ${SLURM_RESTART_COUNT:-0} on ${SLURM
 launcher=
 trap '[ -n "$launcher" ] && kill -USR1 "$launcher" 2>/dev/null || true' USR1
 # The launcher reads the allocation (hosts, tasks and GPUs per node) and starts the ranks.
-"$python" -m hvdtrain.launch --via horovodrun --max-restarts "$max_restarts" -- "$program" "${run_dir_args[@]}" "${env_args[@]}" "$@" &
+"$python" -m hvdtrain.launch --via "$via" "${network_args[@]}" --max-restarts "$max_restarts" -- "$program" "${run_dir_args[@]}" "${env_args[@]}" "$@" &
 launcher=$!
 # `wait` returns early whenever the trap runs: wait until the launcher is gone, then
 # collect its exit status (bash remembers it).

@@ -28,8 +28,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def config_in(run_dir, **changes) -> ImageConfig:
+    # No rank logs: they would redirect this pytest process's own output for good.
     return dataclasses.replace(tiny(), **{"run_dir": str(run_dir), "tensorboard": False,
-                                          **changes})
+                                          "rank_logs": False, **changes})
 
 
 def state_of(model) -> list[np.ndarray]:
@@ -189,7 +190,7 @@ def test_only_rank_0_writes_in_every_path(runtime, tmp_path):
     from hvdtrain.autoencoder import tiny as autoencoder_tiny
 
     def run_every_path():
-        autoencoder = dataclasses.replace(autoencoder_tiny(), epochs=1,
+        autoencoder = dataclasses.replace(autoencoder_tiny(), epochs=1, rank_logs=False,
                                           run_dir=str(tmp_path / "autoencoder"))
         write_reconstructions(train.run("test", autoencoder, runtime, RECONSTRUCTOR), runtime)
         # Only the last rank receives the signal, and early (while the data is listed): all

@@ -74,6 +74,12 @@ def test_a_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, np_, victim):
     assert re.search(rf"process rank {victim} with PID \d+ on node \S+ exited on signal 9",
                      output), output[-3000:]
     assert not rank_pids(str(run_dir)), "ranks outlived the job"
+    # Every rank kept its own log beside the run, the killed one too.
+    for rank in range(np_):
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert log.startswith(f"hvdtrain.cnn: rank {rank} of {np_} on "), log[:300]
+    chief_log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "placement: " in chief_log and "Epoch 1/200" in chief_log, chief_log[-2000:]
 
     # The same command again resumes from the last checkpoint, losing at most one epoch.
     rerun = horovodrun(np_, "hvdtrain.cnn", "--preset", "tiny", "--epochs",
@@ -82,6 +88,55 @@ def test_a_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, np_, victim):
     # At most one epoch lost: the kill may land between an epoch's metrics and its checkpoint.
     assert resumed and int(resumed.group(1)) >= epochs_before - 1, rerun.stdout[-3000:]
     assert f"done: {epochs_before + 1} epoch(s)" in rerun.stdout
+
+
+# A model that trains normally on rank 0 and fails in its 30th training step on rank 1.
+FAILS_ON_RANK_1 = """
+import os
+
+import keras
+import tensorflow as tf
+
+
+class FailsOnRank1(keras.layers.Layer):
+    def build(self, input_shape):
+        self.steps = self.add_weight(name="steps", shape=(), initializer="zeros", trainable=False)
+
+    def call(self, inputs, training=None):
+        # The same graph on every rank (horovod matches tensors by op name): only the limit
+        # differs.
+        if training:
+            limit = 30.0 if os.environ.get("OMPI_COMM_WORLD_RANK") == "1" else 1e9
+            self.steps.assign_add(1.0)
+            tf.debugging.assert_less(self.steps, limit, message="injected failure")
+        return inputs
+
+
+def build(input_shape, num_classes):
+    inputs = keras.Input(input_shape)
+    features = FailsOnRank1()(keras.layers.Rescaling(1 / 255)(inputs))
+    outputs = keras.layers.Dense(num_classes)(keras.layers.Flatten()(features))
+    return keras.Model(inputs, outputs)
+"""
+
+
+def test_a_rank_that_fails_names_its_log_which_holds_the_failure(tmp_path):
+    model_file = tmp_path / "failing.py"
+    model_file.write_text(FAILS_ON_RANK_1)
+    run_dir = tmp_path / "run"
+    result = horovodrun(2, "hvdtrain.cnn", "--preset", "tiny", "--model", f"{model_file}:build",
+                        "--run-dir", str(run_dir), check=False, timeout=240)
+    assert result.returncode != 0
+    log = run_dir / "logs" / "rank-1.log"
+    failure = [line for line in result.stdout.splitlines() if "rank 1 failed" in line]
+    assert len(failure) == 1, result.stdout[-3000:]
+    assert "InvalidArgumentError: assertion failed: [injected failure]" in failure[0]
+    assert f"its log: {log}" in failure[0]
+    # The log holds the rank's own start line and its failure line, without horovodrun's tags.
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("hvdtrain.cnn: rank 1 of 2 on ")
+    assert any(line.startswith("hvdtrain.cnn: rank 1 failed: InvalidArgumentError: assertion "
+                               "failed: [injected failure]") for line in lines), lines[-20:]
 
 
 def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_loadable(tmp_path):

@@ -355,3 +355,50 @@ def test_a_plain_horovod_script_runs_on_two_ranks_through_the_launcher():
     lines = re.findall(r"rank (\d) of (\d): sum (\d+) args (.*?\])", result.stdout)
     assert sorted(lines) == [("0", "2", "1", "['--greeting', 'hi there']"),
                              ("1", "2", "1", "['--greeting', 'hi there']")], result.stdout[-3000:]
+
+
+# --- several hosts: --hosts and the network interface --------------------------------------------
+def test_hosts_outside_slurm_give_the_rank_count_and_the_host_list():
+    launch = build_launch(options(hosts="node1:2,node2:2"), None, gpus=0)
+    assert launch.argv[1:5] == ("-np", "4", "-H", "node1:2,node2:2")
+    mpirun = build_launch(options(hosts="node1:2,node2", via="mpirun"), None, gpus=0).argv
+    assert mpirun[1:5] == ("-np", "3", "-H", "node1:2,node2:1")
+
+
+@pytest.mark.parametrize("hosts", ["node1:0", "node1:2,node1:2", "node1:x", "a b:2", ""])
+def test_bad_hosts_are_one_line_errors(hosts):
+    with pytest.raises(UserError, match="--hosts"):
+        build_launch(options(hosts=hosts), None, gpus=0)
+
+
+def test_hosts_inside_an_allocation_are_refused():
+    alloc = allocation(SLURM_JOB_NODELIST="gpu[01-02]", SLURM_TASKS_PER_NODE="4(x2)")
+    with pytest.raises(UserError, match="outside Slurm"):
+        build_launch(options(hosts="a:1,b:1"), alloc, gpus=0)
+
+
+def test_the_network_interface_reaches_every_transport():
+    alloc = allocation(SLURM_JOB_NODELIST="gpu[01-02]", SLURM_TASKS_PER_NODE="4(x2)",
+                       SLURM_GPUS_ON_NODE="4")
+    horovodrun = build_launch(options(), alloc, gpus=4, interfaces=("eth0",))
+    assert horovodrun.argv[horovodrun.argv.index("--network-interface") + 1] == "eth0"
+    mpirun = build_launch(options(via="mpirun"), alloc, gpus=4, interfaces=("eth0", "ib0"))
+    argv = " ".join(mpirun.argv)
+    assert "--mca btl_tcp_if_include eth0,ib0 --mca oob_tcp_if_include eth0,ib0" in argv
+    # NCCL (GPU allreduce) picks its own interface: pinned too, and passed to remote ranks.
+    assert mpirun.env["NCCL_SOCKET_IFNAME"] == "eth0,ib0" and "-x NCCL_SOCKET_IFNAME" in argv
+    srun = build_launch(options(via="srun"), alloc, gpus=4, interfaces=("eth0",))
+    assert srun.env["OMPI_MCA_btl_tcp_if_include"] == "eth0"
+    assert srun.env["OMPI_MCA_oob_tcp_if_include"] == "eth0"
+    untold = build_launch(options(via="mpirun"), alloc, gpus=4)
+    assert "btl_tcp_if_include" not in " ".join(untold.argv)
+    assert "NCCL_SOCKET_IFNAME" not in untold.env
+
+
+def test_a_short_stall_limit_shortens_horovods_inspection_interval():
+    env = horovod_tuning_env(options(stall_check_shutdown_seconds=30))
+    assert env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "30"
+    assert env["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "30"
+    told = horovod_tuning_env(options(stall_check_shutdown_seconds=30,
+                                      stall_check_warning_seconds=10))
+    assert told["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "10"

@@ -156,3 +156,17 @@ def test_placement_groups_ranks_by_host():
 ])
 def test_first_line_of_an_error(error, expected):
     assert first_line(error) == expected
+
+
+def test_first_line_of_a_tensorflow_graph_error_is_the_ops_own_message():
+    import tensorflow as tf
+
+    @tf.function
+    def checked(x):
+        tf.debugging.assert_less(x, 1.0, message="too big")
+        return x
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        checked(tf.constant(2.0))
+    assert str(caught.value).startswith("Graph execution error:")
+    assert first_line(caught.value).startswith("assertion failed: [too big] [Condition x < y")

@@ -211,6 +211,10 @@ class Runtime:
         """The largest ``value`` any rank passed, on every rank. A collective: all ranks call it."""
         return value
 
+    def stall_limit_seconds(self) -> float | None:
+        """After how long without a step a rank gives up on its peers (None: never)."""
+        return None
+
     def default_steps_per_execution(self) -> int:
         return 1
 

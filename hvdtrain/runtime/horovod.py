@@ -172,6 +172,14 @@ class HorovodRuntime(Runtime):
         return int(hvd_tf.allreduce(tf.constant(value, tf.int32), op=hvd_tf.Max,
                                     name="hvdtrain_max_over_ranks"))
 
+    def stall_limit_seconds(self) -> float | None:
+        # Horovod's own limit, which the user may have changed (the launcher's
+        # --stall-check-shutdown-seconds sets it); its stall check off means no limit either.
+        if self.world.size == 1 or os.environ.get("HOROVOD_STALL_CHECK_DISABLE") == "1":
+            return None
+        limit = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0") or 0)
+        return limit if limit > 0 else None
+
     def barrier(self) -> None:
         # Horovod 0.28 has no TensorFlow barrier op; a one-element allreduce is one.
         self.max_over_ranks(0)

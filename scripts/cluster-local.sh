@@ -1,0 +1,723 @@
+#!/usr/bin/env bash
+# A multi-host cluster on one machine: N "nodes" (network namespaces) for hvdtrain's multi-node
+# integration tests, with ssh between them and a Slurm that sees N nodes.
+#
+#   scripts/cluster-local.sh up [--nodes N] [--isolated-iface]
+#                                      build and start everything (root only); idempotent, exit 0
+#                                      when every node is idle in Slurm and reachable by ssh
+#   scripts/cluster-local.sh down      stop and remove everything `up` made
+#   scripts/cluster-local.sh status    exit 0 when usable, 3 when down or degraded
+#   scripts/cluster-local.sh exec NODE CMD...
+#                                      run CMD on NODE (its network and hostname), with
+#                                      SLURM_CONF set to this cluster's configuration
+#   scripts/cluster-local.sh env       print `export SLURM_CONF=...` for Slurm clients on the host
+#
+# What a node is (node1 ... nodeN, N default 2):
+#   - a network namespace hvdt-nodeK with loopback and eth0 = 10.77.0.(10+K)/24, the other end of
+#     a veth pair plugged into the bridge hvdt-br0 (10.77.0.1/24 on the host). No node has a
+#     default route and the host does not forward, so a node reaches only loopback, the other
+#     nodes and the host's bridge address;
+#   - a UTS namespace (bound to $STATE_DIR/ns/nodeK.uts) whose hostname is nodeK: every process
+#     of the node is started with `nsenter --net=... --uts=...`. Not `ip netns exec`: it remounts
+#     /sys, which hides /sys/fs/cgroup, and slurmd then refuses to start;
+#   - the machine's file system, shared (like an NFS home on a real cluster): run directories and
+#     the repository are the same paths on every node;
+#   - a block in /etc/hosts (between marker lines) so every node resolves nodeK;
+#   - an sshd on 10.77.0.(10+K):22 with its own host key, accepting one root key, both generated
+#     into $STATE_DIR/ssh. /etc/ssh/ssh_config.d/hvdtrain-cluster.conf (included by Debian's
+#     ssh_config) tells plain `ssh nodeK` that key and the known host keys, so horovodrun and
+#     mpirun's ssh agent reach every node with no prompt and no flags;
+#   - a slurmd started as `slurmd -N nodeK`, registered with one slurmctld on the host, listening
+#     on 10.77.0.1. Four fake GPUs per node (plain files, enough for gres gpu:4), CPUs=32 trusted
+#     through SlurmdParameters=config_overrides, as scripts/slurm-local.sh does.
+#
+# Coexisting with scripts/slurm-local.sh (the single-node Slurm, which uses /etc/slurm): this
+# cluster's Slurm has its own configuration ($STATE_DIR/slurm/slurm.conf, clients need SLURM_CONF,
+# `exec` and `env` provide it), its own ports (6917/6918), its own munged (own key and socket)
+# and state; `down` stops only the daemons whose pids it recorded. One limit: slurm-local.sh `up`
+# refuses to start while any slurmd/slurmctld it did not start runs, this cluster's included
+# (the daemons cannot be renamed: Slurm reads its own program name and, as anything but
+# `slurmd`, ignores the node's Gres=). Bring one down before the other comes up.
+#
+# --isolated-iface gives every node a second interface, eth1 (a veth whose host end goes nowhere),
+# with an address in 10.78.0.0/24: one subnet on every node that connects nothing, like docker0 on the nodes of a
+# real cluster. Tools that pick interfaces by subnet think the nodes can talk over it.
+#
+# Environment knobs:
+#   HVDTRAIN_CLUSTER_DIR      state directory (default /var/tmp/hvdtrain-cluster); removed by down
+#   HVDTRAIN_CLUSTER_TIMEOUT  seconds to wait for each daemon / the nodes (default 60)
+set -euo pipefail
+
+STATE_DIR=${HVDTRAIN_CLUSTER_DIR:-/var/tmp/hvdtrain-cluster}
+TIMEOUT=${HVDTRAIN_CLUSTER_TIMEOUT:-60}
+STATE_MARKER=.hvdtrain-cluster-local
+MARKER="# managed by hvdtrain scripts/cluster-local.sh"
+HOSTS_BEGIN="# BEGIN hvdtrain scripts/cluster-local.sh"
+HOSTS_END="# END hvdtrain scripts/cluster-local.sh"
+SSH_CLIENT_CONF=/etc/ssh/ssh_config.d/hvdtrain-cluster.conf
+BRIDGE=hvdt-br0
+SUBNET=10.77.0
+ISOLATED_SUBNET=10.78.0
+HOST_ADDR=$SUBNET.1
+CTLD_PORT=6917
+SLURMD_PORT=6918
+PARTITION=debug
+DEFAULT_NODES=2
+PACKAGES=(openssh-server openssh-client slurm-wlm munge iproute2)
+SCRIPT=$(readlink -f "$0")
+
+say() { printf '[cluster-local] %s\n' "$*"; }
+warn() { printf 'cluster-local: %s\n' "$*" >&2; }
+die() { printf 'cluster-local: %s\n' "$*" >&2; exit 1; }
+fail() { # fail MESSAGE LOGFILE...: the message, then the tail of each log
+  local msg=$1 f
+  shift
+  warn "$msg"
+  for f in "$@"; do
+    [[ -s $f ]] || continue
+    printf -- '----- last lines of %s -----\n' "$f" >&2
+    tail -n 30 "$f" >&2 || true
+  done
+  exit 1
+}
+
+netns_of() { printf 'hvdt-%s\n' "$1"; }
+veth_of() { printf 'hvdt-v%s\n' "${1#node}"; }
+dead_end_of() { printf 'hvdt-x%s\n' "${1#node}"; }
+addr_of() { printf '%s.%d\n' "$SUBNET" $((10 + ${1#node})); }
+uts_of() { printf '%s/ns/%s.uts\n' "$STATE_DIR" "$1"; }
+SLURM_CONF_FILE=$STATE_DIR/slurm/slurm.conf
+
+# The node count of the running cluster (0 when there is none).
+recorded_nodes() { cat "$STATE_DIR/nodes" 2>/dev/null || echo 0; }
+node_names() { # node_names N
+  local k
+  for ((k = 1; k <= $1; k++)); do printf 'node%d\n' "$k"; done
+}
+
+# in_node NODE CMD...: CMD in the node's network and UTS namespaces (same file system).
+in_node() {
+  local node=$1
+  shift
+  nsenter --net="/var/run/netns/$(netns_of "$node")" --uts="$(uts_of "$node")" "$@"
+}
+# node_prefix NODE: the same as words, for commands that must exec (setsid, exec).
+node_prefix() { printf '%s\n' nsenter "--net=/var/run/netns/$(netns_of "$1")" "--uts=$(uts_of "$1")"; }
+
+# --- process bookkeeping (pid files in $STATE_DIR/pids) ------------------------------------------
+pid_file() { printf '%s/pids/%s.pid\n' "$STATE_DIR" "$1"; }
+
+# our_pid NAME COMM: the recorded pid of NAME if that process is alive and runs COMM.
+our_pid() {
+  local f pid
+  f=$(pid_file "$1")
+  [[ -r $f ]] || return 1
+  pid=$(tr -dc '0-9' <"$f")
+  [[ -n $pid && $(cat "/proc/$pid/comm" 2>/dev/null || true) == "$2" ]] || return 1
+  [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || true) != Z ]] || return 1
+  printf '%s\n' "$pid"
+}
+
+# stop_pid PID COMM GRACE: SIGTERM, wait up to GRACE seconds, then SIGKILL.
+stop_pid() {
+  local pid=$1 comm=$2 grace=$3 i
+  kill -TERM "$pid" 2>/dev/null || return 0
+  for ((i = 0; i < grace * 5; i++)); do
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null || true) == "$comm" ]] || return 0
+    sleep 0.2
+  done
+  warn "$comm (pid $pid) did not exit after ${grace}s; sending SIGKILL"
+  kill -KILL "$pid" 2>/dev/null || true
+  sleep 0.3
+}
+
+# launch NAME COMM CMD...: start CMD (which becomes COMM) in a session of its own, record its pid.
+launch() {
+  local name=$1 comm=$2 pid i
+  shift 2
+  # 9>&-: the daemon must not keep holding this script's lock.
+  setsid "$@" </dev/null >>"$STATE_DIR/log/$name.stdout" 2>&1 9>&- &
+  pid=$!
+  # Until setsid/nsenter have exec'd the daemon the pid's name is theirs.
+  for ((i = 0; i < 50; i++)); do
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null || true) == "$comm" ]] && break
+    sleep 0.1
+  done
+  printf '%s\n' "$pid" >"$(pid_file "$name")"
+}
+
+# --- packages ------------------------------------------------------------------------------------
+have_programs() {
+  local p
+  for p in ip nsenter unshare ssh ssh-keygen sshd slurmctld slurmd sinfo srun sbatch scontrol \
+    munged munge unmunge; do
+    command -v "$p" >/dev/null 2>&1 || [[ -x /usr/sbin/$p ]] || return 1
+  done
+}
+
+install_packages() {
+  have_programs && return 0
+  # The packages' own service starts are suppressed: this script alone runs the daemons.
+  local policy=/usr/sbin/policy-rc.d own_policy=0 rc=0 log=/tmp/hvdtrain-cluster-apt.log
+  if [[ ! -e $policy ]]; then
+    printf '#!/bin/sh\n%s\nexit 101\n' "$MARKER" >"$policy"
+    chmod 0755 "$policy"
+    own_policy=1
+  fi
+  say "installing ${PACKAGES[*]} (log: $log)"
+  {
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=120 update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=120 install -y -qq \
+        --no-install-recommends "${PACKAGES[@]}"
+  } >"$log" 2>&1 || rc=$?
+  ((own_policy)) && rm -f "$policy"
+  ((rc == 0)) || fail "could not install ${PACKAGES[*]} (apt-get exit $rc)" "$log"
+  have_programs || fail "installed ${PACKAGES[*]} but programs are still missing" "$log"
+  rm -f "$log"
+}
+
+# --- state directory -----------------------------------------------------------------------------
+prepare_state_dir() {
+  if [[ -d $STATE_DIR && ! -e $STATE_DIR/$STATE_MARKER && -n $(ls -A "$STATE_DIR" 2>/dev/null) ]]; then
+    die "$STATE_DIR exists, is not empty and was not made by this script; set HVDTRAIN_CLUSTER_DIR elsewhere"
+  fi
+  install -d -m 0755 "$STATE_DIR"
+  touch "$STATE_DIR/$STATE_MARKER"
+  install -d -m 0755 "$STATE_DIR/pids" "$STATE_DIR/ns" "$STATE_DIR/fake-gpu" \
+    "$STATE_DIR/slurm" "$STATE_DIR/slurm/spool"
+  install -d -m 0700 "$STATE_DIR/ssh"
+  install -d -o slurm -g slurm -m 0755 "$STATE_DIR/log" "$STATE_DIR/slurm/ctld" "$STATE_DIR/slurm/run"
+  # 0755: slurmctld (user slurm) and every client must reach the socket inside.
+  install -d -o munge -g munge -m 0755 "$STATE_DIR/munge"
+  local i
+  for i in 0 1 2 3; do
+    [[ -e $STATE_DIR/fake-gpu/nvidia$i ]] || : >"$STATE_DIR/fake-gpu/nvidia$i"
+  done
+}
+
+# --- network -------------------------------------------------------------------------------------
+check_subnet_free() {
+  local used
+  used=$(ip -o -4 addr show | awk -v s="$SUBNET." -v b="$BRIDGE" 'index($4, s) == 1 && $2 != b {print $2}')
+  [[ -z $used ]] || die "$SUBNET.0/24 is already used on this machine (interface $used); not ours"
+}
+
+ensure_bridge() {
+  if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+    ip link add "$BRIDGE" type bridge
+  fi
+  ip addr replace "$HOST_ADDR/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+}
+
+ensure_node_net() { # ensure_node_net NODE ISOLATED(0|1)
+  local node=$1 isolated=$2 ns veth uts
+  ns=$(netns_of "$node")
+  veth=$(veth_of "$node")
+  uts=$(uts_of "$node")
+  [[ -e /var/run/netns/$ns ]] || ip netns add "$ns"
+  ip -n "$ns" link set lo up
+  if ! ip link show "$veth" >/dev/null 2>&1; then
+    ip link add "$veth" type veth peer name eth0 netns "$ns"
+  fi
+  ip link set "$veth" master "$BRIDGE" up
+  ip -n "$ns" addr replace "$(addr_of "$node")/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  local dead_end
+  dead_end=$(dead_end_of "$node")
+  if ((isolated)); then
+    # eth1's other end sits in the host with no address and no bridge: what a node sends there
+    # (ARP included) reaches nobody, yet the subnet looks the same on every node.
+    if ! ip link show "$dead_end" >/dev/null 2>&1; then
+      ip link add "$dead_end" type veth peer name eth1 netns "$ns"
+    fi
+    ip link set "$dead_end" up
+    ip -n "$ns" addr replace "$ISOLATED_SUBNET.$((10 + ${node#node}))/24" dev eth1
+    ip -n "$ns" link set eth1 up
+  elif ip link show "$dead_end" >/dev/null 2>&1; then
+    ip link del "$dead_end"
+  fi
+  if ! mountpoint -q "$uts" 2>/dev/null && ! grep -qF " $uts " /proc/self/mountinfo; then
+    : >"$uts"
+    unshare --uts="$uts" hostname "$node"
+  fi
+  [[ $(in_node "$node" hostname) == "$node" ]] || in_node "$node" hostname "$node"
+}
+
+hosts_block() {
+  local n=$1 node
+  printf '%s\n' "$HOSTS_BEGIN"
+  while read -r node; do printf '%s %s\n' "$(addr_of "$node")" "$node"; done < <(node_names "$n")
+  printf '%s\n' "$HOSTS_END"
+}
+
+hosts_without_block() {
+  awk -v b="$HOSTS_BEGIN" -v e="$HOSTS_END" '$0 == b {skip = 1; next} $0 == e {skip = 0; next} !skip' /etc/hosts
+}
+
+# /etc/hosts may be a bind mount: rewrite it in place, never replace the file.
+write_hosts() { # write_hosts N (0: remove the block)
+  local tmp
+  tmp=$(mktemp)
+  hosts_without_block >"$tmp"
+  ((${1} > 0)) && hosts_block "$1" >>"$tmp"
+  cmp -s "$tmp" /etc/hosts || cat "$tmp" >/etc/hosts
+  rm -f "$tmp"
+}
+
+# --- ssh -----------------------------------------------------------------------------------------
+gen_sshd_config() {
+  cat <<EOF
+$MARKER
+# ListenAddress, HostKey and PidFile are given per node on the command line.
+Port 22
+AuthorizedKeysFile $STATE_DIR/ssh/authorized_keys
+# StrictModes would refuse keys under /var/tmp (world-writable, sticky); $STATE_DIR/ssh is root's, 0700.
+StrictModes no
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+X11Forwarding no
+PrintMotd no
+PrintLastLog no
+AcceptEnv LANG LC_*
+MaxStartups 100:30:200
+MaxSessions 100
+EOF
+}
+
+gen_ssh_client_config() {
+  cat <<EOF
+$MARKER
+# Plain \`ssh nodeK\` for the local test cluster; removed by \`scripts/cluster-local.sh down\`.
+Host $(node_names "$1" | tr '\n' ' ')
+    User root
+    IdentityFile $STATE_DIR/ssh/id_ed25519
+    IdentitiesOnly yes
+    UserKnownHostsFile $STATE_DIR/ssh/known_hosts
+    StrictHostKeyChecking yes
+    BatchMode yes
+    LogLevel ERROR
+EOF
+}
+
+prepare_ssh() { # prepare_ssh N
+  local n=$1 node key
+  [[ -e $STATE_DIR/ssh/id_ed25519 ]] ||
+    ssh-keygen -q -t ed25519 -N '' -C hvdtrain-cluster -f "$STATE_DIR/ssh/id_ed25519"
+  install -m 0600 "$STATE_DIR/ssh/id_ed25519.pub" "$STATE_DIR/ssh/authorized_keys"
+  : >"$STATE_DIR/ssh/known_hosts.new"
+  while read -r node; do
+    key=$STATE_DIR/ssh/host-${node}_ed25519_key
+    [[ -e $key ]] || ssh-keygen -q -t ed25519 -N '' -C "$node" -f "$key"
+    printf '%s,%s %s\n' "$node" "$(addr_of "$node")" "$(cut -d' ' -f1-2 "$key.pub")" \
+      >>"$STATE_DIR/ssh/known_hosts.new"
+  done < <(node_names "$n")
+  mv -f "$STATE_DIR/ssh/known_hosts.new" "$STATE_DIR/ssh/known_hosts"
+  if ! cmp -s "$STATE_DIR/ssh/sshd_config" <(gen_sshd_config); then
+    gen_sshd_config >"$STATE_DIR/ssh/sshd_config"
+    # sshds running with an older configuration start again with the new one.
+    local pid
+    for node in $(ls "$STATE_DIR/pids" | sed -n 's/^sshd-\(node[0-9]*\)\.pid$/\1/p'); do
+      if pid=$(our_pid "sshd-$node" sshd); then stop_pid "$pid" sshd 5; fi
+    done
+  fi
+  if [[ -e $SSH_CLIENT_CONF ]] && ! head -n 1 "$SSH_CLIENT_CONF" | grep -qxF "$MARKER"; then
+    die "$SSH_CLIENT_CONF exists and was not written by this script"
+  fi
+  install -d -m 0755 "$(dirname "$SSH_CLIENT_CONF")"
+  gen_ssh_client_config "$n" >"$SSH_CLIENT_CONF"
+  # sshd's privilege separation directory (systemd would create it; nothing does here).
+  if [[ ! -d /run/sshd ]]; then
+    install -d -m 0755 /run/sshd
+    touch "$STATE_DIR/made-run-sshd"
+  fi
+}
+
+start_sshd() { # start_sshd NODE
+  local node=$1
+  our_pid "sshd-$node" sshd >/dev/null && return 0
+  local prefix
+  mapfile -t prefix < <(node_prefix "$node")
+  launch "sshd-$node" sshd "${prefix[@]}" /usr/sbin/sshd -D -e -f "$STATE_DIR/ssh/sshd_config" \
+    -o "ListenAddress=$(addr_of "$node")" -o "HostKey=$STATE_DIR/ssh/host-${node}_ed25519_key" \
+    -o "PidFile=$STATE_DIR/slurm/run/sshd-$node.pid"
+}
+
+# ssh_ok FROM TO: FROM reaches TO with plain `ssh TO`.
+ssh_ok() { timeout 20 "$SCRIPT" exec "$1" ssh -o ConnectTimeout=5 "$2" true >/dev/null 2>&1; }
+
+# --- munge (own key and socket, so slurm-local.sh's munged is neither needed nor touched) --------
+MUNGE_SOCKET=$STATE_DIR/munge/munge.socket
+munge_works() { timeout 10 munge -S "$MUNGE_SOCKET" -n 2>/dev/null | timeout 10 unmunge -S "$MUNGE_SOCKET" >/dev/null 2>&1; }
+
+start_munge() {
+  munge_works && our_pid munged munged >/dev/null && return 0
+  local key=$STATE_DIR/munge/munge.key
+  if [[ ! -s $key ]]; then
+    dd if=/dev/urandom of="$key" bs=1024 count=1 status=none
+    chown munge:munge "$key"
+    chmod 0400 "$key"
+  fi
+  rm -f "$MUNGE_SOCKET" "$MUNGE_SOCKET.lock"
+  # --force: /var/tmp is world-writable (sticky), which munged otherwise calls insecure.
+  launch munged munged setpriv --reuid=munge --regid=munge --init-groups /usr/sbin/munged -F --force --socket="$MUNGE_SOCKET" \
+    --key-file="$key" --pid-file="$STATE_DIR/munge/munged.pid" \
+    --log-file="$STATE_DIR/munge/munged.log" --seed-file="$STATE_DIR/munge/munged.seed"
+  local end=$((SECONDS + TIMEOUT))
+  until munge_works; do
+    ((SECONDS < end)) || fail "munged did not come up within ${TIMEOUT}s" \
+      "$STATE_DIR/log/munged.stdout" "$STATE_DIR/munge/munged.log"
+    sleep 0.2
+  done
+}
+
+# --- slurm ---------------------------------------------------------------------------------------
+gen_slurm_conf() { # gen_slurm_conf N
+  local n=$1
+  cat <<EOF
+$MARKER
+# The local multi-node test cluster; regenerated by \`scripts/cluster-local.sh up\`, removed by
+# \`down\`. Clients need SLURM_CONF=$SLURM_CONF_FILE.
+ClusterName=hvdtcluster
+SlurmctldHost=$(hostname -s)($HOST_ADDR)
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$SLURMD_PORT
+AuthType=auth/munge
+CredType=cred/munge
+# Own munged; a requeued job waits cred_expire + 1 s before it starts again (default 120).
+AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
+SlurmUser=slurm
+SlurmdUser=root
+StateSaveLocation=$STATE_DIR/slurm/ctld
+SlurmdSpoolDir=$STATE_DIR/slurm/spool/%n
+# The nodes share /tmp, where srun --mpi=pmix would make the same directory on every node.
+TmpFS=$STATE_DIR/tmp/%n
+SlurmctldPidFile=$STATE_DIR/slurm/run/slurmctld.pid
+SlurmdPidFile=$STATE_DIR/slurm/run/slurmd-%n.pid
+SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
+SlurmdLogFile=$STATE_DIR/log/slurmd-%n.log
+MailProg=/bin/true
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+GresTypes=gpu
+SlurmdParameters=config_overrides
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=5,bf_interval=5
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+JobRequeue=1
+MinJobAge=600
+KillWait=10
+ReturnToService=2
+InactiveLimit=0
+Waittime=0
+SlurmctldTimeout=60
+SlurmdTimeout=120
+$(node_names "$n" | while read -r node; do
+    echo "NodeName=$node NodeHostname=$node NodeAddr=$(addr_of "$node") CPUs=32 RealMemory=20000 Gres=gpu:4 State=UNKNOWN"
+  done)
+PartitionName=$PARTITION Nodes=node[1-$n] Default=YES MaxTime=INFINITE OverSubscribe=YES State=UP
+EOF
+}
+
+gen_gres_conf() {
+  local i
+  printf '%s\n# Four fake GPUs per node: plain files, enough for slurmd to register gpu:4.\n' "$MARKER"
+  for i in 0 1 2 3; do
+    printf 'Name=gpu File=%s/fake-gpu/nvidia%d\n' "$STATE_DIR" "$i"
+  done
+}
+
+gen_cgroup_conf() {
+  printf '%s\n# No cgroup plugins are configured (proctrack/linuxproc, task/none).\n' "$MARKER"
+  printf 'CgroupAutomount=no\nConstrainCores=no\nConstrainRAMSpace=no\nConstrainDevices=no\n'
+}
+
+write_slurm_config() { # write_slurm_config N: 0 when a file changed
+  local changed=1 f gen tmp
+  for f in slurm gres cgroup; do
+    gen=gen_${f}_conf
+    tmp=$(mktemp "$STATE_DIR/slurm/$f.conf.XXXXXX")
+    "$gen" "$1" >"$tmp"
+    chmod 0644 "$tmp"
+    if cmp -s "$tmp" "$STATE_DIR/slurm/$f.conf"; then
+      rm -f "$tmp"
+    else
+      mv -f "$tmp" "$STATE_DIR/slurm/$f.conf"
+      changed=0
+    fi
+  done
+  return "$changed"
+}
+
+slurm() { SLURM_CONF=$SLURM_CONF_FILE timeout 15 "$@"; }
+ctld_up() { slurm scontrol ping 2>/dev/null | grep -q 'is UP'; }
+node_state() { slurm sinfo -h -N -n "$1" -o '%T' 2>/dev/null | head -n 1 || true; }
+node_usable() { [[ $(node_state "$1") =~ ^(idle|mixed|allocated|completing)$ ]]; }
+
+start_slurmctld() {
+  our_pid slurmctld slurmctld >/dev/null ||
+    launch slurmctld slurmctld env SLURM_CONF="$SLURM_CONF_FILE" \
+      /usr/sbin/slurmctld -D -i -f "$SLURM_CONF_FILE"
+  local end=$((SECONDS + TIMEOUT))
+  until ctld_up; do
+    our_pid slurmctld slurmctld >/dev/null ||
+      fail "slurmctld exited during startup" "$STATE_DIR/log/slurmctld.stdout" "$STATE_DIR/log/slurmctld.log"
+    ((SECONDS < end)) || fail "slurmctld did not answer within ${TIMEOUT}s" "$STATE_DIR/log/slurmctld.log"
+    sleep 0.5
+  done
+}
+
+declare -A STARTED_SINCE=()
+start_slurmd() { # start_slurmd NODE
+  local node=$1
+  our_pid "slurmd-$node" slurmd >/dev/null && return 0
+  install -d -m 0755 "$STATE_DIR/slurm/spool/$node"
+  install -d -m 1777 "$STATE_DIR/tmp/$node"
+  # The controller may still list the node as idle from before; wait_nodes waits for this start.
+  STARTED_SINCE[$node]=$(date +%Y-%m-%dT%H:%M:%S)
+  local prefix
+  mapfile -t prefix < <(node_prefix "$node")
+  launch "slurmd-$node" slurmd "${prefix[@]}" env SLURM_CONF="$SLURM_CONF_FILE" \
+    /usr/sbin/slurmd -D -N "$node" -f "$SLURM_CONF_FILE"
+}
+
+wait_nodes() { # wait_nodes N
+  local node state end=$((SECONDS + TIMEOUT)) pending
+  declare -A resumed=()
+  while :; do
+    pending=""
+    while read -r node; do
+      our_pid "slurmd-$node" slurmd >/dev/null ||
+        fail "slurmd on $node exited" "$STATE_DIR/log/slurmd-$node.stdout" "$STATE_DIR/log/slurmd-$node.log"
+      state=$(node_state "$node")
+      if [[ -n ${STARTED_SINCE[$node]:-} ]]; then
+        local started
+        started=$(slurm scontrol show node "$node" 2>/dev/null | grep -o 'SlurmdStartTime=[^ ]*' || true)
+        started=${started#SlurmdStartTime=}
+        if [[ ! $started =~ ^[0-9]{4}- || $started < "${STARTED_SINCE[$node]}" ]]; then
+          pending+=" $node(registering)"
+          continue
+        fi
+      fi
+      case $state in
+        idle | mixed | allocated | completing) continue ;;
+        inval*) fail "$node is INVAL (configuration rejected)" "$STATE_DIR/log/slurmd-$node.log" \
+          "$STATE_DIR/log/slurmctld.log" ;;
+        down* | drain* | fail* | *drain | *drained)
+          if ((${resumed[$node]:-0} < 3)); then
+            slurm scontrol update nodename="$node" state=resume >/dev/null 2>&1 || true
+            resumed[$node]=$((${resumed[$node]:-0} + 1))
+          fi
+          ;;
+      esac
+      pending+=" $node(${state:-unknown})"
+    done < <(node_names "$1")
+    [[ -z $pending ]] && return 0
+    ((SECONDS < end)) || fail "nodes not idle after ${TIMEOUT}s:$pending" "$STATE_DIR/log/slurmctld.log"
+    sleep 0.5
+  done
+}
+
+# --- up / down / status --------------------------------------------------------------------------
+take_lock() {
+  # The lock is this script itself: nothing is left behind.
+  exec 9<"$SCRIPT"
+  flock -w 300 9 || die "another cluster-local.sh up/down is still running"
+}
+
+cmd_up() {
+  local n=$DEFAULT_NODES isolated=0
+  while (($#)); do
+    case $1 in
+      --nodes) n=${2:-}; shift 2 || die "--nodes needs a number" ;;
+      --nodes=*) n=${1#--nodes=}; shift ;;
+      --isolated-iface) isolated=1; shift ;;
+      *) die "up: unknown option $1 (usage: up [--nodes N] [--isolated-iface])" ;;
+    esac
+  done
+  [[ $n =~ ^[0-9]+$ ]] && ((n >= 1 && n <= 200)) || die "--nodes must be 1..200, got '$n'"
+  [[ $(id -u) -eq 0 ]] || die "up must run as root (it creates network namespaces and runs sshd/slurmd)"
+  take_lock
+  local old
+  old=$(recorded_nodes)
+  if ((old != 0 && old != n)); then
+    say "resizing from $old to $n node(s): taking the old cluster down first"
+    down_locked
+  fi
+  install_packages
+  id slurm >/dev/null 2>&1 || die "user slurm does not exist (is slurm-wlm installed?)"
+  id munge >/dev/null 2>&1 || die "user munge does not exist (is munge installed?)"
+  [[ -e /var/run/netns/$(netns_of node1) ]] || check_subnet_free
+  prepare_state_dir
+  echo "$n" >"$STATE_DIR/nodes"
+  echo "$isolated" >"$STATE_DIR/isolated"
+
+  ensure_bridge
+  local node
+  while read -r node; do ensure_node_net "$node" "$isolated"; done < <(node_names "$n")
+  write_hosts "$n"
+
+  prepare_ssh "$n"
+  while read -r node; do start_sshd "$node"; done < <(node_names "$n")
+
+  start_munge
+  if write_slurm_config "$n"; then
+    # Daemons running with an older configuration start again with the new one.
+    local pid
+    while read -r node; do
+      if pid=$(our_pid "slurmd-$node" slurmd); then stop_pid "$pid" slurmd 15; fi
+    done < <(node_names "$n")
+    if pid=$(our_pid slurmctld slurmctld); then stop_pid "$pid" slurmctld 20; fi
+  fi
+  start_slurmctld
+  while read -r node; do start_slurmd "$node"; done < <(node_names "$n")
+  wait_nodes "$n"
+
+  local end=$((SECONDS + TIMEOUT))
+  while read -r node; do
+    until ssh_ok node1 "$node"; do
+      ((SECONDS < end)) || fail "ssh node1 -> $node does not work" "$STATE_DIR/log/sshd-$node.stdout"
+      sleep 0.3
+    done
+  done < <(node_names "$n")
+  say "up: $n node(s) ($(node_names "$n" | tr '\n' ' ')) on $BRIDGE $SUBNET.0/24$( ((isolated)) && echo ", eth1 in $ISOLATED_SUBNET.0/24 on each (connects nothing)"); Slurm: SLURM_CONF=$SLURM_CONF_FILE"
+}
+
+# kill_node_processes NODE: everything still running in the node's network namespace.
+kill_node_processes() {
+  local ns pids
+  ns=$(netns_of "$1")
+  [[ -e /var/run/netns/$ns ]] || return 0
+  pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')
+  [[ -n ${pids// /} ]] || return 0
+  # shellcheck disable=SC2086
+  kill -TERM $pids 2>/dev/null || true
+  local i
+  for ((i = 0; i < 25; i++)); do
+    pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')
+    [[ -n ${pids// /} ]] || return 0
+    sleep 0.2
+  done
+  warn "killing what is left on $1: $pids"
+  # shellcheck disable=SC2086
+  kill -KILL $pids 2>/dev/null || true
+  sleep 0.3
+}
+
+down_locked() {
+  local n node pid ns uts
+  n=$(recorded_nodes)
+  # Every node this script could have made, also when the node count was lost.
+  local nodes
+  nodes=$( (node_names "$n"; ip netns list 2>/dev/null | awk '{print $1}' | sed -n 's/^hvdt-\(node[0-9]\+\)$/\1/p') | sort -u)
+  if [[ -e $STATE_DIR/$STATE_MARKER ]] && our_pid slurmctld slurmctld >/dev/null; then
+    local ids
+    ids=$(slurm squeue -h -o '%A' 2>/dev/null | tr '\n' ' ' || true)
+    if [[ -n ${ids// /} ]]; then
+      say "cancelling jobs: $ids"
+      # shellcheck disable=SC2086
+      slurm scancel $ids 2>/dev/null || true
+    fi
+  fi
+  for node in $nodes; do
+    if pid=$(our_pid "slurmd-$node" slurmd); then stop_pid "$pid" slurmd 10; fi
+    if pid=$(our_pid "sshd-$node" sshd); then stop_pid "$pid" sshd 5; fi
+    kill_node_processes "$node"
+  done
+  if pid=$(our_pid slurmctld slurmctld); then stop_pid "$pid" slurmctld 20; fi
+  if pid=$(our_pid munged munged); then stop_pid "$pid" munged 10; fi
+  for node in $nodes; do
+    ns=$(netns_of "$node")
+    uts=$(uts_of "$node")
+    if grep -qF " $uts " /proc/self/mountinfo 2>/dev/null; then umount "$uts" 2>/dev/null || umount -l "$uts" || true; fi
+    [[ -e /var/run/netns/$ns ]] && ip netns del "$ns"
+    ip link show "$(veth_of "$node")" >/dev/null 2>&1 && ip link del "$(veth_of "$node")"
+    ip link show "$(dead_end_of "$node")" >/dev/null 2>&1 && ip link del "$(dead_end_of "$node")"
+  done
+  ip link show "$BRIDGE" >/dev/null 2>&1 && ip link del "$BRIDGE"
+  grep -qxF "$HOSTS_BEGIN" /etc/hosts && write_hosts 0
+  if [[ -e $SSH_CLIENT_CONF ]] && head -n 1 "$SSH_CLIENT_CONF" | grep -qxF "$MARKER"; then
+    rm -f "$SSH_CLIENT_CONF"
+  fi
+  if [[ -e $STATE_DIR/made-run-sshd ]]; then rmdir /run/sshd 2>/dev/null || true; fi
+  if [[ -e $STATE_DIR/$STATE_MARKER ]]; then
+    case $STATE_DIR in
+      / | /var | /var/tmp | /tmp | /etc | /usr | /root | /home) die "refusing to remove $STATE_DIR" ;;
+    esac
+    rm -rf --one-file-system -- "$STATE_DIR"
+  fi
+  return 0
+}
+
+cmd_down() {
+  [[ $(id -u) -eq 0 ]] || die "down must run as root"
+  take_lock
+  down_locked
+  say "down: no namespace, link, daemon, /etc entry or state of this script is left"
+}
+
+cmd_status() {
+  local n node problems="" pid
+  n=$(recorded_nodes)
+  if ((n == 0)); then
+    say "down (no cluster; run: scripts/cluster-local.sh up)"
+    return 3
+  fi
+  ip link show "$BRIDGE" >/dev/null 2>&1 || problems+=" no bridge $BRIDGE;"
+  our_pid munged munged >/dev/null || problems+=" munged not running;"
+  our_pid slurmctld slurmctld >/dev/null || problems+=" slurmctld not running;"
+  while read -r node; do
+    [[ -e /var/run/netns/$(netns_of "$node") ]] || { problems+=" $node: no namespace;"; continue; }
+    our_pid "sshd-$node" sshd >/dev/null || problems+=" $node: sshd not running;"
+    our_pid "slurmd-$node" slurmd >/dev/null || problems+=" $node: slurmd not running;"
+  done < <(node_names "$n")
+  if [[ -z $problems ]]; then
+    slurm sinfo -N -o '%N %P %T %c %m %G' || true
+    slurm squeue || true
+    while read -r node; do
+      node_usable "$node" || problems+=" $node is $(node_state "$node") in Slurm;"
+      ssh_ok node1 "$node" || problems+=" ssh node1 -> $node fails;"
+    done < <(node_names "$n")
+  fi
+  if [[ -n $problems ]]; then
+    say "degraded:$problems (run: scripts/cluster-local.sh up)"
+    return 3
+  fi
+  say "up: $n node(s); SLURM_CONF=$SLURM_CONF_FILE"
+}
+
+cmd_exec() {
+  local node=${1:-}
+  [[ -n $node ]] || die "usage: exec NODE CMD..."
+  shift
+  (($#)) || die "usage: exec NODE CMD..."
+  [[ $node =~ ^node[0-9]+$ && -e /var/run/netns/$(netns_of "$node") ]] ||
+    die "no node '$node' (nodes: $(node_names "$(recorded_nodes)" | tr '\n' ' '); run: scripts/cluster-local.sh up)"
+  [[ $(id -u) -eq 0 ]] || die "exec must run as root (it enters the node's namespaces)"
+  local prefix
+  mapfile -t prefix < <(node_prefix "$node")
+  exec "${prefix[@]}" env SLURM_CONF="$SLURM_CONF_FILE" "$@"
+}
+
+case ${1:-} in
+  up) shift; cmd_up "$@" ;;
+  down) cmd_down ;;
+  status) rc=0; cmd_status || rc=$?; exit "$rc" ;;
+  exec) shift; cmd_exec "$@" ;;
+  env) printf 'export SLURM_CONF=%s\n' "$SLURM_CONF_FILE" ;;
+  *)
+    printf 'usage: %s up [--nodes N] [--isolated-iface] | down | status | exec NODE CMD... | env\n' "$0" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,434 @@
+"""Every launch path across two hosts: 2 nodes x 2 ranks on the local cluster (scripts/cluster-local.sh).
+
+The nodes are network namespaces with their own hostnames, sshd and slurmd, sharing this file
+system; the module fixture brings the cluster up and takes it down again if it started it. Each
+job trains hvdtrain.cnn's tiny preset through tests/scripts/multinode_probe.py (the same job, with
+rank-seeded initial weights and a report of what every rank saw) and must show:
+
+* rank 0's banner `placement: node1[0-1] node2[2-3]`;
+* each rank's local_rank and cross (node) rank right for its host;
+* weights that differed before the broadcast and are identical on all 4 ranks after training;
+* >= 0.95 validation accuracy on the digits;
+* only rank 0's files in the run directory (besides each rank's own log).
+
+Runs as root only (namespaces, sshd, slurmd); elsewhere it skips with the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, VENV_BIN, clean_env, integration, run_job
+
+pytestmark = [integration, pytest.mark.timeout(600)]
+CLUSTER = REPO / "scripts" / "cluster-local.sh"
+PROBE = REPO / "tests" / "scripts" / "multinode_probe.py"
+PYTHON = str(VENV_BIN / "python")
+#: The tiny preset's 3 epochs reach ~0.93 on 4 ranks; epochs after the first take 1-2 s.
+EPOCHS = 8
+JOB_ARGS = ("--preset", "tiny", "--epochs", str(EPOCHS), "--tensorboard")
+#: What 2 nodes x 2 ranks must report: rank -> (host, local_rank, cross_rank).
+EXPECTED_RANKS = {0: ("node1", 0, 0), 1: ("node1", 1, 0), 2: ("node2", 0, 1), 3: ("node2", 1, 1)}
+PLACEMENT = "placement: node1[0-1] node2[2-3]"
+JOB_TIMEOUT = 420
+
+
+def unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "the local multi-node cluster needs root (network namespaces, sshd, slurmd)"
+    probe = subprocess.run(["unshare", "--net", "--uts", "true"], capture_output=True, text=True,
+                           timeout=30)
+    if probe.returncode != 0:
+        return f"network/UTS namespaces unavailable here: {probe.stderr.strip()}"
+    return None
+
+
+def cluster_up() -> None:
+    """Bring the cluster up (idempotent: restarts what a test killed). Every node gets a second
+    interface, eth1, in one subnet that connects nothing (docker0 on a real cluster's nodes), so
+    every job here also proves that the launchers keep off it."""
+    up = subprocess.run(["bash", str(CLUSTER), "up", "--nodes", "2", "--isolated-iface"],
+                        capture_output=True, text=True, timeout=900)
+    if up.returncode != 0:
+        pytest.fail(f"scripts/cluster-local.sh up failed:\n{(up.stdout + up.stderr)[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def cluster_env() -> dict[str, str]:
+    """The environment for jobs on the cluster: clean_env plus the cluster's SLURM_CONF."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    was_up = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True,
+                            timeout=120).returncode == 0
+    cluster_up()
+    exported = subprocess.run(["bash", str(CLUSTER), "env"], capture_output=True, text=True,
+                              check=True, timeout=30).stdout
+    slurm_conf = re.search(r"SLURM_CONF=(\S+)", exported).group(1)
+    yield clean_env(SLURM_CONF=slurm_conf, TF_CPP_MIN_LOG_LEVEL="2")
+    if not was_up:
+        subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=300)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory on the shared file system; whatever of its job is left is killed after."""
+    path = tmp_path / "run"
+    yield path
+    kill_processes_mentioning(str(path))
+
+
+def kill_processes_mentioning(text: str) -> None:
+    """A failed or timed-out job may leave ranks on node2 (not in the launcher's process group)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if text.encode() in cmdline:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def on_node1(*command: str) -> list[str]:
+    return ["bash", str(CLUSTER), "exec", "node1", *command]
+
+
+def check_job(output: str, run_dir: Path) -> None:
+    """Everything a 2 x 2 job must show (see the module docstring)."""
+    assert PLACEMENT in output, output[-4000:]
+    probe = re.search(r"MULTINODE_PROBE (\{.*\})", output)
+    assert probe, f"no probe line from rank 0:\n{output[-4000:]}"
+    ranks = sorted(json.loads(probe.group(1))["ranks"], key=lambda facts: facts["rank"])
+    seen = {facts["rank"]: (facts["hostname"], facts["local_rank"], facts["cross_rank"])
+            for facts in ranks}
+    assert seen == EXPECTED_RANKS, ranks
+    assert {(f["size"], f["local_size"], f["cross_size"], f["status"]) for f in ranks} == \
+        {(4, 2, 2, 0)}, ranks
+    assert len({facts["initial"] for facts in ranks}) == 4, "ranks started from the same weights"
+    finals = {facts["final"] for facts in ranks}
+    assert len(finals) == 1, f"weights differ between ranks after training: {ranks}"
+    assert finals != {ranks[0]["initial"]}, "training did not change the weights"
+
+    rows = json.loads((run_dir / "metrics.json").read_text())
+    assert [row["epoch"] for row in rows] == list(range(1, EPOCHS + 1))
+    assert rows[-1]["val_accuracy"] >= 0.95, rows[-1]
+
+    # Only rank 0 writes, except each rank's own log. TensorBoard names its files after the
+    # writer's host and pid: one writer, on node1.
+    files = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
+    top = {name.split("/")[0] for name in files}
+    assert top <= {".lock", "checkpoints", "config.json", "curves.png", "logs", "metrics.csv",
+                   "metrics.json", "model.keras", "tensorboard"}, files
+    assert {"config.json", "metrics.json", "model.keras", "checkpoints"} <= top, files
+    logs = [name for name in files if name.startswith("logs/")]
+    assert logs in ([], [f"logs/rank-{rank}.log" for rank in range(4)]), logs
+    writers = {tuple(Path(name).name.split(".")[4:6]) for name in files
+               if name.startswith("tensorboard/")}
+    assert len(writers) == 1 and next(iter(writers))[0] == "node1", files
+
+
+#: horovodrun's own interface probe tries eth1 too and needs ~40 s here to give up on it (its
+#: default --start-timeout is 30 s, measured: "Timed out waiting for tasks to update
+#: task-to-task addresses"); told the interface, it skips the probe.
+HOROVODRUN_NETWORK = {"mpi": ("--start-timeout", "150"), "gloo": ("--network-interface", "eth0")}
+
+
+@pytest.mark.parametrize("controller", ["mpi", "gloo"])
+def test_horovodrun_from_node1(cluster_env, run_dir, controller):
+    started = time.monotonic()
+    result = run_job(on_node1(str(VENV_BIN / "horovodrun"), "-np", "4", "-H", "node1:2,node2:2",
+                              f"--{controller}", *HOROVODRUN_NETWORK[controller], PYTHON,
+                              str(PROBE), "--run-dir", str(run_dir), *JOB_ARGS),
+                     timeout=JOB_TIMEOUT, env=cluster_env)
+    check_job(result.stdout, run_dir)
+    print(f"horovodrun --{controller}: {time.monotonic() - started:.0f} s")
+
+
+def sbatch(env: dict[str, str], log: Path, *args: str) -> str:
+    job_id = run_job(["sbatch", "--parsable", f"--output={log}", *args], timeout=60,
+                     env=env).stdout.strip().split(";")[0]
+    return job_id
+
+
+def wait_for_job(env: dict[str, str], job_id: str, log: Path) -> str:
+    """The job's output once it has ended; fails unless it COMPLETED."""
+    deadline = time.monotonic() + JOB_TIMEOUT
+    state = ""
+    try:
+        while time.monotonic() < deadline:
+            shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                                   text=True, timeout=30, env=env).stdout
+            state = (re.search(r"\bJobState=(\S+)", shown) or [None, ""])[1]
+            if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", ""):
+                break
+            time.sleep(2)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30, env=env)
+    output = log.read_text() if log.exists() else ""
+    assert state == "COMPLETED", f"job {job_id} is {state}; log:\n{output[-5000:]}"
+    return output
+
+
+#: What the launcher says when it keeps the job off the dead-end interface.
+AVOIDED_ETH1 = "network: using eth0; eth1 does not connect the nodes (node"
+
+
+@pytest.mark.parametrize("via", ["mpirun", "srun"])
+def test_sbatch_multinode_template(cluster_env, run_dir, tmp_path, via):
+    # The shipped template, unedited: sbatch flags for 2 ranks per node, the probe as the
+    # program, HVDTRAIN_VIA for srun. Plain mpirun would hang on eth1 (measured: "Open MPI failed
+    # to TCP connect to a peer MPI process", still running 90 s later); the launcher's network
+    # check keeps the ranks on eth0.
+    started = time.monotonic()
+    log = tmp_path / "slurm.out"
+    env = {**cluster_env, "HVDTRAIN_MODULE": str(PROBE), "HVDTRAIN_RUN_DIR": str(run_dir),
+           "HVDTRAIN_VIA": via}
+    job_id = sbatch(env, log, "-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
+                    "slurm/multinode.sh", "--run-dir", str(run_dir), *JOB_ARGS)
+    output = wait_for_job(env, job_id, log)
+    assert {"mpirun": "mpirun -np 4", "srun": "srun --mpi=pmix --ntasks=4"}[via] in output, \
+        output[-3000:]
+    assert AVOIDED_ETH1 in output, output[-3000:]
+    check_job(output, run_dir)
+    print(f"sbatch slurm/multinode.sh via {via}: {time.monotonic() - started:.0f} s")
+
+
+@pytest.mark.parametrize("via", ["horovodrun"])
+def test_launcher_in_a_two_node_allocation(cluster_env, run_dir, tmp_path, via):
+    # hvdtrain.launch reads the allocation: -np 4 -H node1:2,node2:2 for horovodrun (over ssh).
+    # The batch script runs on node1. (srun is the template test's second case.)
+    started = time.monotonic()
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nset -euo pipefail\ncd " + str(REPO) + "\n"
+                      f'exec {PYTHON} -m hvdtrain.launch --via {via} -- "$@"\n')
+    log = tmp_path / "slurm.out"
+    job_id = sbatch(cluster_env, log, "-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
+                    str(script), str(PROBE), "--run-dir", str(run_dir), *JOB_ARGS)
+    output = wait_for_job(cluster_env, job_id, log)
+    derived = {"horovodrun": "-np 4 -H node1:2,node2:2", "srun": "--ntasks=4"}[via]
+    assert derived in output, output[-3000:]
+    check_job(output, run_dir)
+    print(f"hvdtrain.launch --via {via}: {time.monotonic() - started:.0f} s")
+
+
+# --- the network interface, named --------------------------------------------------------------
+def test_a_named_interface_that_connects_nothing_fails_in_one_line(cluster_env, run_dir):
+    # Outside Slurm (hosts given, probes over ssh) and inside (probes as an srun step).
+    started = time.monotonic()
+    result = run_job(on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:2,node2:2",
+                              "--network-interface", "eth1", "hvdtrain.cnn", "--run-dir",
+                              str(run_dir)), timeout=120, env=cluster_env, check=False)
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert time.monotonic() - started < 60
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert re.fullmatch(r"hvdtrain\.launch: error: network check: node[12] cannot reach node[12] "
+                        r"on eth1 \(10\.78\.0\.1[12]\): .*--network-interface eth1; eth0 "
+                        r"connects every node", lines[0]), lines[0]
+    assert not run_dir.exists(), "a rank started"
+
+
+def test_a_named_interface_in_slurm(cluster_env, run_dir, tmp_path):
+    log = tmp_path / "slurm.out"
+    env = {**cluster_env, "HVDTRAIN_NETWORK_INTERFACE": "eth1", "HVDTRAIN_RUN_DIR": str(run_dir)}
+    job_id = sbatch(env, log, "-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
+                    "slurm/multinode.sh", *JOB_ARGS)
+    with pytest.raises(AssertionError, match="is FAILED"):
+        wait_for_job(env, job_id, log)
+    output = log.read_text()
+    assert re.search(r"hvdtrain\.launch: error: network check: node[12] cannot reach node[12] on "
+                     r"eth1 ", output), output[-3000:]
+    assert not run_dir.exists()
+    # Told the right one, the same template trains.
+    env["HVDTRAIN_NETWORK_INTERFACE"] = "eth0"
+    log = tmp_path / "slurm-eth0.out"
+    output = wait_for_job(env, sbatch(env, log, "-N", "2", "--ntasks-per-node=2",
+                                      "--cpus-per-task=1", "slurm/multinode.sh",
+                                      "--epochs", "1", "--preset", "tiny"), log)
+    assert "network: eth0 connects every node (node1, node2)" in output, output[-3000:]
+    assert "--mca btl_tcp_if_include eth0" in output and "done: 1 epoch(s)" in output
+
+
+# --- faults across hosts -------------------------------------------------------------------------
+LONG_JOB = ("hvdtrain.cnn", "--preset", "tiny", "--epochs", "400", "--no-tensorboard")
+
+
+def job_processes(run_dir: Path) -> list[str]:
+    """Every process on every node (one /proc: the nodes share this kernel) that belongs to
+    the job: the ranks (their --run-dir) and their rank-log copies."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(run_dir) in cmdline:
+            found.append(f"{entry}: {cmdline[:160]}")
+    return found
+
+
+def wait_until(condition, timeout: float, what: str) -> float:
+    """Seconds until ``condition()`` held; fails after ``timeout``."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, f"not within {timeout:g} s: {what}"
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+def start_job(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    with open(log, "w") as output:
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def launch_on_node1(run_dir: Path, *launcher_args: str) -> list[str]:
+    return on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:2,node2:2",
+                    *launcher_args, *LONG_JOB, "--run-dir", str(run_dir))
+
+
+def wait_for_epoch(log: Path, epoch: int, timeout: float = 240) -> None:
+    wait_until(lambda: f"Epoch {epoch}/" in log.read_text(), timeout,
+               f"epoch {epoch} in {log}:\n{log.read_text()[-3000:]}")
+
+
+def resumes(run_dir: Path, env: dict[str, str]) -> None:
+    """The same job again, for 2 more epochs, resumes from the last checkpoint."""
+    done = len(json.loads((run_dir / "metrics.json").read_text()))
+    result = run_job(on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:2,node2:2",
+                              *LONG_JOB[:3], "--epochs", str(done + 2), "--no-tensorboard",
+                              "--run-dir", str(run_dir)), timeout=JOB_TIMEOUT, env=env)
+    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", result.stdout)
+    assert resumed and int(resumed.group(1)) >= done - 1, result.stdout[-3000:]
+    assert f"done: {done + 2} epoch(s)" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "ssh connection lost"])
+def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, run_dir, tmp_path, how):
+    log = tmp_path / "job.out"
+    command = launch_on_node1(run_dir)
+    if how == "ssh connection lost":
+        # A user's terminal on node1: ssh with a terminal, the launcher in the foreground.
+        remote = " ".join(f"{name}={value}" for name, value in cluster_env.items()
+                          if name.startswith(("OMPI_", "TF_", "PYTHON")))
+        command = ["ssh", "-tt", "node1", f"cd {REPO} && exec env {remote} "
+                   + " ".join(command[command.index(PYTHON):])]
+    job = start_job(command, log, cluster_env)
+    try:
+        wait_for_epoch(log, 3)
+        assert len(job_processes(run_dir)) >= 4
+        if how == "SIGKILL":
+            launcher = next(int(line.split(":")[0]) for line in job_processes(run_dir)
+                            if "hvdtrain.launch" in line)
+            os.kill(launcher, signal.SIGKILL)
+        else:
+            os.kill(job.pid, signal.SIGKILL)  # the ssh client: the connection drops
+        seconds = wait_until(lambda: not job_processes(run_dir), 120,
+                             f"the job outlived its launcher: {job_processes(run_dir)}")
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+    print(f"{how}: the job was gone {seconds:.0f} s later")
+    if how == "SIGKILL":
+        assert "the launcher (pid" in log.read_text() and "died; stopping its job" in \
+            log.read_text(), log.read_text()[-3000:]
+    # The ranks stopped on the SIGTERM the launcher's watcher sent: a checkpoint to resume from.
+    resumes(run_dir, cluster_env)
+
+
+def test_a_crashed_node_ends_the_job_naming_it(cluster_env, run_dir, tmp_path):
+    log = tmp_path / "job.out"
+    job = start_job(launch_on_node1(run_dir), log, cluster_env)
+    try:
+        wait_for_epoch(log, 3)
+        # node2 crashes: every process in its namespace (ranks, orted, sshd, slurmd) dies.
+        node2 = subprocess.run(["ip", "netns", "pids", "hvdt-node2"], capture_output=True,
+                               text=True, check=True).stdout.split()
+        for pid in node2:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        seconds = wait_until(lambda: job.poll() is not None, 60, "the job to end")
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+    output = log.read_text()
+    assert job.returncode not in (0, None), output[-3000:]
+    assert re.search(r"(Peer host|host): +node2|Connection to node2 closed", output), \
+        output[-3000:]
+    wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
+    print(f"node2 crashed: the job ended {seconds:.0f} s later")
+    cluster_up()  # node2 "reboots": its sshd and slurmd start again
+    resumes(run_dir, cluster_env)
+
+
+def test_a_link_down_ends_the_job_instead_of_hanging(cluster_env, run_dir, tmp_path):
+    # Linux retries the allreduce's TCP segments for ~15 minutes; horovod's stall check is stuck
+    # behind them. The ranks' stall watchdog (limit below) and the launcher end the job.
+    limit = 30
+    log = tmp_path / "job.out"
+    job = start_job(launch_on_node1(run_dir, "--stall-check-shutdown-seconds", str(limit)), log,
+                    cluster_env)
+    try:
+        wait_for_epoch(log, 3)
+        subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "down"], check=True)
+        budget = limit + launch_module().ORPHANED_COMMAND_SECONDS + 30
+        seconds = wait_until(lambda: job.poll() is not None, budget, "the job to end")
+    finally:
+        subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "up"], check=True)
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+    output = log.read_text()
+    assert job.returncode != 0
+    assert re.search(rf"rank [01] on node1: no training step finished in {limit} s", output), \
+        output[-3000:]
+    print(f"link down: the job ended {seconds:.0f} s later (limit {limit} s)")
+    # With the link back, node2's leftovers (its ranks ended by their own watchdogs; orted's
+    # connection resets) go too.
+    wait_until(lambda: not job_processes(run_dir), 90, f"orphans: {job_processes(run_dir)}")
+    resumes(run_dir, cluster_env)
+
+
+def launch_module():
+    from hvdtrain import launch
+
+    return launch
+
+
+def test_usr1_preemption_of_a_two_node_job_requeues_and_resumes(cluster_env, run_dir, tmp_path):
+    log = tmp_path / "slurm.out"
+    env = {**cluster_env, "HVDTRAIN_RUN_DIR": str(run_dir)}
+    job_id = sbatch(env, log, "-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
+                    "slurm/multinode.sh", "--preset", "tiny", "--epochs", "12",
+                    "--no-tensorboard")
+    try:
+        wait_until(lambda: (run_dir / "metrics.json").exists(), 300,
+                   f"a first epoch:\n{log.read_text()[-3000:] if log.exists() else ''}")
+        # What Slurm does at --signal=B:USR1@120, now: USR1 to the batch shell on node1.
+        run_job(["scancel", "--signal=USR1", "--batch", job_id], timeout=30, env=env)
+        wait_until(lambda: "Restarts=1" in subprocess.run(
+            ["scontrol", "show", "job", job_id], capture_output=True, text=True,
+            env=env).stdout, 120, "the requeue")
+    except BaseException:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30, env=env)
+        raise
+    output = wait_for_job(env, job_id, log)
+    stopped = re.search(r"stopped by SIGUSR1 in epoch (\d+)", output)
+    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", output)
+    assert stopped and resumed, output[-5000:]
+    assert f"job {job_id} run 1 on node[1-2]" in output
+    assert output.count("placement: node1[0-1] node2[2-3]") == 2
+    epochs = [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())]
+    assert epochs == list(range(1, 13)), epochs
