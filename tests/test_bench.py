@@ -68,3 +68,19 @@ def test_quick_run_writes_results_whose_ratios_match_its_measurements(tmp_path):
     assert (out / "allreduce.png").stat().st_size > 0
     sizes = json.loads((out / "results.json").read_text())["allreduce_raw"]["mpi"][0]["sizes"]
     assert set(sizes) == {"0.25", "1.0"}
+
+
+def test_the_network_models_arithmetic():
+    from hvdtrain.bench.network import WIRE_OVERHEAD, predicted_step, projections, wire_bytes
+
+    # 2 ranks send the whole buffer once; N ranks 2 (N-1)/N of it; fp16 halves it.
+    assert wire_bytes(1000, 2, fp16=False) == pytest.approx(1000 * WIRE_OVERHEAD)
+    assert wire_bytes(1000, 16, fp16=True) == pytest.approx(2 * 15 / 16 * 500 * WIRE_OVERHEAD)
+    # 1 MB at 100 Mbit/s adds 80 ms (+ headers) to the unlimited step; no limit adds nothing.
+    assert predicted_step(0.040, 1e6, 2, False, 1e8) == pytest.approx(0.040 + 0.08 * WIRE_OVERHEAD)
+    assert predicted_step(0.040, 1e6, 2, False, None) == 0.040
+    resnet = [row for row in projections(600_000) if row["model"].startswith("ResNet")
+              and row["nodes"] == 8 and row["link_gbit"] == 25 and not row["fp16"]]
+    # 102.4 MB, 2 * 63/64 of it at 25 Gbit/s: ~66 ms.
+    assert resnet[0]["allreduce_ms"] == pytest.approx(2 * 63 / 64 * 102.4e6 * WIRE_OVERHEAD * 8
+                                                      / 25e9 * 1e3)

@@ -74,7 +74,23 @@ def cluster_env() -> dict[str, str]:
     slurm_conf = re.search(r"SLURM_CONF=(\S+)", exported).group(1)
     yield clean_env(SLURM_CONF=slurm_conf, TF_CPP_MIN_LOG_LEVEL="2")
     if not was_up:
-        subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=300)
+        down = subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, text=True,
+                              timeout=300)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert_nothing_left()
+
+
+def assert_nothing_left() -> None:
+    """What `down` promises: no namespace, link, daemon, /etc entry or state directory."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    daemons = subprocess.run(["pgrep", "-af", "hvdtrain-cluster"], capture_output=True,
+                             text=True).stdout
+    assert "hvdt-" not in namespaces + links, namespaces + links
+    assert not daemons.strip(), daemons
+    assert "hvdtrain scripts/cluster-local.sh" not in Path("/etc/hosts").read_text()
+    assert not Path("/etc/ssh/ssh_config.d/hvdtrain-cluster.conf").exists()
+    assert not Path("/var/tmp/hvdtrain-cluster").exists()
 
 
 @pytest.fixture
@@ -82,23 +98,16 @@ def run_dir(tmp_path):
     """A run directory on the shared file system; whatever of its job is left is killed after."""
     path = tmp_path / "run"
     yield path
-    kill_processes_mentioning(str(path))
+    kill_processes_mentioning(path)
 
 
-def kill_processes_mentioning(text: str) -> None:
+def kill_processes_mentioning(path: Path) -> None:
     """A failed or timed-out job may leave ranks on node2 (not in the launcher's process group)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
+    for line in job_processes(path):
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if text.encode() in cmdline:
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def on_node1(*command: str) -> list[str]:
@@ -132,8 +141,12 @@ def check_job(output: str, run_dir: Path) -> None:
     assert top <= {".lock", "checkpoints", "config.json", "curves.png", "logs", "metrics.csv",
                    "metrics.json", "model.keras", "tensorboard"}, files
     assert {"config.json", "metrics.json", "model.keras", "checkpoints"} <= top, files
+    # Each rank's own log, written by that rank on its node, starting with where it ran.
     logs = [name for name in files if name.startswith("logs/")]
-    assert logs in ([], [f"logs/rank-{rank}.log" for rank in range(4)]), logs
+    assert logs == [f"logs/rank-{rank}.log" for rank in range(4)], logs
+    for rank, (host, _, _) in EXPECTED_RANKS.items():
+        first = (run_dir / "logs" / f"rank-{rank}.log").read_text().splitlines()[0]
+        assert first.startswith(f"hvdtrain.cnn: rank {rank} of 4 on {host}, pid "), first
     writers = {tuple(Path(name).name.split(".")[4:6]) for name in files
                if name.startswith("tensorboard/")}
     assert len(writers) == 1 and next(iter(writers))[0] == "node1", files

@@ -9,6 +9,8 @@
     mwms        hvdtrain np=2 vs MultiWorkerMirroredStrategy with 2 local workers
     input       real vs synthetic data step time; input pipeline alone vs the model
     workers     speedup against the number of workers (1, 2, 4)
+    network     2 nodes of the local cluster, links limited to 1 Gbit/s and 100 Mbit/s: fp32,
+                fp16 allreduce and a larger fusion buffer, against a step-time model (root only)
     matmul      the article's `w @ x + b` device timing on the backend's device
 
 Variants are separate processes, interleaved, repeated (--repeats, default 5), first epochs and a
@@ -39,7 +41,7 @@ def _matmul(args) -> int:
     return 0
 
 
-SUITES = ("scaling", "overhead", "tax", "allreduce", "mwms", "input", "workers")
+SUITES = ("scaling", "overhead", "tax", "allreduce", "mwms", "input", "workers", "network")
 
 
 def _suite(args) -> int:
@@ -75,12 +77,22 @@ def _suite(args) -> int:
                     comparisons += suite.input_pipeline(settings, workdir, log)
                 elif name == "workers":
                     speedup = suite.speedup_vs_workers(settings, workdir, log)
+                elif name == "network":
+                    from hvdtrain.bench import network
+
+                    result = network.run(settings, out, log)
+                    if result is not None:
+                        print(network.markdown(result))
                 elif name == "allreduce":
                     allreduce_rounds = suite.allreduce(settings, workdir, log)
                     comparisons += suite.allreduce_comparisons(allreduce_rounds)
             except suite.BenchmarkFailed as error:  # keep what the others measured
                 failed[name] = str(error)
                 log(f"{name} failed: {first_line(error)}")
+    if names == ("network",):  # its own network.json and network.md are written
+        if failed:
+            raise UserError(f"the network comparison failed: {first_line(failed['network'])}")
+        return 0
     report.write(out, dataclasses.asdict(settings), comparisons, speedup, allreduce_rounds,
                  {"failed": failed})
     print(report.markdown(comparisons, speedup))

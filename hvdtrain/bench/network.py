@@ -1,0 +1,194 @@
+"""Two hosts and a limited link: measured step times, and a step-time model that explains them.
+
+`python -m hvdtrain.bench network` (root: it builds the local cluster of scripts/cluster-local.sh
+and limits its links with `tc ... tbf`). One rank on each of node1 and node2 trains the CNN on
+synthetic 32x32 images, 64 per rank, one thread each, started by `hvdtrain.launch --hosts
+node1:1,node2:1`. For each link rate (no limit, 1 Gbit/s, 100 Mbit/s: a tbf qdisc on both
+nodes' eth0) the variants run interleaved: fp32 gradients, `--fp16-allreduce`, and a fusion
+buffer of 512 MiB. Each run's steady step time is the global batch over its samples/s (first epoch
+dropped).
+
+The model (docs/benchmarks.md): one step costs its computation plus the allreduce,
+
+    t_step = t_base + wire_bytes / rate
+
+where t_base is the step measured without a limit (computation, horovod's negotiation, MPI's
+latency and the transfer at the bridge's own speed) and wire_bytes what each node sends per step:
+a 2-rank allreduce sends the whole gradient once each way (ring or recursive doubling alike:
+2 (N-1)/N x gradient bytes for N ranks), halved by fp16 compression, plus TCP/IP headers
+(1500-byte packets carry 1448 bytes of data).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from hvdtrain.bench.harness import interleave
+from hvdtrain.bench.suite import BenchmarkFailed, Settings, _env, steady_state
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER = REPO / "scripts" / "cluster-local.sh"
+#: Link rates in bit/s (None: no limit).
+RATES = {"no limit": None, "1 Gbit/s": 1e9, "100 Mbit/s": 1e8}
+#: Variant -> (launcher flags, training flags).
+VARIANTS = {"fp32": ((), ()), "fp16 allreduce": ((), ("--fp16-allreduce",)),
+            "fusion 512 MiB": (("--fusion-threshold-mb", "512"), ())}
+#: Bytes on the wire per byte of data: a 1500-byte IP packet carries 1448 bytes of TCP data
+#: (20 IP + 32 TCP header bytes with timestamps); tbf counts whole packets.
+WIRE_OVERHEAD = 1500 / 1448
+RESNET50_PARAMETERS = 25_600_000
+
+
+def wire_bytes(gradient_bytes: float, ranks: int, fp16: bool) -> float:
+    """Bytes each rank sends per allreduce (ring: 2 (N-1)/N of the buffer), with headers."""
+    payload = gradient_bytes * (0.5 if fp16 else 1.0)
+    return 2 * (ranks - 1) / ranks * payload * WIRE_OVERHEAD
+
+
+def predicted_step(base_seconds: float, gradient_bytes: float, ranks: int, fp16: bool,
+                   rate_bits: float | None) -> float:
+    """The model: the unlimited step plus the allreduce's bytes at the link's rate."""
+    if rate_bits is None:
+        return base_seconds
+    return base_seconds + wire_bytes(gradient_bytes, ranks, fp16) * 8 / rate_bits
+
+
+def cluster(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER), *args], capture_output=True, text=True,
+                          check=check, timeout=900)
+
+
+def limit_links(rate_bits: float | None) -> None:
+    """A tbf qdisc on both nodes' eth0 (what each node sends), or none."""
+    for node in ("node1", "node2"):
+        cluster("exec", node, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+        if rate_bits is not None:
+            # Burst: 1 ms of traffic (at least 64 KiB) keeps the rate smooth at this scale.
+            burst = max(64 * 1024, int(rate_bits / 8 / 1000))
+            cluster("exec", node, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                    f"{int(rate_bits)}bit", "burst", str(burst), "latency", "200ms")
+
+
+def gradient_bytes(image_size: int) -> int:
+    """Bytes of the CNN's trainable weights (float32) for this input, as hvdtrain.cnn builds it."""
+    code = ("import hvdtrain, json\n"
+            "from hvdtrain.models.cnn import build_cnn\n"
+            f"model = build_cnn(({image_size}, {image_size}, 1), 10)\n"
+            "print(json.dumps(sum(int(w.shape.num_elements()) for w in model.trainable_weights)))")
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=_env(), check=True, timeout=300).stdout
+    return 4 * int(output.strip().splitlines()[-1])
+
+
+def two_node_run(s: Settings, workdir: Path, launcher_flags, training_flags) -> dict:
+    run_dir = Path(tempfile.mkdtemp(dir=workdir))
+    argv = ["exec", "node1", sys.executable, "-m", "hvdtrain.launch", "--hosts",
+            "node1:1,node2:1", "--network-interface", "eth0", "--skip-preflight",
+            *launcher_flags, "hvdtrain.cnn", "--data", "synthetic", "--image-size",
+            str(s.image_size), "--validation-fraction", "0", "--epochs", str(s.epochs),
+            "--steps-per-epoch", str(s.steps_per_epoch), "--batch-size", str(s.batch_size),
+            "--warmup-epochs", "0", "--lr-decay", "constant", "--threads-per-worker", "1",
+            "--no-tensorboard", "--no-export", "--no-rank-logs", *training_flags,
+            "--run-dir", str(run_dir)]
+    completed = subprocess.run(["bash", str(CLUSTER), *argv], capture_output=True, text=True,
+                               env=_env(), cwd=REPO, timeout=s.timeout)
+    if completed.returncode:
+        raise BenchmarkFailed(f"a 2-node run exited {completed.returncode}:\n"
+                              f"{(completed.stdout + completed.stderr)[-3000:]}")
+    result = steady_state(json.loads((run_dir / "metrics.json").read_text()), 0.0)
+    result["step_seconds"] = 2 * s.batch_size / result["samples_per_sec"]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def measure(s: Settings, workdir: Path, log: Callable[[str], None]) -> dict:
+    """Every rate x variant, interleaved within each rate; the model's predictions beside them."""
+    grad_bytes = gradient_bytes(s.image_size)
+    log(f"network: CNN gradient {grad_bytes / 2**20:.2f} MiB, 1 rank on each of 2 nodes")
+    rows, runs = [], {}
+    for rate_name, rate in RATES.items():
+        limit_links(rate)
+        log(f"network: link limit {rate_name}")
+        runs[rate_name] = interleave(
+            {name: (lambda flags=flags: two_node_run(s, workdir, *flags))
+             for name, flags in VARIANTS.items()}, repeats=s.repeats, warmup=s.warmup, log=log)
+    limit_links(None)
+    base = {name: statistics.median(m["step_seconds"] for m in runs["no limit"][name])
+            for name in VARIANTS}
+    for rate_name, rate in RATES.items():
+        for name in VARIANTS:
+            measured = statistics.median(m["step_seconds"] for m in runs[rate_name][name])
+            # The base is the same variant without a limit (fp16 compression costs a cast).
+            predicted = predicted_step(base[name], grad_bytes, 2, name == "fp16 allreduce", rate)
+            rows.append({"rate": rate_name, "variant": name, "measured_ms": measured * 1e3,
+                         "predicted_ms": predicted * 1e3,
+                         "error": predicted / measured - 1,
+                         "samples_per_sec": 2 * s.batch_size / measured})
+    return {"gradient_bytes": grad_bytes, "rows": rows, "runs": runs,
+            "projections": projections(grad_bytes)}
+
+
+def projections(cnn_gradient_bytes: int) -> list[dict]:
+    """What the model says for 8 GPUs per node: the allreduce's time per step on 25 and
+    100 Gbit/s for this CNN and for ResNet-50's gradients, on 2 and 8 nodes (a flat ring over
+    all GPUs: every node's link carries 2 (N-1)/N of the buffer each way)."""
+    rows = []
+    for model, grad_bytes in (("this CNN", cnn_gradient_bytes),
+                              ("ResNet-50 (25.6 M parameters)", 4 * RESNET50_PARAMETERS)):
+        for nodes in (2, 8):
+            for gbit in (25, 100):
+                for fp16 in (False, True):
+                    seconds = wire_bytes(grad_bytes, 8 * nodes, fp16) * 8 / (gbit * 1e9)
+                    rows.append({"model": model, "nodes": nodes, "gpus": 8 * nodes,
+                                 "link_gbit": gbit, "fp16": fp16,
+                                 "allreduce_ms": seconds * 1e3})
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [f"CNN gradient: {result['gradient_bytes'] / 2**20:.3f} MiB (float32); 2 nodes x 1 "
+             "rank; step = 2 x 64 samples", "",
+             "| link | variant | measured step (ms) | model (ms) | model error | samples/s |",
+             "|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['rate']} | {row['variant']} | {row['measured_ms']:.1f} | "
+                     f"{row['predicted_ms']:.1f} | {row['error']:+.1%} | "
+                     f"{row['samples_per_sec']:.0f} |")
+    lines += ["", "| model | nodes x 8 GPUs | link | fp16 allreduce | allreduce per step (ms) |",
+              "|---|---|---|---|---|"]
+    for row in result["projections"]:
+        lines.append(f"| {row['model']} | {row['nodes']} x 8 | {row['link_gbit']} Gbit/s | "
+                     f"{'yes' if row['fp16'] else 'no'} | {row['allreduce_ms']:.3g} |")
+    return "\n".join(lines)
+
+
+def run(s: Settings, out: Path, log: Callable[[str], None]) -> dict | None:
+    """The suite, or None (with a message) where it cannot run."""
+    if os.geteuid() != 0:
+        log("network: skipped: it needs root (network namespaces and tc for the local cluster)")
+        return None
+    was_up = cluster("status", check=False).returncode == 0
+    up = cluster("up", "--nodes", "2", check=False)
+    if up.returncode:
+        raise BenchmarkFailed(f"scripts/cluster-local.sh up failed:\n{up.stdout}{up.stderr}")
+    try:
+        with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-network-") as scratch:
+            result = measure(s, Path(scratch), log)
+    finally:
+        limit_links(None)
+        if not was_up:
+            cluster("down", check=False)
+    from hvdtrain.bench.report import machine
+
+    result["machine"] = machine()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "network.json").write_text(json.dumps(result, indent=1))
+    (out / "network.md").write_text(markdown(result) + "\n")
+    return result
