@@ -765,7 +765,10 @@ def reaper(python: str):
     try:
         yield
     finally:
-        os.write(write_end, b"done")
+        try:
+            os.write(write_end, b"done")
+        except OSError:  # the watcher is gone already; nothing to tell it
+            pass
         os.close(write_end)
         watcher.wait()
 
