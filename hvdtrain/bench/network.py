@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Callable
 
 from hvdtrain.bench.harness import interleave
-from hvdtrain.bench.suite import BenchmarkFailed, Settings, _env, steady_state
+from hvdtrain.bench.suite import (BenchmarkFailed, Settings, _env, _training_args,
+                                  steady_state)
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "scripts" / "cluster-local.sh"
@@ -91,11 +92,8 @@ def two_node_run(s: Settings, workdir: Path, launcher_flags, training_flags) -> 
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     argv = ["exec", "node1", sys.executable, "-m", "hvdtrain.launch", "--hosts",
             "node1:1,node2:1", "--network-interface", "eth0", "--skip-preflight",
-            *launcher_flags, "hvdtrain.cnn", "--data", "synthetic", "--image-size",
-            str(s.image_size), "--validation-fraction", "0", "--epochs", str(s.epochs),
-            "--steps-per-epoch", str(s.steps_per_epoch), "--batch-size", str(s.batch_size),
-            "--warmup-epochs", "0", "--lr-decay", "constant", "--threads-per-worker", "1",
-            "--no-tensorboard", "--no-export", "--no-rank-logs", *training_flags,
+            *launcher_flags, "hvdtrain.cnn", *_training_args(s, "synthetic"),
+            "--threads-per-worker", "1", "--no-rank-logs", *training_flags,
             "--run-dir", str(run_dir)]
     completed = subprocess.run(["bash", str(CLUSTER), *argv], capture_output=True, text=True,
                                env=_env(), cwd=REPO, timeout=s.timeout)
