@@ -239,15 +239,24 @@ class LearningRateLog(keras.callbacks.Callback):
 
 
 class MetricsLog(keras.callbacks.Callback):
-    """Rank 0: metrics.csv, metrics.json and curves.png, rewritten after every completed epoch."""
+    """Rank 0: metrics.csv and metrics.json after every completed epoch; curves.png at most every
+    ``plot_every_seconds`` and when training ends.
+
+    Why the plot is throttled: the ranks move in lock-step, so rank 0's time in matplotlib is time
+    every rank waits. Redrawing after every short epoch took ~40% of rank 0's main-thread CPU in
+    a 2-rank job with 0.7 s epochs (py-spy; docs/benchmarks.md, "Two ranks at the ceiling").
+    """
 
     def __init__(self, run_dir: RunDir, rows: list[dict], request: StopRequest,
-                 throughput: Throughput):
+                 throughput: Throughput, plot_every_seconds: float = 60.0):
         super().__init__()
         self.run_dir = run_dir
         self.rows = rows
         self.request = request
         self.throughput = throughput
+        self.plot_every_seconds = plot_every_seconds
+        self.last_plot: float | None = None  # monotonic time of the last curves.png
+        self.plotted_rows = 0
 
     def on_epoch_end(self, epoch, logs=None):
         if self.request.mid_epoch:
@@ -255,5 +264,13 @@ class MetricsLog(keras.callbacks.Callback):
         self.rows.append(self.throughput.row(epoch, logs))
         self.run_dir.write_csv("metrics.csv", self.rows)
         self.run_dir.write_json("metrics.json", self.rows)
-        self.run_dir.write_with("curves.png", lambda path: plot_curves(self.rows, path))
+        if self.last_plot is None or time.monotonic() - self.last_plot >= self.plot_every_seconds:
+            self._plot()
 
+    def on_train_end(self, logs=None):
+        if self.rows and self.plotted_rows != len(self.rows):
+            self._plot()
+
+    def _plot(self) -> None:
+        self.run_dir.write_with("curves.png", lambda path: plot_curves(self.rows, path))
+        self.last_plot, self.plotted_rows = time.monotonic(), len(self.rows)

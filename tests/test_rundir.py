@@ -306,3 +306,36 @@ def test_a_second_job_on_a_busy_run_dir_is_refused_and_a_killed_job_resumes(tmp_
                     env=clean_env(SLURM_JOB_ID="4243"))
     assert "resuming from" in rerun.stdout, rerun.stdout[-3000:]
     assert json.loads((run_dir / LOCK_FILE).read_text())["job"] == "Slurm job 4243"
+
+
+@pytest.mark.parametrize("plot_every_seconds", [0.0, 3600.0])
+def test_curves_are_redrawn_at_most_as_often_as_asked_and_always_at_the_end(tmp_path,
+                                                                          plot_every_seconds):
+    # Rank 0's plotting is time every rank waits for (they move in lock-step): with a long
+    # interval the plot is drawn after the first epoch and at the end, not after every epoch.
+    import numpy as np
+    import tf_keras as keras
+
+    from hvdtrain.callbacks import MetricsLog, Throughput
+    from hvdtrain.preemption import StopRequest
+
+    run_dir = RunDir(tmp_path, is_chief=True)
+    curves = tmp_path / "curves.png"
+    seen = []
+
+    class RecordCurves(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(curves.stat().st_mtime_ns)
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    throughput = Throughput(global_batch_size=4)
+    rows: list[dict] = []
+    model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, epochs=3, verbose=0,
+              callbacks=[throughput, MetricsLog(run_dir, rows, StopRequest(), throughput,
+                                                plot_every_seconds), RecordCurves()])
+    assert len(rows) == 3 and len(json.loads((tmp_path / "metrics.json").read_text())) == 3
+    redrawn = [later != earlier for earlier, later in zip(seen, seen[1:])]
+    assert redrawn == ([True, True] if plot_every_seconds == 0 else [False, False])
+    # At the end only what was not drawn yet is drawn again.
+    assert (curves.stat().st_mtime_ns != seen[-1]) == (plot_every_seconds != 0)
