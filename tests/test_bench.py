@@ -64,6 +64,11 @@ def test_quick_run_writes_results_whose_ratios_match_its_measurements(tmp_path):
             assert comparison["summaries"][comparison["numerator"]]["values"] == a
             shown = f"{comparison['result']['of_medians']:.3f}"
             assert shown in (out / "results.md").read_text()
+            # Every result says which machine and day it came from.
+            assert comparison["measured_on"] == (f"{data['machine']['cpu']}, "
+                                                 f"{data['machine']['cores']} cores, "
+                                                 f"{data['machine']['date'][:10]}")
+            assert comparison["measured_on"] in (out / "results.md").read_text()
         assert (out / "results.md").exists()
     assert (out / "allreduce.png").stat().st_size > 0
     sizes = json.loads((out / "results.json").read_text())["allreduce_raw"]["mpi"][0]["sizes"]
@@ -84,3 +89,24 @@ def test_the_network_models_arithmetic():
     # 102.4 MB, 2 * 63/64 of it at 25 Gbit/s: ~66 ms.
     assert resnet[0]["allreduce_ms"] == pytest.approx(2 * 63 / 64 * 102.4e6 * WIRE_OVERHEAD * 8
                                                       / 25e9 * 1e3)
+
+
+def test_the_thread_profile_finds_a_busy_process_and_its_busy_thread(capsys):
+    import subprocess
+    import uuid
+
+    from hvdtrain.bench import threads
+
+    marker = f"hvdtrain-thread-profile-{uuid.uuid4().hex[:8]}"
+    busy = subprocess.Popen([sys.executable, "-c", "import sys\nwhile True: pass", marker],
+                            env=clean_env(HOROVOD_RANK="3"))
+    try:
+        assert threads.main(["--seconds", "1.5", "--match", marker]) == 0
+    finally:
+        busy.kill()
+        busy.wait()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"rank 3 (pid {busy.pid}): ")
+    main_thread = next(line for line in lines if line.endswith("  main"))
+    assert float(main_thread.split()[0]) >= 0.5  # a spinning main thread, on a core of its own
+    assert threads.main(["--seconds", "0", "--match", marker]) == 1  # nothing left to find

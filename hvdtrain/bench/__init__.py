@@ -95,7 +95,7 @@ def _suite(args) -> int:
         return 0
     report.write(out, dataclasses.asdict(settings), comparisons, speedup, allreduce_rounds,
                  {"failed": failed})
-    print(report.markdown(comparisons, speedup))
+    print(report.markdown(comparisons, speedup, report.machine()))
     print(f"results in {out}/ (results.json, results.md, *.png)")
     if failed:
         raise UserError(f"{len(failed)} comparison(s) failed ({', '.join(failed)}); their "

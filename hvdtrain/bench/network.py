@@ -151,14 +151,18 @@ def projections(cnn_gradient_bytes: int) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
+    from hvdtrain.bench.report import measured_on
+
+    where = measured_on(result["machine"])
     lines = [f"CNN gradient: {result['gradient_bytes'] / 2**20:.3f} MiB (float32); 2 nodes x 1 "
              "rank; step = 2 x 64 samples", "",
-             "| link | variant | measured step (ms) | model (ms) | model error | samples/s |",
-             "|---|---|---|---|---|---|"]
+             "| link | variant | measured step (ms) | model (ms) | model error | samples/s | "
+             "measured on |",
+             "|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['rate']} | {row['variant']} | {row['measured_ms']:.1f} | "
                      f"{row['predicted_ms']:.1f} | {row['error']:+.1%} | "
-                     f"{row['samples_per_sec']:.0f} |")
+                     f"{row['samples_per_sec']:.0f} | {where} |")
     lines += ["", "| model | nodes x 8 GPUs | link | fp16 allreduce | allreduce per step (ms) |",
               "|---|---|---|---|---|"]
     for row in result["projections"]:

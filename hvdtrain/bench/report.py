@@ -50,10 +50,17 @@ def machine() -> dict:
             "openmpi": first_line(["mpirun", "--version"]), **versions}
 
 
-def markdown(comparisons: list[Comparison], speedup: dict | None) -> str:
+def measured_on(host: dict) -> str:
+    """The machine and day a result belongs to, for the row beside it: results from different
+    machines (a bench CPU differs between sessions) must never be read as one series."""
+    return f"{host['cpu']}, {host['cores']} cores, {host['date'][:10]}"
+
+
+def markdown(comparisons: list[Comparison], speedup: dict | None, host: dict) -> str:
+    where = measured_on(host)
     lines = ["| comparison | variant A | median A | variant B | median B | A/B (medians) | "
-             "A/B (paired median) | spread A, B | target | met |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "A/B (paired median) | spread A, B | target | met | measured on |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in comparisons:
         a, b = c.summaries[c.numerator], c.summaries[c.denominator]
         target = "" if c.target is None else ("≤ " if c.lower_is_better else "≥ ") + f"{c.target:g}"
@@ -61,10 +68,11 @@ def markdown(comparisons: list[Comparison], speedup: dict | None) -> str:
         lines.append(
             f"| {c.name} | {c.numerator} | {a.median:.4g} {c.unit} | {c.denominator} | "
             f"{b.median:.4g} {c.unit} | {c.result.of_medians:.3f} | "
-            f"{c.result.paired_median:.3f} | {a.spread:.0%}, {b.spread:.0%} | {target} | {met} |")
+            f"{c.result.paired_median:.3f} | {a.spread:.0%}, {b.spread:.0%} | {target} | {met} | "
+            f"{where} |")
     if speedup:
-        lines += ["", "| workers | speedup over 1 | efficiency |", "|---|---|---|"]
-        lines += [f"| {n} | {value:.2f}x | {value / int(n):.0%} |"
+        lines += ["", "| workers | speedup over 1 | efficiency | measured on |", "|---|---|---|---|"]
+        lines += [f"| {n} | {value:.2f}x | {value / int(n):.0%} | {where} |"
                   for n, value in speedup["speedup"].items()]
     return "\n".join(lines) + "\n"
 
@@ -72,11 +80,12 @@ def markdown(comparisons: list[Comparison], speedup: dict | None) -> str:
 def write(out: Path, settings: dict, comparisons: list[Comparison], speedup: dict | None,
           allreduce_rounds: dict | None, extra: dict | None = None) -> None:
     results = RunDir(out, is_chief=True)  # atomic writes, like a training run's outputs
-    data = {"machine": machine(), "settings": settings,
-            "comparisons": [c.to_dict() for c in comparisons],
+    host = machine()
+    data = {"machine": host, "settings": settings,
+            "comparisons": [{**c.to_dict(), "measured_on": measured_on(host)} for c in comparisons],
             "speedup_vs_workers": speedup, "allreduce_raw": allreduce_rounds, **(extra or {})}
     results.write_json("results.json", data)
-    results.write_text("results.md", markdown(comparisons, speedup))
+    results.write_text("results.md", markdown(comparisons, speedup, host))
     if any(c.target is not None for c in comparisons):
         results.write_with("ratios.png", lambda path: plot_ratios(comparisons, path))
     allreduce = [c for c in comparisons if c.name.startswith("allreduce ")]
