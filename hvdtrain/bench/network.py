@@ -3,10 +3,11 @@
 `python -m hvdtrain.bench network` (root: it builds the local cluster of scripts/cluster-local.sh
 and limits its links with `tc ... tbf`). One rank on each of node1 and node2 trains the CNN on
 synthetic 32x32 images, 64 per rank, one thread each, started by `hvdtrain.launch --hosts
-node1:1,node2:1`. For each link rate (no limit, 1 Gbit/s, 100 Mbit/s: a tbf qdisc on both
-nodes' eth0) the variants run interleaved: fp32 gradients, `--fp16-allreduce`, and a fusion
-buffer of 512 MiB. Each run's steady step time is the global batch over its samples/s (first epoch
-dropped).
+node1:1,node2:1`. Variants: fp32 gradients, `--fp16-allreduce`, a fusion buffer of 512 MiB,
+and fp32 with Open MPI's TCP eager limit raised to 4 MiB; link rates: no limit, 1 Gbit/s and
+100 Mbit/s (a tbf qdisc on both nodes' eth0). Each round runs every variant at every rate, a
+variant's three rates back to back. Each run's steady step time is the global batch over its
+samples/s (first epoch dropped).
 
 The model (docs/benchmarks.md): one step costs its computation plus the allreduce,
 
@@ -38,13 +39,23 @@ REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "scripts" / "cluster-local.sh"
 #: Link rates in bit/s (None: no limit).
 RATES = {"no limit": None, "1 Gbit/s": 1e9, "100 Mbit/s": 1e8}
-#: Variant -> (launcher flags, training flags).
-VARIANTS = {"fp32": ((), ()), "fp16 allreduce": ((), ("--fp16-allreduce",)),
-            "fusion 512 MiB": (("--fusion-threshold-mb", "512"), ())}
+#: Open MPI's TCP transport sends a message above its eager limit (64 KiB) only after a
+#: handshake with the receiver; both ranks' control messages share each TCP connection with their
+#: bulk data, so when the link is the bottleneck a handshake waits behind the data queued ahead
+#: of it (docs/benchmarks.md). With the limit above the largest fused allreduce, every message
+#: goes out at once and no handshake sits in the transfer.
+EAGER_TCP = {"OMPI_MCA_btl_tcp_eager_limit": str(4 << 20),
+             "OMPI_MCA_btl_tcp_max_send_size": str(4 << 20)}
+#: Variant -> (launcher flags, training flags, environment).
+VARIANTS = {"fp32": ((), (), {}), "fp16 allreduce": ((), ("--fp16-allreduce",), {}),
+            "fusion 512 MiB": (("--fusion-threshold-mb", "512"), (), {}),
+            "fp32, eager TCP 4 MiB": ((), (), EAGER_TCP)}
 #: Bytes on the wire per byte of data: a 1500-byte IP packet carries 1448 bytes of TCP data
 #: (20 IP + 32 TCP header bytes with timestamps); tbf counts whole packets.
 WIRE_OVERHEAD = 1500 / 1448
 RESNET50_PARAMETERS = 25_600_000
+#: Calls of the isolated allreduce per variant (its times are bimodal by default: many needed).
+ISOLATED_REPEATS = 30
 
 
 def wire_bytes(gradient_bytes: float, ranks: int, fp16: bool) -> float:
@@ -88,9 +99,11 @@ def gradient_bytes(image_size: int) -> int:
     return 4 * int(output.strip().splitlines()[-1])
 
 
-def two_node_run(s: Settings, workdir: Path, launcher_flags, training_flags) -> dict:
+def two_node_run(s: Settings, workdir: Path, launcher_flags, training_flags,
+                 environment: dict[str, str]) -> dict:
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
-    argv = ["exec", "node1", sys.executable, "-m", "hvdtrain.launch", "--hosts",
+    # mpirun hands OMPI_MCA_* variables of its own environment to every rank on every node.
+    argv = ["exec", "node1", "env", *(f"{k}={v}" for k, v in environment.items()), sys.executable, "-m", "hvdtrain.launch", "--hosts",
             "node1:1,node2:1", "--network-interface", "eth0", "--skip-preflight",
             *launcher_flags, "hvdtrain.cnn", *_training_args(s, "synthetic"),
             "--threads-per-worker", "1", "--no-rank-logs", *training_flags,
@@ -106,30 +119,63 @@ def two_node_run(s: Settings, workdir: Path, launcher_flags, training_flags) -> 
     return result
 
 
+def isolated_allreduce(s: Settings, workdir: Path, environment: dict[str, str],
+                       size_mb: float = 0.5) -> list[float]:
+    """Seconds of each horovod allreduce of ``size_mb`` between the nodes, nothing else running."""
+    out = Path(tempfile.mkdtemp(dir=workdir)) / "allreduce.json"
+    argv = ["exec", "node1", "env", *(f"{k}={v}" for k, v in environment.items()), sys.executable,
+            "-m", "hvdtrain.launch", "--hosts", "node1:1,node2:1", "--network-interface", "eth0",
+            "--skip-preflight", "hvdtrain.bench.allreduce", "--sizes-mb", f"{size_mb:g}",
+            "--repeats", str(ISOLATED_REPEATS), "--json", str(out)]
+    completed = subprocess.run(["bash", str(CLUSTER), *argv], capture_output=True, text=True,
+                               env=_env(), cwd=REPO, timeout=s.timeout)
+    if completed.returncode:
+        raise BenchmarkFailed(f"a 2-node allreduce exited {completed.returncode}:\n"
+                              f"{(completed.stdout + completed.stderr)[-3000:]}")
+    return json.loads(out.read_text())["sizes"][f"{size_mb:g}"]["horovod"]["seconds"]
+
+
 def measure(s: Settings, workdir: Path, log: Callable[[str], None]) -> dict:
-    """Every rate x variant, interleaved within each rate; the model's predictions beside them."""
+    """Every variant x rate, interleaved; the model's predictions beside them.
+
+    This machine drifts by tens of percent over minutes, so a prediction is only compared with
+    a run made next to its own calibration: each round runs one variant at every rate in a row
+    (no limit, 1 Gbit/s, 100 Mbit/s, the order reversed every other round), and a round's
+    prediction for a limited link starts from the same round's unlimited step.
+    """
     grad_bytes = gradient_bytes(s.image_size)
     log(f"network: CNN gradient {grad_bytes / 2**20:.2f} MiB, 1 rank on each of 2 nodes")
-    rows, runs = [], {}
-    for rate_name, rate in RATES.items():
+
+    def limited_run(rate, flags):
         limit_links(rate)
-        log(f"network: link limit {rate_name}")
-        runs[rate_name] = interleave(
-            {name: (lambda flags=flags: two_node_run(s, workdir, *flags))
-             for name, flags in VARIANTS.items()}, repeats=s.repeats, warmup=s.warmup, log=log)
+        return two_node_run(s, workdir, *flags)
+
+    pairs = interleave({f"{name} @ {rate_name}": (lambda rate=rate, flags=flags:
+                                                  limited_run(rate, flags))
+                        for name, flags in VARIANTS.items() for rate_name, rate in RATES.items()},
+                       repeats=s.repeats, warmup=s.warmup, log=log)
+    # The handshake's cost, alone: the dense layer's 0.5 MiB kernel, without and with it.
+    limit_links(RATES["100 Mbit/s"])
+    isolated = {variant: sorted(isolated_allreduce(s, workdir, environment))
+                for variant, environment in (("fp32", {}), ("fp32, eager TCP 4 MiB", EAGER_TCP))}
     limit_links(None)
-    base = {name: statistics.median(m["step_seconds"] for m in runs["no limit"][name])
-            for name in VARIANTS}
+    runs = {rate_name: {name: pairs[f"{name} @ {rate_name}"] for name in VARIANTS}
+            for rate_name in RATES}
+    rows = []
     for rate_name, rate in RATES.items():
         for name in VARIANTS:
-            measured = statistics.median(m["step_seconds"] for m in runs[rate_name][name])
+            steps = [m["step_seconds"] for m in runs[rate_name][name]]
+            bases = [m["step_seconds"] for m in runs["no limit"][name]]
             # The base is the same variant without a limit (fp16 compression costs a cast).
-            predicted = predicted_step(base[name], grad_bytes, 2, name == "fp16 allreduce", rate)
-            rows.append({"rate": rate_name, "variant": name, "measured_ms": measured * 1e3,
-                         "predicted_ms": predicted * 1e3,
-                         "error": predicted / measured - 1,
-                         "samples_per_sec": 2 * s.batch_size / measured})
+            predicted = [predicted_step(base, grad_bytes, 2, name == "fp16 allreduce", rate)
+                         for base in bases]
+            rows.append({"rate": rate_name, "variant": name,
+                         "measured_ms": statistics.median(steps) * 1e3,
+                         "predicted_ms": statistics.median(predicted) * 1e3,
+                         "error": statistics.median(p / m - 1 for p, m in zip(predicted, steps)),
+                         "samples_per_sec": 2 * s.batch_size / statistics.median(steps)})
     return {"gradient_bytes": grad_bytes, "rows": rows, "runs": runs,
+            "isolated_allreduce_0.5MiB_100Mbit_seconds": isolated,
             "projections": projections(grad_bytes)}
 
 
@@ -156,13 +202,17 @@ def markdown(result: dict) -> str:
     where = measured_on(result["machine"])
     lines = [f"CNN gradient: {result['gradient_bytes'] / 2**20:.3f} MiB (float32); 2 nodes x 1 "
              "rank; step = 2 x 64 samples", "",
-             "| link | variant | measured step (ms) | model (ms) | model error | samples/s | "
+             "| link | variant | measured step (ms) | model (ms) | model error (paired) | samples/s | "
              "measured on |",
              "|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['rate']} | {row['variant']} | {row['measured_ms']:.1f} | "
                      f"{row['predicted_ms']:.1f} | {row['error']:+.1%} | "
                      f"{row['samples_per_sec']:.0f} | {where} |")
+    lines += ["", "A 0.5 MiB horovod allreduce alone between the nodes at 100 Mbit/s, every call (ms):"]
+    for variant, seconds in result["isolated_allreduce_0.5MiB_100Mbit_seconds"].items():
+        lines.append(f"- {variant}: median {statistics.median(seconds) * 1e3:.1f}; "
+                     + " ".join(f"{t * 1e3:.1f}" for t in seconds))
     lines += ["", "| model | nodes x 8 GPUs | link | fp16 allreduce | allreduce per step (ms) |",
               "|---|---|---|---|---|"]
     for row in result["projections"]:
