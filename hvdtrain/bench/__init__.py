@@ -93,9 +93,9 @@ def _suite(args) -> int:
         if failed:
             raise UserError(f"the network comparison failed: {first_line(failed['network'])}")
         return 0
-    report.write(out, dataclasses.asdict(settings), comparisons, speedup, allreduce_rounds,
-                 {"failed": failed})
-    print(report.markdown(comparisons, speedup, report.machine()))
+    # The table as written, machine and all (machine() runs mpirun --version: once is enough).
+    print(report.write(out, dataclasses.asdict(settings), comparisons, speedup, allreduce_rounds,
+                       {"failed": failed}), end="")
     print(f"results in {out}/ (results.json, results.md, *.png)")
     if failed:
         raise UserError(f"{len(failed)} comparison(s) failed ({', '.join(failed)}); their "

@@ -99,20 +99,27 @@ def gradient_bytes(image_size: int) -> int:
     return 4 * int(output.strip().splitlines()[-1])
 
 
-def two_node_run(s: Settings, workdir: Path, launcher_flags, training_flags,
-                 environment: dict[str, str]) -> dict:
-    run_dir = Path(tempfile.mkdtemp(dir=workdir))
+def launch_on_two_nodes(s: Settings, environment: dict[str, str], launcher_flags,
+                        module_argv: list[str], what: str) -> None:
+    """Run ``python -m hvdtrain.launch ... MODULE ARGS`` from node1, one rank on each node."""
     # mpirun hands OMPI_MCA_* variables of its own environment to every rank on every node.
-    argv = ["exec", "node1", "env", *(f"{k}={v}" for k, v in environment.items()), sys.executable, "-m", "hvdtrain.launch", "--hosts",
-            "node1:1,node2:1", "--network-interface", "eth0", "--skip-preflight",
-            *launcher_flags, "hvdtrain.cnn", *_training_args(s, "synthetic"),
-            "--threads-per-worker", "1", "--no-rank-logs", *training_flags,
-            "--run-dir", str(run_dir)]
+    argv = ["exec", "node1", "env", *(f"{k}={v}" for k, v in environment.items()),
+            sys.executable, "-m", "hvdtrain.launch", "--hosts", "node1:1,node2:1",
+            "--network-interface", "eth0", "--skip-preflight", *launcher_flags, *module_argv]
     completed = subprocess.run(["bash", str(CLUSTER), *argv], capture_output=True, text=True,
                                env=_env(), cwd=REPO, timeout=s.timeout)
     if completed.returncode:
-        raise BenchmarkFailed(f"a 2-node run exited {completed.returncode}:\n"
+        raise BenchmarkFailed(f"a 2-node {what} exited {completed.returncode}:\n"
                               f"{(completed.stdout + completed.stderr)[-3000:]}")
+
+
+def two_node_run(s: Settings, workdir: Path, launcher_flags, training_flags,
+                 environment: dict[str, str]) -> dict:
+    run_dir = Path(tempfile.mkdtemp(dir=workdir))
+    launch_on_two_nodes(s, environment, launcher_flags,
+                        ["hvdtrain.cnn", *_training_args(s, "synthetic"), "--threads-per-worker",
+                         "1", "--no-rank-logs", *training_flags, "--run-dir", str(run_dir)],
+                        "run")
     result = steady_state(json.loads((run_dir / "metrics.json").read_text()), 0.0)
     result["step_seconds"] = 2 * s.batch_size / result["samples_per_sec"]
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -123,15 +130,9 @@ def isolated_allreduce(s: Settings, workdir: Path, environment: dict[str, str],
                        size_mb: float = 0.5) -> list[float]:
     """Seconds of each horovod allreduce of ``size_mb`` between the nodes, nothing else running."""
     out = Path(tempfile.mkdtemp(dir=workdir)) / "allreduce.json"
-    argv = ["exec", "node1", "env", *(f"{k}={v}" for k, v in environment.items()), sys.executable,
-            "-m", "hvdtrain.launch", "--hosts", "node1:1,node2:1", "--network-interface", "eth0",
-            "--skip-preflight", "hvdtrain.bench.allreduce", "--sizes-mb", f"{size_mb:g}",
-            "--repeats", str(ISOLATED_REPEATS), "--json", str(out)]
-    completed = subprocess.run(["bash", str(CLUSTER), *argv], capture_output=True, text=True,
-                               env=_env(), cwd=REPO, timeout=s.timeout)
-    if completed.returncode:
-        raise BenchmarkFailed(f"a 2-node allreduce exited {completed.returncode}:\n"
-                              f"{(completed.stdout + completed.stderr)[-3000:]}")
+    launch_on_two_nodes(s, environment, (),
+                        ["hvdtrain.bench.allreduce", "--sizes-mb", f"{size_mb:g}", "--repeats",
+                         str(ISOLATED_REPEATS), "--json", str(out)], "allreduce")
     return json.loads(out.read_text())["sizes"][f"{size_mb:g}"]["horovod"]["seconds"]
 
 
@@ -202,14 +203,15 @@ def markdown(result: dict) -> str:
     where = measured_on(result["machine"])
     lines = [f"CNN gradient: {result['gradient_bytes'] / 2**20:.3f} MiB (float32); 2 nodes x 1 "
              "rank; step = 2 x 64 samples", "",
-             "| link | variant | measured step (ms) | model (ms) | model error (paired) | samples/s | "
-             "measured on |",
+             "| link | variant | measured step (ms) | model (ms) | model error (paired) | "
+             "samples/s | measured on |",
              "|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['rate']} | {row['variant']} | {row['measured_ms']:.1f} | "
                      f"{row['predicted_ms']:.1f} | {row['error']:+.1%} | "
                      f"{row['samples_per_sec']:.0f} | {where} |")
-    lines += ["", "A 0.5 MiB horovod allreduce alone between the nodes at 100 Mbit/s, every call (ms):"]
+    lines += ["", "A 0.5 MiB horovod allreduce alone between the nodes at 100 Mbit/s, every call "
+              "(ms):"]
     for variant, seconds in result["isolated_allreduce_0.5MiB_100Mbit_seconds"].items():
         lines.append(f"- {variant}: median {statistics.median(seconds) * 1e3:.1f}; "
                      + " ".join(f"{t * 1e3:.1f}" for t in seconds))

@@ -71,21 +71,24 @@ def markdown(comparisons: list[Comparison], speedup: dict | None, host: dict) ->
             f"{c.result.paired_median:.3f} | {a.spread:.0%}, {b.spread:.0%} | {target} | {met} | "
             f"{where} |")
     if speedup:
-        lines += ["", "| workers | speedup over 1 | efficiency | measured on |", "|---|---|---|---|"]
+        lines += ["", "| workers | speedup over 1 | efficiency | measured on |",
+                  "|---|---|---|---|"]
         lines += [f"| {n} | {value:.2f}x | {value / int(n):.0%} | {where} |"
                   for n, value in speedup["speedup"].items()]
     return "\n".join(lines) + "\n"
 
 
 def write(out: Path, settings: dict, comparisons: list[Comparison], speedup: dict | None,
-          allreduce_rounds: dict | None, extra: dict | None = None) -> None:
+          allreduce_rounds: dict | None, extra: dict | None = None) -> str:
+    """Write results.json, results.md and the plots into ``out``; return results.md's text."""
     results = RunDir(out, is_chief=True)  # atomic writes, like a training run's outputs
     host = machine()
     data = {"machine": host, "settings": settings,
             "comparisons": [{**c.to_dict(), "measured_on": measured_on(host)} for c in comparisons],
             "speedup_vs_workers": speedup, "allreduce_raw": allreduce_rounds, **(extra or {})}
     results.write_json("results.json", data)
-    results.write_text("results.md", markdown(comparisons, speedup, host))
+    table = markdown(comparisons, speedup, host)
+    results.write_text("results.md", table)
     if any(c.target is not None for c in comparisons):
         results.write_with("ratios.png", lambda path: plot_ratios(comparisons, path))
     allreduce = [c for c in comparisons if c.name.startswith("allreduce ")]
@@ -93,6 +96,7 @@ def write(out: Path, settings: dict, comparisons: list[Comparison], speedup: dic
         results.write_with("allreduce.png", lambda path: plot_allreduce(allreduce, path))
     if speedup:
         results.write_with("speedup.png", lambda path: plot_speedup(speedup, path))
+    return table
 
 
 def plot_ratios(comparisons: list[Comparison], path: str) -> None:
