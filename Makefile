@@ -32,7 +32,7 @@ train: $(STAMP)
 test: test-unit test-mpi
 
 test-unit: $(STAMP)
-	$(PYTHON) -m pytest tests/ $(PYTEST_ARGS)
+	$(PYTHON) -m pytest tests/ --durations=25 $(PYTEST_ARGS)
 
 test-mpi: $(STAMP)
 	$(MPIRUN) $(PYTHON) -m pytest tests/ -p no:cacheprovider --color=no $(PYTEST_ARGS)

@@ -7,9 +7,9 @@ The 442 patients ship inside scikit-learn (no download). Run it like any hvdtrai
 
 and it gets hvdtrain's flags (--help), banner, run directory, checkpoints, resume and preemption.
 """
-import hvdtrain  # first: it selects the Keras that horovod works with
+import hvdtrain  # first: it selects the Keras (tf_keras; Keras 3 with HVDTRAIN_KERAS=3)
 
-import keras  # noqa: E402  (tf_keras, through hvdtrain)
+import keras  # noqa: E402  (the Keras hvdtrain selected)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_diabetes  # noqa: E402

@@ -1,16 +1,21 @@
 """hvdtrain: one Keras training job, data-parallel on 1, 4 or 64 GPUs (or CPU ranks, or a TPU).
 
-Importing this package makes horovod work with Keras. This is the only place that does it:
+Importing this package chooses the Keras every hvdtrain module (and your model file) gets from
+``import keras``. This is the only place that does it, and it must happen before TensorFlow is
+imported, hence at package import time: every entry point is ``python -m hvdtrain.<module>``,
+which runs this file first.
 
-* TensorFlow >= 2.16 ships Keras 3, and ``horovod.tensorflow.keras`` (0.28.1) needs Keras 2: it does
-  ``from keras import backend`` and calls ``K.get_value``, which Keras 3 removed.
-* ``TF_USE_LEGACY_KERAS=1`` makes ``tf.keras`` resolve to ``tf_keras`` (Keras 2), but horovod
-  imports the top-level ``keras`` package, so ``import keras`` must also give ``tf_keras``.
+* **Keras 2 (default)**: ``horovod.tensorflow.keras`` (0.28.1) needs Keras 2 (it does ``from keras
+  import backend`` and calls ``K.get_value``, which Keras 3 removed), while TensorFlow >= 2.16
+  ships Keras 3. ``TF_USE_LEGACY_KERAS=1`` makes ``tf.keras`` resolve to ``tf_keras``, and an
+  import hook makes ``import keras`` (which horovod does) give ``tf_keras`` too. The hook rather
+  than importing ``tf_keras`` here, so that tools which never touch Keras (the launcher, the Slurm
+  renderer) start in milliseconds instead of loading TensorFlow.
+* **Keras 3** (``--keras 3`` on the command line or ``HVDTRAIN_KERAS=3``): TensorFlow's own Keras,
+  untouched; hvdtrain then distributes it with its own integration on horovod's TensorFlow
+  collectives (``runtime/keras3.py``) instead of ``horovod.tensorflow.keras``.
 
-Both must be in place before TensorFlow or horovod is imported, hence at package import time: every
-entry point is ``python -m hvdtrain.<module>``, which runs this file first. ``import keras`` is
-redirected by an import hook rather than by importing ``tf_keras`` here, so that tools which never
-touch Keras (the launcher, the Slurm renderer) start in milliseconds instead of loading TensorFlow.
+``KERAS`` holds the choice ("2" or "3").
 """
 import importlib
 import importlib.abc
@@ -59,7 +64,39 @@ class _KerasIsTfKeras(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__spec__ = self._real_specs[module.__name__]
 
 
-def _select_keras_2() -> None:
+def _requested_keras(argv: list[str], env) -> str:
+    """The Keras asked for: a ``--keras N`` / ``--keras=N`` argument, else HVDTRAIN_KERAS, else 2.
+
+    Read from the command line here because the choice must be made before the job's module
+    imports TensorFlow, long before it parses its flags (its ``--keras`` flag then only checks and
+    records it). A value other than 2 or 3 selects 2; the job's flag parser rejects it.
+    """
+    requested = env.get("HVDTRAIN_KERAS", "2")
+    for index, argument in enumerate(argv):
+        if argument == "--keras" and index + 1 < len(argv):
+            requested = argv[index + 1]
+        elif argument.startswith("--keras="):
+            requested = argument.split("=", 1)[1]
+    return requested if requested in ("2", "3") else "2"
+
+
+def _select_keras(version: str) -> None:
+    # TensorFlow's C++ INFO banners, repeated by every rank, bury the lines users care about.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if version == "3":
+        if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+            if "tensorflow" in sys.modules:
+                raise ImportError("Keras 3 was asked for (--keras 3 / HVDTRAIN_KERAS=3), but "
+                                  "TensorFlow was imported with TF_USE_LEGACY_KERAS=1 (Keras 2); "
+                                  "import hvdtrain first, or unset it")
+            # Inherited from a Keras 2 process that started this one (hvdtrain sets it there).
+            del os.environ["TF_USE_LEGACY_KERAS"]
+        if any(isinstance(finder, _KerasIsTfKeras) for finder in sys.meta_path):
+            raise ImportError("this process already selected Keras 2 for hvdtrain; Keras 3 must "
+                              "be chosen before hvdtrain is first imported (HVDTRAIN_KERAS=3)")
+        # Ranks started by this process (tests, the benchmark) inherit the choice.
+        os.environ["HVDTRAIN_KERAS"] = "3"
+        return
     if os.environ.get("TF_USE_LEGACY_KERAS") != "1" and "tensorflow" in sys.modules:
         # Too late to switch tf.keras to Keras 2 in this process: say so instead of failing later.
         raise ImportError("hvdtrain must be imported before tensorflow (it selects Keras 2 for "
@@ -67,12 +104,11 @@ def _select_keras_2() -> None:
     keras = sys.modules.get("keras")
     if keras is not None and keras is not sys.modules.get("tf_keras"):
         raise ImportError("Keras 3 was imported before hvdtrain; horovod needs Keras 2 (tf_keras). "
-                          "Import hvdtrain first.")
+                          "Import hvdtrain first, or ask for Keras 3 with HVDTRAIN_KERAS=3.")
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
-    # TensorFlow's C++ INFO banners, repeated by every rank, bury the lines users care about.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if not any(isinstance(finder, _KerasIsTfKeras) for finder in sys.meta_path):
         sys.meta_path.insert(0, _KerasIsTfKeras())
 
 
-_select_keras_2()
+KERAS = _requested_keras(sys.argv, os.environ)
+_select_keras(KERAS)

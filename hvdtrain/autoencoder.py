@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 import tensorflow as tf
-import tf_keras as keras
+import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
 from hvdtrain import train
 from hvdtrain.config import ImageConfig, parse_config

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-import tf_keras as keras
+import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
 from hvdtrain import ranklog
 from hvdtrain.errors import UserError
@@ -121,7 +121,9 @@ class BatchNormStatistics(keras.callbacks.Callback):
 
 
 def batch_norm_layers(model) -> list:
-    return [layer for layer in model.submodules
+    # Nested models and layers included. `submodules` (tf.Module's) exists in tf_keras only;
+    # both Kerases walk their layer tree with _flatten_layers.
+    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)
             if isinstance(layer, keras.layers.BatchNormalization)]
 
 

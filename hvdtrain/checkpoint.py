@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import tensorflow as tf
-import tf_keras as keras
+import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
 from hvdtrain.errors import UserError, first_line
 from hvdtrain.preemption import StopRequest
@@ -59,16 +59,21 @@ def variables_bytes(variables) -> int:
 
 
 def training_state(model: keras.Model) -> list[tf.Variable]:
-    """Every variable a checkpoint of the model and its optimizer holds, each once.
+    """Every variable a checkpoint of the model and its optimizer holds, each once, as the
+    ``tf.Variable`` that stores it (what horovod's broadcast assigns to).
 
     Read from the checkpoint's object graph rather than ``model.variables`` and
     ``optimizer.variables``: tf_keras' LossScaleOptimizer lists neither its current loss scale nor
     its good-step counter there, and a rank that missed them after a resume would unscale its
-    gradients by another factor than rank 0 (the replicas drift apart).
+    gradients by another factor than rank 0 (the replicas drift apart). Keras 3 variables wrap
+    their ``tf.Variable`` (``.value`` outside a layer's call).
     """
+    keras_variable = getattr(keras, "Variable", None)  # Keras 3 only
     root = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     unique = {}
     for trackable in tf.train.TrackableView(root).descendants():  # holds root weakly
+        if keras_variable is not None and isinstance(trackable, keras_variable):
+            trackable = trackable.value
         if isinstance(trackable, tf.Variable):
             unique.setdefault(id(trackable), trackable)
     return list(unique.values())

@@ -28,6 +28,14 @@ Precision = Literal["auto", "fp32", "mixed_float16", "mixed_bfloat16"]
 BadImagePolicy = Literal["skip", "fail"]
 TfrecordSharding = Literal["file", "example"]
 EmbeddedData = Literal["digits", "synthetic"]
+KerasVersion = Literal["2", "3"]
+
+
+def selected_keras() -> str:
+    """The Keras hvdtrain selected when it was imported (``hvdtrain.KERAS``)."""
+    from hvdtrain import KERAS
+
+    return KERAS
 
 
 @dataclass(kw_only=True)
@@ -79,6 +87,11 @@ class TrainConfig:
     steps_per_execution: int | None = None
     """Batches run per call into the compiled train function (Keras steps_per_execution). Default:
     32 on TPU, 1 elsewhere."""
+    keras: KerasVersion = dataclasses.field(default_factory=selected_keras)
+    """The Keras the job runs on: '2' (tf_keras, with horovod's Keras API) or '3' (TensorFlow's
+    Keras 3, with hvdtrain's own integration on horovod's collectives). Chosen when hvdtrain is
+    imported, from this flag or HVDTRAIN_KERAS (default 2); Keras 3 runs on the horovod and
+    single backends."""
     backend: Backend = "auto"
     """'auto' picks a TPU when one is reachable, horovod when launched by horovodrun/mpirun/srun,
     else 'single'. 'mirrored' is tf.distribute.MirroredStrategy over this host's GPUs."""

@@ -81,8 +81,9 @@ class LaunchOptions:
     python: str = sys.executable
     """Interpreter of the ranks."""
     keras: str = "2"
-    """The Keras a script's `import keras` and `tf.keras` give: "2" (tf_keras, which horovod's
-    Keras API needs; the script runs through hvdtrain.script) or "3" (TensorFlow's own)."""
+    """The Keras the ranks run: "2" (tf_keras; a script runs through hvdtrain.script, which
+    selects it for horovod's Keras API) or "3" (TensorFlow's own: a script runs as is, and
+    hvdtrain's jobs and public API get HVDTRAIN_KERAS=3)."""
     max_restarts: int = 0
     """How many times a failed job is started again in the same allocation (judge_exit says
     which failures count)."""
@@ -348,6 +349,9 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         notes.append(f"no Slurm allocation: {np} rank(s) on this machine"
                      + ("" if options.np else f" (one per GPU; {gpus} GPU(s) seen)"))
     env = horovod_tuning_env(options)
+    if options.keras == "3":
+        # hvdtrain chooses its Keras at import, in each rank: tell every rank, on every node.
+        env["HVDTRAIN_KERAS"] = "3"
     program = program_command(options)
     binding = shlex.split(options.binding_args) if options.binding_args else []
     interface_list = ",".join(interfaces) if interfaces else None
@@ -645,8 +649,9 @@ def parse_options(argv: Sequence[str] | None) -> tuple[LaunchOptions, bool, bool
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter of the ranks (default: this one)")
     parser.add_argument("--keras", choices=("2", "3"), default="2",
-                        help="for a script: the Keras its `import keras` and tf.keras give, 2 "
-                             "(tf_keras, which horovod.tensorflow.keras needs; default) or 3")
+                        help="the Keras of the ranks: 2 (tf_keras, which horovod.tensorflow.keras "
+                             "needs; default) or 3 (TensorFlow's; hvdtrain jobs then use "
+                             "hvdtrain's own horovod integration)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the command and environment, start nothing")
     parser.add_argument("--skip-preflight", action="store_true",

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-import tf_keras as keras
+import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
 from hvdtrain.errors import EXIT_PREEMPTED
 

@@ -2,8 +2,8 @@
 
 The public API (exported from ``hvdtrain``; README "Your own training job")::
 
-    import hvdtrain          # first: it selects the Keras horovod works with
-    import keras             # tf_keras (Keras 2) in this process
+    import hvdtrain          # first: it selects the Keras (tf_keras unless --keras 3)
+    import keras             # that Keras
 
     def datasets(shard: hvdtrain.Shard) -> hvdtrain.Datasets:
         ...  # this rank's batched tf.data pipelines

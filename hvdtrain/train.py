@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import tensorflow as tf
-import tf_keras as keras
+import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
-from hvdtrain import __version__, ranklog
+from hvdtrain import KERAS, __version__, ranklog
 from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
                                 MetricsLog, StallWatchdog, Throughput, batch_norm_layers)
 from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, training_state,
@@ -52,14 +52,37 @@ class TrainingResult:
 
 def start_runtime(config: TrainConfig) -> Runtime:
     """The backend a job's config asks for, started (horovod ranks, a strategy, one process)."""
+    check_keras(config)
+    if KERAS == "3" and config.backend in ("tpu", "mirrored"):
+        raise UserError(f"--keras 3 runs on the horovod and single backends, not "
+                        f"'{config.backend}' (use --keras 2 there)")
     # Gradient accumulation is horovod's (backward_passes_per_step), so it keeps horovod even
     # where `auto` would otherwise run a single process.
-    return make_runtime(config.backend, threads_per_worker=config.threads_per_worker,
-                        needs_horovod=config.grad_accum_steps > 1)
+    runtime = make_runtime(config.backend, threads_per_worker=config.threads_per_worker,
+                           needs_horovod=config.grad_accum_steps > 1)
+    if KERAS == "3" and runtime.world.backend in ("tpu", "mirrored"):
+        raise UserError(f"--keras 3 runs on the horovod and single backends; --backend auto "
+                        f"chose '{runtime.world.backend}' (pass --keras 2 or --backend single)")
+    return runtime
+
+
+def check_keras(config: TrainConfig) -> None:
+    """The config's Keras must be the one this process imported (it cannot change afterwards)."""
+    if config.keras != KERAS:
+        raise UserError(f"this process runs Keras {KERAS} (chosen when hvdtrain was imported), "
+                        f"but the config asks for Keras {config.keras}: pass --keras "
+                        f"{config.keras} on the command line or set HVDTRAIN_KERAS="
+                        f"{config.keras} before importing hvdtrain")
+
+
+def keras_name() -> str:
+    """'Keras 3.15.1' or 'Keras 2.18.0 (tf_keras)': for the banner and config.json."""
+    return f"Keras {keras.__version__}" + (" (tf_keras)" if KERAS == "2" else "")
 
 
 def run(program: str, config: TrainConfig, runtime: Runtime, task: Task) -> TrainingResult:
     """Data -> plan -> banner -> fit: a whole job once the runtime is up."""
+    check_keras(config)
     request = StopRequest()
     with StopSignals(runtime.world.rank, request):  # a stop signal is recorded, never fatal
         if task.datasets is None:
@@ -137,7 +160,7 @@ def banner(program: str, runtime: Runtime, datasets: Datasets, notes: tuple[str,
     """The start-up summary. A collective (it gathers every rank's host): call it on all ranks."""
     world = runtime.world
     lines = [f"{program} | backend {world.backend} | {world.size} process(es), "
-             f"{world.num_replicas} worker(s) | {runtime.devices.description}",
+             f"{world.num_replicas} worker(s) | {runtime.devices.description} | {keras_name()}",
              f"placement: {placement(runtime.allgather_object(socket.gethostname()))}",
              f"data: {datasets.description}", *notes, *plan.describe(),
              f"run dir: {config.run_dir}"]
@@ -252,7 +275,8 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     elif initial_epoch < config.epochs:
         model.fit(train, epochs=config.epochs, initial_epoch=initial_epoch,
                   steps_per_epoch=plan.steps_per_epoch, validation_data=validation,
-                  callbacks=callbacks, verbose=_verbosity(world))
+                  callbacks=callbacks, verbose=_verbosity(world),
+                  shuffle=False)  # the pipelines shuffle (Keras 3 warns that it cannot)
     else:
         runtime.print0(f"{initial_epoch} of {config.epochs} epochs already done; nothing to train")
 
@@ -265,12 +289,23 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows,
                               stop_exit_code(request.agreed))
     if config.export and world.is_chief:
-        # The exported model carries no optimizer: the distributed optimizer is a class horovod
-        # makes on the fly, which a serving or fine-tuning process could not deserialize.
-        inference_model = keras.models.clone_model(model)
-        inference_model.set_weights(model.get_weights())
-        run_dir.write_with(MODEL_FILE, inference_model.save, suffix=".keras")
+        run_dir.write_with(MODEL_FILE, inference_copy(model).save, suffix=".keras")
     return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows, 0)
+
+
+def inference_copy(model: keras.Model) -> keras.Model:
+    """The model's architecture and weights, uncompiled: what ``model.keras`` holds.
+
+    No optimizer (the distributed one is a class made on the fly) and no compile state (a job's
+    own loss or metric functions would not deserialize in a serving or fine-tuning process).
+    """
+    if KERAS == "3":
+        # Keras 3's clone_model recompiles the clone from the original's compile config.
+        copy = type(model).from_config(model.get_config())
+    else:
+        copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    return copy
 
 
 def rank_log_header(program: str, world) -> str:
@@ -289,8 +324,15 @@ def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, dataset
         if not isinstance(model, keras.Model):
             raise UserError(f"the task's build_model must return a keras.Model, got "
                             f"{type(model).__name__}")
+        optimizer = keras.optimizers.Adam(learning_rate=schedule)
+        if KERAS == "3" and keras.mixed_precision.global_policy().name == "mixed_float16":
+            # Keras 3's compile would wrap the distributed optimizer in a LossScaleOptimizer,
+            # whose inf/NaN check would then come before the ranks' average (see
+            # runtime/keras3.py); wrapped here, the average comes first. tf_keras' own wrapping
+            # already lets horovod's optimizer average first.
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         optimizer = runtime.distribute_optimizer(
-            keras.optimizers.Adam(learning_rate=schedule),
+            optimizer,
             fp16_allreduce=config.fp16_allreduce, grad_accum_steps=config.grad_accum_steps)
         # Samples read from files carry a weight (0 for one that did not decode, see
         # data.DecodeFailures): the metrics must honour it as the loss does.
@@ -334,4 +376,4 @@ def _verbosity(world) -> int:
 
 def _versions() -> dict:
     return {"hvdtrain": __version__, "tensorflow": tf.__version__,
-            "tf_keras": keras.__version__, "python": platform.python_version()}
+            "keras": keras_name(), "python": platform.python_version()}

@@ -5,6 +5,7 @@
                 two independent jobs (the machine's ceiling); a 4x larger per-worker batch
     overhead    what an idle horovod costs the compute next to it, with and without busy-polling
     tax         hvdtrain at np=1 against a plain tf_keras model.fit
+    keras3      hvdtrain np=2 on Keras 3 (its own horovod integration) vs on Keras 2 (horovod's)
     allreduce   horovod allreduce vs mpi4py (MPI controller) and over Gloo, 1-256 MiB
     mwms        hvdtrain np=2 vs MultiWorkerMirroredStrategy with 2 local workers
     input       real vs synthetic data step time; input pipeline alone vs the model
@@ -41,7 +42,7 @@ def _matmul(args) -> int:
     return 0
 
 
-SUITES = ("scaling", "overhead", "tax", "allreduce", "mwms", "input", "workers", "network")
+SUITES = ("scaling", "overhead", "tax", "keras3", "allreduce", "mwms", "input", "workers", "network")
 
 
 def _suite(args) -> int:
@@ -71,6 +72,8 @@ def _suite(args) -> int:
                     comparisons += suite.horovod_overhead(settings, workdir, log)
                 elif name == "tax":
                     comparisons += suite.framework_tax(settings, workdir, log)
+                elif name == "keras3":
+                    comparisons += suite.keras_3_path(settings, workdir, log)
                 elif name == "mwms":
                     comparisons += suite.against_tf_distribute(settings, workdir, log)
                 elif name == "input":

@@ -32,8 +32,8 @@ def machine() -> dict:
     versions = {}
     # TensorFlow is installed as tensorflow-cpu on CPU machines, tensorflow-tpu on TPU VMs.
     distributions = {"tensorflow": ("tensorflow", "tensorflow-cpu", "tensorflow-tpu"),
-                     "tf_keras": ("tf_keras",), "horovod": ("horovod",), "mpi4py": ("mpi4py",),
-                     "numpy": ("numpy",)}
+                     "tf_keras": ("tf_keras",), "keras": ("keras",), "horovod": ("horovod",),
+                     "mpi4py": ("mpi4py",), "numpy": ("numpy",)}
     for module, names in distributions.items():
         versions[module] = "missing"
         for name in names:

@@ -133,10 +133,10 @@ def _training_args(s: Settings, data: str, data_dir: str | None = None) -> list[
 
 
 def hvdtrain_run(s: Settings, workdir: Path, *, np: int, threads: int, data: str = "synthetic",
-                 data_dir: str | None = None) -> dict:
+                 data_dir: str | None = None, keras: str = "2") -> dict:
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     wall, _ = _run([str(BIN / "horovodrun"), "-np", str(np), sys.executable, "-m",
-                    "hvdtrain.cnn", *_training_args(s, data, data_dir),
+                    "hvdtrain.cnn", *_training_args(s, data, data_dir), "--keras", keras,
                     "--threads-per-worker", str(threads), "--run-dir", str(run_dir)], s.timeout)
     return steady_state(json.loads((run_dir / "metrics.json").read_text()), wall)
 
@@ -288,6 +288,17 @@ def framework_tax(s: Settings, workdir: Path, log: Callable[[str], None]) -> lis
     return [Comparison("framework tax", "samples_per_sec", "samples/s", runs, "hvdtrain np=1",
                        "plain tf_keras", target=0.97,
                        note="same model, data, batch, threads; hvdtrain also checkpoints")]
+
+
+def keras_3_path(s: Settings, workdir: Path, log: Callable[[str], None]) -> list[Comparison]:
+    log("Keras 3: hvdtrain's own horovod integration vs horovod's Keras 2 API, np=2")
+    runs = interleave({
+        "Keras 3 np=2": lambda: hvdtrain_run(s, workdir, np=2, threads=1, keras="3"),
+        "Keras 2 np=2": lambda: hvdtrain_run(s, workdir, np=2, threads=1, keras="2"),
+    }, repeats=s.repeats, warmup=s.warmup, log=log)
+    return [Comparison("Keras 3 vs Keras 2 (np=2)", "samples_per_sec", "samples/s", runs,
+                       "Keras 3 np=2", "Keras 2 np=2", target=0.95,
+                       note="same model, synthetic data, batch, threads; --keras 3 vs --keras 2")]
 
 
 def against_tf_distribute(s: Settings, workdir: Path,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import tf_keras as keras
+import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
 
 def _to_float(images):

@@ -6,7 +6,7 @@ reconstructs pixels in [0, 1]. Height and width must be divisible by 4 (two halv
 """
 from __future__ import annotations
 
-import tf_keras as keras
+import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
 FILTERS = (32, 64)
 
@@ -22,7 +22,7 @@ def build_autoencoder(input_shape: tuple[int, int, int], *, latent_dim: int = 16
     x = keras.layers.Rescaling(1.0 / 255)(inputs)
     for filters in FILTERS:
         x = keras.layers.Conv2D(filters, 3, strides=2, padding="same")(x)
-        x = keras.layers.LeakyReLU(alpha=0.2)(x)
+        x = keras.layers.LeakyReLU(0.2)(x)  # alpha (Keras 2) or negative_slope (Keras 3)
         x = keras.layers.BatchNormalization()(x)
     encoded_shape = (height // downsample, width // downsample, FILTERS[-1])
     latent = keras.layers.Dense(latent_dim, name="latent")(keras.layers.Flatten()(x))
@@ -31,7 +31,7 @@ def build_autoencoder(input_shape: tuple[int, int, int], *, latent_dim: int = 16
     x = keras.layers.Reshape(encoded_shape)(x)
     for filters in reversed(FILTERS):
         x = keras.layers.Conv2DTranspose(filters, 3, strides=2, padding="same")(x)
-        x = keras.layers.LeakyReLU(alpha=0.2)(x)
+        x = keras.layers.LeakyReLU(0.2)(x)  # alpha (Keras 2) or negative_slope (Keras 3)
         x = keras.layers.BatchNormalization()(x)
     x = keras.layers.Conv2DTranspose(channels, 3, padding="same")(x)
     outputs = keras.layers.Activation("sigmoid", dtype="float32", name="reconstruction")(x)

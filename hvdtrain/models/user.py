@@ -1,9 +1,10 @@
 """A user's own model: ``--model path/to/file.py:FUNCTION``.
 
 ``FUNCTION(input_shape, num_classes) -> keras.Model`` receives uint8 images of ``input_shape``
-and returns logits. ``import keras`` in that file gets the Keras hvdtrain trains with (tf_keras:
-hvdtrain's import hook). Everything that can be wrong with the file is a ValueError of one line
-naming the file, raised on every rank alike (every rank loads the same file).
+and returns logits. ``import keras`` in that file gets the Keras hvdtrain trains with (tf_keras
+through hvdtrain's import hook, or Keras 3 with ``--keras 3``). Everything that can be wrong with
+the file is a ValueError of one line naming the file, raised on every rank alike (every rank loads
+the same file).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import sys
 from typing import Callable
 
-import tf_keras as keras
+import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
 from hvdtrain.errors import first_line
 
@@ -58,8 +59,9 @@ def build_user_model(spec: str, input_shape: tuple[int, int, int],
                          f"{type(error).__name__}: {first_line(error)}") from None
     if not isinstance(model, keras.Model):
         raise ValueError(f"--model {spec}: {builder.__name__} returned a "
-                         f"{type(model).__name__}, not a keras.Model (did the file import "
-                         "Keras 3 as something other than `keras`?)")
+                         f"{type(model).__name__}, not a model of the job's Keras "
+                         f"{keras.__version__} (build it with `import keras`; --keras 2 or 3 "
+                         "chooses which Keras that is)")
     output_shape = tuple(model.output_shape) if not isinstance(model.output_shape, list) else None
     if output_shape is None or output_shape[-1] != num_classes:
         raise ValueError(f"--model {spec}: the model's output shape is {model.output_shape}, but "

@@ -12,12 +12,18 @@ import time
 from typing import Any
 
 import horovod.tensorflow as hvd_tf
-import horovod.tensorflow.keras as hvd
 import tensorflow as tf
 from horovod.runner.http import http_client
 
+from hvdtrain import KERAS
 from hvdtrain.errors import RankError, UserError
+from hvdtrain.runtime import keras3
 from hvdtrain.runtime.base import Runtime, World, configure_devices
+
+if KERAS == "2":
+    # horovod's Keras API imports `keras` and needs Keras 2 (tf_keras, which hvdtrain selected);
+    # for Keras 3, runtime/keras3.py does its work on horovod's TensorFlow collectives.
+    import horovod.tensorflow.keras as hvd
 
 
 #: Seconds a rank may wait in a collective for a peer before horovod ends the job.
@@ -116,9 +122,9 @@ class HorovodRuntime(Runtime):
         # --stall-check-shutdown-seconds) overrides it.
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(STALL_SHUTDOWN_SECONDS))
         # Horovod: start the MPI/Gloo controller; it learns rank and size from the launcher.
-        hvd.init()
-        world = World(rank=hvd.rank(), local_rank=hvd.local_rank(), size=hvd.size(),
-                      local_size=hvd.local_size(), backend="horovod")
+        hvd_tf.init()
+        world = World(rank=hvd_tf.rank(), local_rank=hvd_tf.local_rank(), size=hvd_tf.size(),
+                      local_size=hvd_tf.local_size(), backend="horovod")
         # Ranks that share cores split them: ask which ranks share which before TF starts.
         cpu_sets = local_cpu_sets(world)
         assert len(cpu_sets) == world.local_size, (cpu_sets, world)
@@ -132,6 +138,10 @@ class HorovodRuntime(Runtime):
             return optimizer
         # Horovod: average the gradients of all ranks with an allreduce before each update, so
         # every rank applies the same update and the replicas stay identical.
+        if KERAS == "3":
+            return keras3.distribute_optimizer(optimizer, self.allreduce,
+                                               fp16_allreduce=fp16_allreduce,
+                                               grad_accum_steps=grad_accum_steps)
         compression = hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none
         return hvd.DistributedOptimizer(
             optimizer,
@@ -156,6 +166,8 @@ class HorovodRuntime(Runtime):
             return []  # one rank's metrics are already the job's
         # Horovod: average the epoch's metrics over ranks before any later callback (checkpoint,
         # CSV, early stopping) reads them; each rank only saw its own shard.
+        if KERAS == "3":
+            return [keras3.MetricAverage(self.allreduce)]
         return [hvd.callbacks.MetricAverageCallback()]
 
     def broadcast_object(self, obj: Any) -> Any:

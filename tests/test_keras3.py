@@ -1,0 +1,120 @@
+"""Keras 3 (`--keras 3`): the choice at import, and hvdtrain's own horovod integration across ranks.
+
+This pytest process runs Keras 2 (conftest imports hvdtrain first), and a process has one Keras,
+so everything that trains on Keras 3 runs in jobs of its own (integration tier): the collective
+checks in tests/scripts/keras3_ranks.py under `mpirun -np 2`, and the CLI as users run it.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, clean_env, horovodrun, integration, run_job
+from hvdtrain import _requested_keras
+from hvdtrain.launch import LaunchOptions, build_launch
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    ([], {}, "2"),
+    ([], {"HVDTRAIN_KERAS": "3"}, "3"),
+    (["-m", "--preset", "tiny", "--keras", "3"], {}, "3"),
+    (["-m", "--keras=3"], {}, "3"),
+    (["-m", "--keras", "2"], {"HVDTRAIN_KERAS": "3"}, "2"),  # the command line wins
+    (["-m", "--keras", "4"], {}, "2"),  # left to the flag parser, which names the choices
+    (["-m", "--keras"], {"HVDTRAIN_KERAS": "3"}, "3"),
+])
+def test_the_keras_is_chosen_from_the_command_line_then_the_environment(argv, env, expected):
+    assert _requested_keras(argv, env) == expected
+
+
+def test_the_launcher_tells_every_rank_on_every_node():
+    for via in ("horovodrun", "mpirun"):
+        launch = build_launch(LaunchOptions(program="hvdtrain.cnn", via=via, keras="3",
+                                            hosts="node1:2,node2:2"), None, gpus=0)
+        assert launch.env["HVDTRAIN_KERAS"] == "3"
+        if via == "mpirun":  # remote ranks see only what -x names
+            assert ("-x", "HVDTRAIN_KERAS") in zip(launch.argv, launch.argv[1:])
+    keras_2 = build_launch(LaunchOptions(program="hvdtrain.cnn", hosts="node1:2"), None, gpus=0)
+    assert "HVDTRAIN_KERAS" not in keras_2.env
+
+
+def test_a_config_for_the_other_keras_is_refused_in_one_line():
+    import dataclasses
+
+    from hvdtrain import train
+    from hvdtrain.cnn import tiny
+    from hvdtrain.errors import UserError
+
+    with pytest.raises(UserError, match=r"this process runs Keras 2 .* HVDTRAIN_KERAS=3"):
+        train.check_keras(dataclasses.replace(tiny(), keras="3"))
+
+
+def keras3_env(**extra: str) -> dict[str, str]:
+    return clean_env(HVDTRAIN_KERAS="3", **extra)
+
+
+@integration
+def test_two_ranks_on_keras_3_stay_identical_resume_and_stop_cleanly(tmp_path):
+    verdicts_file = tmp_path / "verdicts.json"
+    # A stalled collective ends the job in a minute instead of five (a failure, not a hang).
+    run_job(["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+             str(REPO / "tests" / "scripts" / "keras3_ranks.py"), str(verdicts_file)],
+            timeout=240, env=keras3_env(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="60"))
+    report = json.loads(verdicts_file.read_text())
+    assert report["world_size"] == 2 and report["keras"].startswith("3.")
+    failed = {name: detail for name, detail in report["verdicts"].items() if detail != "ok"}
+    assert not failed, "\n\n".join(f"{name}:\n{detail}" for name, detail in failed.items())
+    assert set(report["verdicts"]) == {
+        "no_horovod_keras_api", "one_step_from_different_initial_weights", "resume",
+        "mixed_precision_accumulation_fp16_allreduce", "resumed_mixed_precision",
+        "metrics_averaged", "autoencoder_batch_norm", "preemption"}
+
+
+USER_MODEL = '''
+import keras
+
+
+def build(input_shape, num_classes):
+    inputs = keras.Input(input_shape, dtype="uint8")
+    x = keras.ops.cast(inputs, "float32") / 255.0          # keras.ops: Keras 3 only
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(x)
+    x = keras.ops.mean(x, axis=(1, 2))
+    return keras.Model(inputs, keras.layers.Dense(num_classes, dtype="float32")(x))
+'''
+
+
+@integration
+def test_a_keras_3_user_model_trains_on_two_ranks_and_its_export_loads(tmp_path):
+    model_file = tmp_path / "ops_model.py"
+    model_file.write_text(USER_MODEL)
+    run_dir = tmp_path / "run"
+    result = horovodrun(2, "hvdtrain.cnn", "--keras", "3", "--preset", "tiny", "--epochs", "2",
+                        "--model", f"{model_file}:build", "--run-dir", str(run_dir))
+    assert "backend horovod | 2 process(es), 2 worker(s)" in result.stdout
+    assert "| Keras 3." in result.stdout
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["config"]["keras"] == "3" and config["versions"]["keras"].startswith("Keras 3.")
+    assert len(json.loads((run_dir / "metrics.json").read_text())) == 2
+    # The export names Keras' own optimizer, not hvdtrain's: it loads in a plain Keras 3 process.
+    check = subprocess.run(
+        [sys.executable, "-c", "import numpy as np, keras; "
+         f"m = keras.saving.load_model('{run_dir / 'model.keras'}'); "
+         "print(keras.__version__, m.predict(np.zeros((3, 8, 8, 1), 'uint8'), verbose=0).shape)"],
+        capture_output=True, text=True, timeout=120, env=clean_env())
+    assert check.stdout.startswith("3.") and "(3, 10)" in check.stdout, check.stderr[-2000:]
+
+
+@integration
+def test_keras_3_where_it_cannot_run_is_one_line(tmp_path):
+    result = run_job([sys.executable, "-m", "hvdtrain.cnn", "--keras", "3", "--backend",
+                      "mirrored", "--run-dir", str(tmp_path / "r")], timeout=120, check=False)
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stdout[-2000:]
+    assert lines[-1] == ("hvdtrain.cnn: error: --keras 3 runs on the horovod and single backends, not "
+                         "'mirrored' (use --keras 2 there)"), lines
+    assert not (tmp_path / "r").exists()
