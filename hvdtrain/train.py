@@ -31,7 +31,7 @@ from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch
 from hvdtrain.preemption import (PreemptionCheck, StopRequest, StopSignals, describe_stop,
                                  stop_exit_code)
 from hvdtrain.rundir import MODEL_FILE, RunDir, ensure_writable, is_url
-from hvdtrain.runtime import Runtime, make_runtime, placement
+from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
 from hvdtrain.slurm import job_label
 from hvdtrain.task import Datasets, Shard, Task
 
@@ -52,18 +52,16 @@ class TrainingResult:
 
 def start_runtime(config: TrainConfig) -> Runtime:
     """The backend a job's config asks for, started (horovod ranks, a strategy, one process)."""
-    check_keras(config)
-    if KERAS == "3" and config.backend in ("tpu", "mirrored"):
-        raise UserError(f"--keras 3 runs on the horovod and single backends, not "
-                        f"'{config.backend}' (use --keras 2 there)")
     # Gradient accumulation is horovod's (backward_passes_per_step), so it keeps horovod even
     # where `auto` would otherwise run a single process.
-    runtime = make_runtime(config.backend, threads_per_worker=config.threads_per_worker,
-                           needs_horovod=config.grad_accum_steps > 1)
-    if KERAS == "3" and runtime.world.backend in ("tpu", "mirrored"):
-        raise UserError(f"--keras 3 runs on the horovod and single backends; --backend auto "
-                        f"chose '{runtime.world.backend}' (pass --keras 2 or --backend single)")
-    return runtime
+    needs_horovod = config.grad_accum_steps > 1
+    backend = select_backend(config.backend, needs_horovod=needs_horovod)
+    if KERAS == "3" and backend in ("tpu", "mirrored"):
+        # Resolved first, so `auto` landing on a strategy is refused before anything starts.
+        raise UserError(f"--keras 3 runs on the horovod and single backends, not '{backend}' "
+                        "(use --keras 2 there)")
+    return make_runtime(backend, threads_per_worker=config.threads_per_worker,
+                        needs_horovod=needs_horovod)
 
 
 def check_keras(config: TrainConfig) -> None:

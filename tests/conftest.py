@@ -54,6 +54,17 @@ def gather_checked(runtime, local: Callable[[], Any]) -> list[Any]:
     return [value for _, value in outcomes]
 
 
+def assert_same_on_all_ranks(per_rank: list[list], what: str) -> None:
+    """Every rank's arrays (weights, optimizer state) equal rank 0's, variable by variable."""
+    import numpy as np
+
+    for rank, values in enumerate(per_rank[1:], start=1):
+        assert len(values) == len(per_rank[0])
+        for index, (mine, theirs) in enumerate(zip(per_rank[0], values)):
+            np.testing.assert_allclose(theirs, mine, rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{what}: rank {rank} differs at variable {index}")
+
+
 @pytest.fixture
 def shared_dir(runtime, tmp_path_factory):
     """One directory all ranks agree on (rank 0's temporary directory)."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from conftest import LAUNCHED_RANKS, gather_checked
+from conftest import LAUNCHED_RANKS, assert_same_on_all_ranks, gather_checked
 from hvdtrain import checkpoint, train
 from hvdtrain.cnn import CLASSIFIER
 from hvdtrain.cnn import tiny
@@ -38,14 +38,6 @@ def state_of(model) -> list[np.ndarray]:
     if callable(optimizer_variables):
         optimizer_variables = optimizer_variables()
     return [v.numpy() for v in list(model.variables) + list(optimizer_variables)]
-
-
-def assert_same_on_all_ranks(per_rank: list[list[np.ndarray]], what: str):
-    for rank, values in enumerate(per_rank[1:], start=1):
-        assert len(values) == len(per_rank[0])
-        for index, (mine, theirs) in enumerate(zip(per_rank[0], values)):
-            np.testing.assert_allclose(theirs, mine, rtol=1e-6, atol=1e-7,
-                                       err_msg=f"{what}: rank {rank} differs at variable {index}")
 
 
 def test_the_world_is_what_the_launcher_started(runtime):

@@ -17,13 +17,14 @@ from horovod.runner.http import http_client
 
 from hvdtrain import KERAS
 from hvdtrain.errors import RankError, UserError
-from hvdtrain.runtime import keras3
 from hvdtrain.runtime.base import Runtime, World, configure_devices
 
 if KERAS == "2":
     # horovod's Keras API imports `keras` and needs Keras 2 (tf_keras, which hvdtrain selected);
     # for Keras 3, runtime/keras3.py does its work on horovod's TensorFlow collectives.
     import horovod.tensorflow.keras as hvd
+else:
+    from hvdtrain.runtime import keras3
 
 
 #: Seconds a rank may wait in a collective for a peer before horovod ends the job.

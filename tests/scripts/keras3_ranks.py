@@ -20,6 +20,8 @@ import traceback  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from conftest import assert_same_on_all_ranks  # noqa: E402
 from hvdtrain import checkpoint, train  # noqa: E402
 from hvdtrain.cnn import CLASSIFIER, tiny  # noqa: E402
 from hvdtrain.models.cnn import build_cnn  # noqa: E402
@@ -42,14 +44,6 @@ def state_of(model) -> list[np.ndarray]:
     return [variable.numpy() for variable in checkpoint.training_state(model)]
 
 
-def same_on_all_ranks(per_rank: list[list[np.ndarray]]) -> None:
-    for rank, values in enumerate(per_rank[1:], start=1):
-        assert len(values) == len(per_rank[0]), (len(values), len(per_rank[0]))
-        for index, (mine, theirs) in enumerate(zip(per_rank[0], values)):
-            np.testing.assert_allclose(theirs, mine, rtol=1e-6, atol=1e-7,
-                                       err_msg=f"rank {rank} differs at variable {index}")
-
-
 def float32_after(run):
     try:
         return run()
@@ -68,7 +62,7 @@ def check_one_step_from_different_initial_weights():
 
 
 def judge_one_step(results):
-    same_on_all_ranks([state for state, _ in results])
+    assert_same_on_all_ranks([state for state, _ in results], "after one step")
     config = json.load(open(os.path.join(shared, "one-step", "config.json")))
     assert config["versions"]["keras"].startswith("Keras 3."), config["versions"]
     assert {"model.keras", "metrics.json", "checkpoints"} <= set(results[0][1]), results[0][1]
@@ -87,7 +81,7 @@ def check_resume():
 def judge_resume(results):
     first, (epoch, restored), initial_epoch, epochs_logged, iterations, steps = results[0]
     assert epoch == 2, epoch  # asked for the 2 epochs already done: restored, nothing trained
-    same_on_all_ranks([first] + [result[1][1] for result in results])
+    assert_same_on_all_ranks([first] + [result[1][1] for result in results], "restored")
     assert initial_epoch == 2 and epochs_logged == [1, 2, 3], (initial_epoch, epochs_logged)
     assert iterations == 3 * steps, (iterations, steps)  # the schedule's step count carried on
     assert len({result[4] for result in results}) == 1
@@ -108,7 +102,7 @@ def check_mixed_precision_with_accumulation_and_fp16_allreduce():
 
 
 def judge_mixed(results):
-    same_on_all_ranks([state for state, *_ in results])
+    assert_same_on_all_ranks([state for state, *_ in results], "mixed precision")
     losses, iterations, total_steps = results[0][1:]
     assert len(losses) == 2 and all(np.isfinite(losses)), losses
     # As on the Keras 2 path: iterations advance on every backward pass, also those that only
@@ -143,7 +137,7 @@ def judge_mixed_resume(results):
     assert [epoch for epoch, _, _ in results] == [1] * len(results)
     # Every rank continued from rank 0's restored scale (it grows only after 2000 good steps).
     assert all(scale <= 1024.0 for _, scale, _ in results), [scale for _, scale, _ in results]
-    same_on_all_ranks([state for _, _, state in results])
+    assert_same_on_all_ranks([state for _, _, state in results], "resumed mixed precision")
 
 
 def check_metrics_are_averaged():
@@ -184,7 +178,7 @@ def judge_preemption(results):
     _, done, initial_epoch, epochs, _ = results[0]
     assert 1 <= done < 50 and initial_epoch == done, (done, initial_epoch)
     assert epochs == list(range(1, done + 2)), epochs  # contiguous metrics
-    same_on_all_ranks([result[4] for result in results])
+    assert_same_on_all_ranks([result[4] for result in results], "resumed after a stop")
 
 
 def check_autoencoder_batch_norm_statistics():
@@ -202,7 +196,7 @@ def check_autoencoder_batch_norm_statistics():
 
 
 def judge_autoencoder(results):
-    same_on_all_ranks([state for state, _, _ in results])
+    assert_same_on_all_ranks([state for state, _, _ in results], "autoencoder")
     assert len(results[0][1]) == 8, len(results[0][1])  # 4 batch norms: mean and variance each
     assert results[0][2] and os.path.exists(results[0][2]), results[0][2]  # rank 0's picture
 
