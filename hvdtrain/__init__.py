@@ -22,6 +22,10 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import time
+
+STARTED = time.monotonic()
+"""When this process imported hvdtrain (before TensorFlow): the clock of "time to the first step"."""
 
 __version__ = "0.1.0"
 

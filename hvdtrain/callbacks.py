@@ -160,6 +160,76 @@ class Throughput(keras.callbacks.Callback):
                 **self.timings}
 
 
+class Progress(keras.callbacks.Callback):
+    """Rank 0's progress inside an epoch: a line every ``interval_seconds`` (step, samples/s,
+    loss, time left in the epoch), and the time from process start to the first step.
+
+    Under a launcher Keras prints one line per epoch, so an ImageNet epoch would show nothing for
+    an hour. Plain lines, no carriage returns: they stay readable in a Slurm log and under
+    horovodrun's per-rank prefixes. Only the first step of this process is timed, and its
+    ``first_step_seconds`` joins the first epoch's metrics (after the ranks' metric averaging,
+    so it is rank 0's own).
+    """
+
+    def __init__(self, global_batch_size: int, steps_per_epoch: int, epochs: int,
+                 interval_seconds: float, started: float, print_line=print):
+        super().__init__()
+        self._supports_tf_logs = True  # the loss is read (a device sync) only when printing
+        self.global_batch_size = global_batch_size
+        self.steps_per_epoch = steps_per_epoch
+        self.epochs = epochs
+        self.interval_seconds = interval_seconds
+        self.started = started
+        self.print_line = print_line
+        self.first_step_seconds: float | None = None
+        self._recorded = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+        self.epoch_start = self.last_line = time.monotonic()
+        self.steps_before_rate = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.monotonic()
+        if self.first_step_seconds is None:
+            self.first_step_seconds = now - self.started
+            self.print_line(f"first step done {self.first_step_seconds:.1f} s after start")
+            # The rate of this epoch leaves out start-up (tracing, filling buffers).
+            self.epoch_start = self.last_line = now
+            self.steps_before_rate = batch + 1
+            return
+        if not self.interval_seconds or now - self.last_line < self.interval_seconds:
+            return
+        self.last_line = now
+        self.print_line(self.line(batch + 1, now, logs))
+
+    def line(self, steps_done: int, now: float, logs) -> str:
+        counted = steps_done - self.steps_before_rate
+        elapsed = max(now - self.epoch_start, 1e-9)
+        rate = counted / elapsed
+        left = (self.steps_per_epoch - steps_done) / rate if rate > 0 else float("nan")
+        loss = (logs or {}).get("loss")
+        loss_text = f" | loss {float(loss):.4f}" if loss is not None else ""
+        return (f"epoch {self.epoch + 1}/{self.epochs} step {steps_done}/{self.steps_per_epoch} "
+                f"({100 * steps_done / self.steps_per_epoch:.0f}%) | "
+                f"{rate * self.global_batch_size:.1f} samples/s{loss_text} | "
+                f"epoch ends in {format_duration(left)}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.first_step_seconds is not None and not self._recorded and logs is not None:
+            logs["first_step_seconds"] = self.first_step_seconds
+            self._recorded = True
+
+
+def format_duration(seconds: float) -> str:
+    if seconds != seconds:  # nan: no rate yet
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
 class StallWatchdog(keras.callbacks.Callback):
     """Ends this rank when training has made no progress for ``limit_seconds``.
 

@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
 
+from hvdtrain.datacache import parse_cache_flag
 from hvdtrain.errors import UserError
 
 Backend = Literal["auto", "horovod", "tpu", "mirrored", "single"]
@@ -106,6 +107,9 @@ class TrainConfig:
     signal_check_every_steps: int = 10
     """How often (in batches) the ranks agree whether a preemption signal arrived. Each check is
     one tiny allreduce; a signal is acted on within this many batches."""
+    progress_seconds: float = 30.0
+    """Rank 0 prints a progress line (step, samples/s, loss, time left in the epoch) this often
+    within an epoch, so a long epoch shows it is alive in a Slurm log. 0 turns it off."""
 
     # --- outputs --------------------------------------------------------------------------------
     run_dir: str = "runs/train"
@@ -137,6 +141,8 @@ class TrainConfig:
                              f"{self.bn_recompute_batches}")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}")
+        if self.progress_seconds < 0:
+            raise ValueError(f"--progress-seconds must be >= 0, got {self.progress_seconds}")
         if self.warmup_epochs < 0:
             raise ValueError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
         if not self.run_dir:
@@ -172,12 +178,23 @@ class ImageConfig(TrainConfig):
     synthetic_samples: int = 1797
     """Number of samples in the synthetic data set (same as digits by default)."""
     validation_fraction: float = 0.2
-    """Fraction of the samples held out for validation (image folders and embedded data)."""
+    """Fraction of the samples held out for validation: from an image folder, embedded data, or
+    TFRecords without validation-* shards (whole shards when there are enough, else records).
+    0 keeps none."""
     on_bad_image: BadImagePolicy = "skip"
     """What to do with files in an image folder that are not images: 'skip' (and report how many)
     or 'fail'."""
-    cache: bool = True
-    """Cache decoded images in memory after the first epoch."""
+    check_images: bool = False
+    """Open every file of an image folder while listing to check its header (in parallel). Off by
+    default: files with an image extension are trusted and a bad one is found, skipped and counted
+    when decoded; on a shared file system each open costs a metadata round trip."""
+    cache: str = "auto"
+    """Where decoded images are kept after the first epoch: 'memory', 'disk' (node-local
+    $TMPDIR), 'disk:DIR', 'off', or 'auto': memory when every local rank's decoded share fits
+    --cache-budget-gb, else local disk when it has room, else off."""
+    cache_budget_gb: float | None = None
+    """Memory (GB) per node that in-memory caching may use, shared by the node's ranks. Default:
+    half the node's available memory at start."""
 
 
     def __post_init__(self) -> None:
@@ -187,6 +204,9 @@ class ImageConfig(TrainConfig):
         _check_at_least_one(self, ["synthetic_samples"], ["image_size"])
         if self.channels not in (None, 1, 3):
             raise ValueError(f"--channels must be 1 or 3, got {self.channels}")
+        parse_cache_flag(self.cache)
+        if self.cache_budget_gb is not None and self.cache_budget_gb < 0:
+            raise ValueError(f"--cache-budget-gb must be >= 0, got {self.cache_budget_gb}")
         if not 0 <= self.validation_fraction < 1:
             raise ValueError("--validation-fraction must be in [0, 1), "
                              f"got {self.validation_fraction}")

@@ -1,24 +1,34 @@
 """Input data: the embedded digits, synthetic images, an image folder, or TFRecord shards.
 
 Every source becomes the same two ``tf.data`` pipelines, built in the order that makes
-data-parallel training correct and cheap:
+data-parallel training correct and cheap at any size:
 
-    list samples -> shuffle the list with a seed all ranks share -> shard(size, rank)
-    -> decode/resize in parallel -> cache -> per-epoch shuffle -> batch -> repeat -> prefetch
+    list samples -> split with a seed all ranks share -> this rank's share (every size-th)
+    -> shuffle positions / encoded records -> decode/resize in parallel -> cache (memory, disk
+    or off, sized against the node's memory) -> batch -> repeat -> prefetch
 
-Sharding comes *before* decoding so that each rank only reads and decodes its own files. Listing
-(and checking) the files is done by rank 0 and broadcast, so a thousand-file folder on a shared
-file system is scanned once, not once per rank, and every rank sees the same list.
+Sharding comes *before* decoding so that each rank only reads and decodes its own files, and
+shuffling comes before decoding so the first step never waits for a buffer of decoded images.
+Rank 0 lists the files (one ``scandir`` per class folder, no per-file open) and sends the other
+ranks a compressed table of names (3.4 MB for ImageNet), from which each redoes the seeded split,
+so a shared file system is scanned once, not once per rank, and every rank sees the same list.
 """
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import json
 import os
+import shutil
+import time
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from hvdtrain.datacache import (CacheChoice, choose_cache, default_disk_dir, free_bytes,
+                                make_process_cache_dir, node_memory_budget, parse_cache_flag)
 from hvdtrain.errors import UserError, first_line
 from hvdtrain.runtime import World
 from hvdtrain.task import Datasets
@@ -56,15 +66,41 @@ class Split:
     """One side of the train/validation split, before decoding: what each sample is read from."""
 
     sources: np.ndarray
-    """Row indices into an in-memory array, file paths, or (TFRecords) shard paths."""
+    """Row indices into an in-memory array, file paths relative to ``Listing.root`` (bytes), or
+    (TFRecords) shard paths."""
     labels: np.ndarray | None
     """Class per sample (None for TFRecords, where labels live inside the records)."""
     counts: np.ndarray | None = None
-    """Records per shard file (TFRecords only)."""
+    """Records per shard file that belong to this split (TFRecords only)."""
+    held_out: HeldOutRecords | None = None
+    """Set when this split is a record-level part of TFRecord shards it shares with the other."""
 
     @property
     def num_samples(self) -> int:
         return int(self.counts.sum()) if self.counts is not None else len(self.sources)
+
+
+@dataclass(frozen=True)
+class HeldOutRecords:
+    """Validation records held out of TFRecord shards too few to hold out whole ones.
+
+    Record ``i`` (counting through the shards in name order) is held out when
+    ``floor((i + 1) * fraction) > floor(i * fraction)``: evenly spread, exactly ``fraction`` of
+    them, and each shard's share computable from its first index and length alone (the sum
+    telescopes), so counting needs no read.
+    """
+
+    fraction: float
+    keep: str
+    """'train' keeps the records not held out, 'validation' the ones held out."""
+    offsets: np.ndarray
+    """Index of each shard's first record in the whole sequence."""
+
+
+def held_out_counts(offsets: np.ndarray, counts: np.ndarray, fraction: float) -> np.ndarray:
+    """Records of each shard that HeldOutRecords holds out (same float64 arithmetic as the
+    pipeline's per-record test)."""
+    return (np.floor((offsets + counts) * fraction) - np.floor(offsets * fraction)).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -80,6 +116,49 @@ class Listing:
     notes: tuple[str, ...] = ()
     images: np.ndarray | None = None
     """The pixels of an in-memory set (each rank loads its own copy; never broadcast)."""
+    root: str | None = None
+    """The image folder that ``sources`` of files are relative to."""
+    split_fraction: float = 0.0
+    split_seed: int = 0
+    """How an image folder's files were split (the receivers redo it from the file table)."""
+
+    def path(self, source) -> str:
+        """A sample's file path (image folders), for messages and tools."""
+        return os.path.join(self.root, source.decode() if isinstance(source, bytes) else source)
+
+    def __getstate__(self) -> dict:
+        # An image folder travels to the ranks as its sorted file table, compressed (3.4 MB for
+        # ImageNet's 1.28 M names instead of ~175 MB of pickled paths); every rank redoes the
+        # seeded split itself.
+        state = dict(self.__dict__)
+        if self.kind == "files":
+            # Undo the seeded split: the table in listing order (class by class, names sorted).
+            count = self.train.num_samples + self.validation.num_samples
+            train, validation = split_indices(count, self.split_fraction, self.split_seed)
+            files = np.empty(count, dtype=self.train.sources.dtype)
+            labels = np.empty(count, dtype=np.int32)
+            files[train], files[validation] = self.train.sources, self.validation.sources
+            labels[train], labels[validation] = self.train.labels, self.validation.labels
+            joined = b"\n".join(files.tolist())
+            if joined.count(b"\n") == count - 1:  # no file name holds a newline
+                state["train"] = state["validation"] = None
+                # Labels run class by class in listing order: the table keeps a count per class.
+                state["_table"] = (zlib.compress(joined, 1),
+                                   np.bincount(labels, minlength=len(self.class_names)))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        table = state.pop("_table", None)
+        if table is not None:
+            compressed, per_class = table
+            names = np.array(zlib.decompress(compressed).split(b"\n"))
+            labels = np.repeat(np.arange(len(per_class), dtype=np.int64), per_class)
+            train, validation = split_indices(len(names), state["split_fraction"],
+                                              state["split_seed"])
+            state["train"] = Split(names[train], labels[train])
+            state["validation"] = Split(names[validation], labels[validation])
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
 
 def split_indices(num_samples: int, validation_fraction: float, seed: int
@@ -99,10 +178,12 @@ def list_data(config: ImageConfig) -> Listing:
         return list_image_folder(config.data_dir, image_size=config.image_size,
                                  validation_fraction=config.validation_fraction,
                                  seed=config.seed, on_bad_image=config.on_bad_image,
-                                 channels=config.channels or 3)
+                                 channels=config.channels or 3,
+                                 check_images=config.check_images)
     if config.tfrecords:
         return list_tfrecords(config.tfrecords, image_size=config.image_size,
-                              channels=config.channels)
+                              channels=config.channels,
+                              validation_fraction=config.validation_fraction, seed=config.seed)
     arrays = load_embedded(config.data, image_size=config.image_size,
                            synthetic_samples=config.synthetic_samples, seed=config.seed)
     return _memory_listing(arrays, config.validation_fraction, config.seed)
@@ -160,9 +241,22 @@ def _memory_listing(arrays: EmbeddedArrays, validation_fraction: float, seed: in
     )
 
 
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".gif", ".bmp"})
+HEADER_CHECK_THREADS = 32
+"""Parallel header reads for --check-images: on a shared file system each open is a round trip
+to the metadata server, so many in flight hide the latency (threads: the work is I/O)."""
+
+
 def list_image_folder(data_dir: str, *, image_size: int | None, validation_fraction: float,
-                      seed: int, on_bad_image: str, channels: int = 3) -> Listing:
-    """An image folder in the layout <data_dir>/<class name>/<image files>."""
+                      seed: int, on_bad_image: str, channels: int = 3,
+                      check_images: bool = False) -> Listing:
+    """An image folder in the layout <data_dir>/<class name>/<image files>.
+
+    One ``scandir`` per class folder and no per-file open: files with an image extension are
+    trusted (one that does not decode is skipped and counted by the pipeline), files with any
+    other extension get their header checked, and ``check_images`` checks every header.
+    """
+    started = time.monotonic()
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir}: no such directory")
     class_names = sorted(entry.name for entry in os.scandir(data_dir)
@@ -173,17 +267,23 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
     if len(class_names) == 1:
         raise UserError(f"--data-dir {data_dir} has only one class folder ('{class_names[0]}'); "
                         "classification needs at least 2")
-    paths, labels, bad = [], [], []
-    for label, class_name in enumerate(class_names):
+    files_per_class = [sorted(entry.name for entry in os.scandir(os.path.join(data_dir, name))
+                              if entry.is_file()) for name in class_names]
+    suspects = [os.path.join(data_dir, class_name, name)
+                for class_name, files in zip(class_names, files_per_class) for name in files
+                if check_images or os.path.splitext(name)[1].lower() not in IMAGE_EXTENSIONS]
+    bad = _not_images(suspects)
+    rejected = set(bad)
+    names, labels = [], []
+    for label, (class_name, files) in enumerate(zip(class_names, files_per_class)):
         class_dir = os.path.join(data_dir, class_name)
-        files = sorted(entry.path for entry in os.scandir(class_dir) if entry.is_file())
-        good = [path for path in files if image_format(path)]
-        good_set = set(good)
-        bad += [path for path in files if path not in good_set]
+        good = [name for name in files
+                if os.path.join(class_dir, name) not in rejected] if rejected else files
         if not good:
             raise UserError(f"class folder {class_dir} has no PNG/JPEG/GIF/BMP images")
-        paths += good
-        labels += [label] * len(good)
+        prefix = class_name + "/"
+        names += [(prefix + name).encode() for name in good]
+        labels.append(np.full(len(good), label, dtype=np.int64))
     notes = []
     if bad:
         message = (f"{len(bad)} file(s) in {data_dir} are not PNG/JPEG/GIF/BMP images "
@@ -191,26 +291,43 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
         if on_bad_image == "fail":
             raise UserError(message + "; remove them or pass --on-bad-image skip")
         notes.append("skipped " + message)
-    paths_array = np.array(paths)
-    labels_array = np.array(labels, dtype=np.int64)
-    train, validation = split_indices(len(paths), validation_fraction, seed)
+    names_array = np.array(names)
+    labels_array = np.concatenate(labels)
+    train, validation = split_indices(len(names), validation_fraction, seed)
     size = image_size or DEFAULT_FILE_IMAGE_SIZE
+    seconds = time.monotonic() - started
     return Listing(
         kind="files",
-        description=f"{data_dir}: {len(paths)} images, {len(class_names)} classes, "
-                    f"resized to {size}x{size}",
+        description=f"{data_dir}: {len(names)} images, {len(class_names)} classes, "
+                    f"resized to {size}x{size} (listed in {seconds:.1f} s, "
+                    f"{len(suspects)} header(s) checked)",
         class_names=tuple(class_names),
         image_shape=(size, size, channels),
-        train=Split(paths_array[train], labels_array[train]),
-        validation=Split(paths_array[validation], labels_array[validation]),
+        train=Split(names_array[train], labels_array[train]),
+        validation=Split(names_array[validation], labels_array[validation]),
         notes=tuple(notes),
+        root=data_dir,
+        split_fraction=validation_fraction,
+        split_seed=seed,
     )
 
 
-def list_tfrecords(location: str, *, image_size: int | None,
-                   channels: int | None = None) -> Listing:
+def _not_images(paths: list[str]) -> list[str]:
+    """The paths whose first bytes are no image format's (read in parallel)."""
+    if len(paths) < 8:
+        formats = [image_format(path) for path in paths]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(HEADER_CHECK_THREADS) as pool:
+            formats = list(pool.map(image_format, paths, chunksize=64))
+    return [path for path, found in zip(paths, formats) if found is None]
+
+
+def list_tfrecords(location: str, *, image_size: int | None, channels: int | None = None,
+                   validation_fraction: float = 0.0, seed: int = 0) -> Listing:
     """TFRecord shards: a directory written by ``hvdtrain.tfrecords`` or a glob of shards.
 
+    Without ``validation-*`` shards, ``validation_fraction`` of the data is held out: whole
+    shards when that fraction of the shards is at least one, else records (``HeldOutRecords``).
     Read through tf.io.gfile, so ``gs://`` (and any file system TensorFlow knows) works as well
     as a local path.
     """
@@ -244,18 +361,51 @@ def list_tfrecords(location: str, *, image_size: int | None,
     if len(class_names) < 2:
         raise UserError(f"--tfrecords {location}: labels name only one class; "
                         "classification needs at least 2")
+    train = Split(np.array(train_files), None, train_counts)
+    validation = Split(np.array(validation_files), None, validation_counts)
+    if validation_files:
+        held_out = f"{len(validation_files)} validation shard(s)"
+    elif validation_fraction > 0:
+        train, validation, held_out = hold_out_tfrecords(train, validation_fraction, seed)
+    else:
+        held_out = "no validation (--validation-fraction 0)"
     size = image_size or metadata.get("image_size") or DEFAULT_FILE_IMAGE_SIZE
     channels = channels or int(metadata.get("channels", 3))
     return Listing(
         kind="tfrecords",
-        description=f"{location}: {len(train_files)} training shard(s) with "
-                    f"{int(train_counts.sum())} records, {len(validation_files)} validation "
-                    f"shard(s), {len(class_names)} classes, resized to {size}x{size}",
+        description=f"{location}: {train.num_samples} training records in "
+                    f"{len(train.sources)} shard(s), {held_out}, {len(class_names)} classes, "
+                    f"resized to {size}x{size}",
         class_names=class_names,
         image_shape=(int(size), int(size), channels),
-        train=Split(np.array(train_files), None, train_counts),
-        validation=Split(np.array(validation_files), None, validation_counts),
+        train=train,
+        validation=validation,
     )
+
+
+def hold_out_tfrecords(shards: Split, fraction: float, seed: int) -> tuple[Split, Split, str]:
+    """(train, validation, how, in words) for shards that came without validation ones."""
+    num_shards = len(shards.sources)
+    whole = int(round(num_shards * fraction))
+    if whole >= 1 and num_shards * fraction >= 1 and whole < num_shards:
+        # Whole shards: validation reads only its own files. Chosen with the shared seed.
+        order = np.random.default_rng(seed).permutation(num_shards)
+        held, kept = np.sort(order[:whole]), np.sort(order[whole:])
+        return (Split(shards.sources[kept], None, shards.counts[kept]),
+                Split(shards.sources[held], None, shards.counts[held]),
+                f"{whole} of {num_shards} shard(s) held out for validation "
+                f"(--validation-fraction {fraction:g})")
+    offsets = np.concatenate([[0], np.cumsum(shards.counts)[:-1]]).astype(np.int64)
+    held_counts = held_out_counts(offsets, shards.counts, fraction)
+    if held_counts.sum() == 0:
+        return shards, Split(shards.sources[:0], None, shards.counts[:0]), \
+            f"no validation ({shards.num_samples} records x {fraction:g} is under one)"
+    return (Split(shards.sources, None, shards.counts - held_counts,
+                  HeldOutRecords(fraction, "train", offsets)),
+            Split(shards.sources, None, held_counts, HeldOutRecords(fraction, "validation",
+                                                                   offsets)),
+            f"{int(held_counts.sum())} records held out for validation across the shards "
+            f"(--validation-fraction {fraction:g}; too few shards to hold out whole ones)")
 
 
 def count_records(path: str) -> int:
@@ -315,17 +465,37 @@ class ImageDatasets(Datasets):
     class_names: tuple[str, ...] = ()
     decode_failures: tuple[DecodeFailures, ...] = ()
     """One counter per split read from files (none for in-memory data, which always decodes)."""
+    cache: CacheChoice | None = None
+    """Where decoded images are cached, and why."""
+    pipeline_state: tuple = ()
+    """TensorFlow variables the pipelines update (held here so they live as long as them)."""
+
+
+SHUFFLE_BUFFER = 10_000
+"""Decoded samples shuffled between epochs of in-memory data, and after a cache."""
+RAW_RECORD_SHUFFLE = 2_048
+"""Undecoded TFRecord records shuffled before decoding (file order is reshuffled every pass too):
+a buffer of encoded bytes fills by reading, not decoding, so the first step does not wait for
+thousands of decodes."""
+POST_CACHE_SHUFFLE = 1_024
+"""Decoded samples shuffled after a cache: the first pass is already in random order (shuffled
+before decoding), later passes replay it from the cache and this buffer varies their batches."""
+POSITION_RING = 1 << 16
+"""Positions remembered for naming a sample that failed to decode; far more than the samples in
+flight between the sequential numbering and the decode (the parallel map's buffer)."""
 
 
 class DecodeFailures:
     """Samples of one split that this rank could not decode, counted as the pipeline meets them.
 
-    A file can pass the header check while listing and still fail to decode (a JPEG cut short).
-    Dropping it would leave this rank with fewer samples than the plan and its peers (a rank
-    short of a validation batch then reports other metrics, and the ranks' metric allreduces no
-    longer match: a hang). So the pipeline drops it with ``ignore_errors``, notices the gap in the
-    sample indices, counts it here, and puts a blank sample of weight 0 in its place: every rank
-    keeps exactly the planned number of samples, and the failure costs no gradient and no metric.
+    A file can have an image's name and still fail to decode (a JPEG cut short, a text file
+    called .png). Dropping it would leave this rank with fewer samples than the plan and its
+    peers (a rank short of a validation batch then reports other metrics, and the ranks' metric
+    allreduces no longer match: a hang). So the pipeline drops it with ``ignore_errors``, notices
+    the gap in the numbering of the samples, counts it here, and puts a blank sample of weight 0
+    in its place: every rank keeps exactly the planned number of samples, and the failure costs
+    no gradient and no metric. The numbering comes after the shuffle, so each number's position
+    in this rank's list is remembered (a ring of the latest ones) to name the sample.
     """
 
     def __init__(self, split_name: str, name_of: Callable[[int], str]):
@@ -333,45 +503,89 @@ class DecodeFailures:
 
         self.split_name = split_name
         self.name_of = name_of
-        """Index in this rank's shard -> what to call that sample in a message."""
+        """Position in this rank's list of the split -> what to call that sample in a message."""
         with tf.device("/cpu:0"):  # updated from inside tf.data, which runs on the host
             self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
-            self.last_index = tf.Variable(-1, dtype=tf.int64, trainable=False)
+            self.last_position = tf.Variable(-1, dtype=tf.int64, trainable=False)
+            self.positions = tf.Variable(tf.fill([POSITION_RING], tf.constant(-1, tf.int64)),
+                                         trainable=False)
         self._reported = 0
 
     def take_new(self) -> tuple[int, str | None]:
         """(failures since the last call, a name of the latest one)."""
         total = int(self.count.numpy())
         new, self._reported = total - self._reported, total
-        return new, self.name_of(int(self.last_index.numpy())) if new else None
+        return new, self.name_of(int(self.last_position.numpy())) if new else None
 
-    def note(self, last_good, index):
-        """tf.data step: record the indices between two decoded samples as failures."""
+    def remember(self, number, position):
+        """tf.data step (sequential): sample ``number`` of this pass is ``position`` in the list."""
+        return self.positions.scatter_nd_update([[number % POSITION_RING]], [position])
+
+    def note(self, last_good, number):
+        """tf.data step: record the samples numbered between two decoded ones as failures."""
         import tensorflow as tf
 
-        missing = index - last_good - 1
+        missing = number - last_good - 1
+        latest = self.positions[(number - 1) % POSITION_RING]
         return tf.group(self.count.assign_add(missing),
-                        self.last_index.assign(tf.where(missing > 0, index - 1,
-                                                        self.last_index)))
+                        self.last_position.assign(tf.where(missing > 0, latest,
+                                                           self.last_position)))
 
 
-def shard_records(split: Split, world: World, *, seed: int, by_file: bool) -> tf.data.Dataset:
-    """The records this rank owns, undecoded. Public so tests can check the sharding itself.
+def shard_records(split: Split, world: World, *, seed: int, by_file: bool,
+                  root: str | None = None) -> tf.data.Dataset:
+    """The records this rank owns, undecoded and in list order. Public so tests can check the
+    sharding itself: ``(path, label)`` of files, ``(row, label)`` in memory, TFRecord records.
 
-    In-memory and image-folder splits are already shuffled with the shared seed (split_indices).
-    TFRecord shards are listed in name order, so they are shuffled here with the shared seed.
+    In-memory and image-folder splits are already shuffled with the shared seed (split_indices),
+    and each rank takes every size-th sample. TFRecord shards are listed in name order, so whole
+    files are shuffled here with the shared seed before ``shard(size, rank)``.
     """
     import tensorflow as tf
 
     if split.labels is not None:
-        records = tf.data.Dataset.from_tensor_slices((split.sources, split.labels))
-        return records.shard(world.size, world.rank)
+        # Slice before TensorFlow sees the list: a rank holds its own share, not the whole list.
+        sources, labels = split.sources[world.rank::world.size], split.labels[world.rank::world.size]
+        if root is not None:
+            sources = tf.strings.join([_prefix(root), sources])
+        return tf.data.Dataset.from_tensor_slices((sources, labels))
     if by_file:
-        files = tf.data.Dataset.from_tensor_slices(split.sources[tfrecord_file_order(split, seed)])
+        order = tfrecord_file_order(split, seed)
+        files = tf.data.Dataset.from_tensor_slices(
+            (split.sources[order], _first_record_indices(split)[order]))
         return files.shard(world.size, world.rank).interleave(
-            tf.data.TFRecordDataset, cycle_length=4, num_parallel_calls=tf.data.AUTOTUNE)
-    files = tf.data.Dataset.from_tensor_slices(split.sources)
-    return tf.data.TFRecordDataset(files).shard(world.size, world.rank)
+            lambda path, first: _records_of(split, path, first), cycle_length=4,
+            num_parallel_calls=tf.data.AUTOTUNE)
+    return _records_of(split, tf.constant(split.sources), tf.constant(0, tf.int64)).shard(
+        world.size, world.rank)
+
+
+def _prefix(root: str) -> str:
+    return root.rstrip("/") + "/"
+
+
+def _first_record_indices(split: Split) -> np.ndarray:
+    if split.held_out is not None:
+        return split.held_out.offsets
+    return np.zeros(len(split.sources), dtype=np.int64)
+
+
+def _records_of(split: Split, paths, first_index) -> tf.data.Dataset:
+    """The records of TFRecord files that belong to ``split`` (all, unless it holds records out:
+    then the record's index in the whole sequence decides, see HeldOutRecords)."""
+    import tensorflow as tf
+
+    records = tf.data.TFRecordDataset(paths)
+    held_out = split.held_out
+    if held_out is None:
+        return records
+
+    def belongs(index, record):
+        position = tf.cast(index, tf.float64)
+        held = tf.floor((position + 1) * held_out.fraction) > tf.floor(position * held_out.fraction)
+        return held if held_out.keep == "validation" else tf.logical_not(held)
+
+    return records.enumerate(start=first_index).filter(belongs).map(lambda index, record: record)
 
 
 def tfrecord_file_order(split: Split, seed: int) -> np.ndarray:
@@ -390,13 +604,38 @@ def tfrecord_files_for_rank(split: Split, world: World, order: np.ndarray
     return [str(path) for path in split.sources[mine]], int(split.counts[mine].sum())
 
 
+def decoded_bytes_per_rank(listing: Listing, world: World, validation_samples: int) -> int:
+    """What caching this rank's training share and its validation samples holds, decoded."""
+    height, width, channels = listing.image_shape
+    return (_examples_for_rank(listing.train, world) + validation_samples) * height * width * channels
+
+
+def choose_data_cache(listing: Listing, world: World, flag: str, *, budget_gb: float | None,
+                      validation_samples: int) -> CacheChoice:
+    """The cache this rank uses for ``listing`` (see hvdtrain.datacache)."""
+    if listing.kind == "memory":
+        return CacheChoice("off", "the embedded data is in memory already")
+    _, directory = parse_cache_flag(flag)
+    disk_dir = directory or default_disk_dir()
+    return choose_cache(flag, bytes_per_rank=decoded_bytes_per_rank(listing, world,
+                                                                    validation_samples),
+                        local_size=world.local_size, memory_budget=node_memory_budget(budget_gb),
+                        disk_free=free_bytes(disk_dir), disk_dir=disk_dir)
+
+
 def build_pipelines(listing: Listing, world: World, *, batch_size: int,
-                    validation_batch_size: int, validation_steps: int, seed: int, cache: bool,
+                    validation_batch_size: int, validation_steps: int, seed: int,
+                    cache: CacheChoice = CacheChoice("memory", "default"),
                     tfrecord_sharding: str = "file", on_bad_image: str = "skip",
                     threads: int | None = None) -> ImageDatasets:
     """``batch_size`` and ``validation_batch_size`` are what this process feeds per step: a
     worker's batch for a horovod rank, all of its replicas' batches under a tf.distribute
-    strategy (Keras splits them)."""
+    strategy (Keras splits them).
+
+    Training data is shuffled *before* decoding (positions in the file list, or encoded records),
+    so the first step waits for one batch of decodes, not a decoded shuffle buffer, whatever the
+    data set's size; after a cache, a small decoded buffer varies the replayed passes.
+    """
     import tensorflow as tf
 
     by_file = tfrecord_sharding == "file"
@@ -405,31 +644,54 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         file_order = tfrecord_file_order(listing.train, seed)
         check_tfrecord_file_sharding(listing.train, world, file_order, batch_size)
     decode = _decoder(listing)
-    failures = []
+    failures, state = [], []
+    cache_dir = _process_cache_dir(cache)
 
-    def prepare(split: Split, *, by_file: bool, limit: int | None,
-                num_samples: int, split_name: str) -> tf.data.Dataset:
-        records = shard_records(split, world, seed=seed, by_file=by_file)
+    def cached(dataset: tf.data.Dataset, split_name: str) -> tf.data.Dataset:
+        if cache.kind == "memory":
+            return dataset.cache()
+        if cache.kind == "disk":
+            return dataset.cache(os.path.join(cache_dir, split_name))
+        return dataset
+
+    def from_files(split: Split, *, shuffle: bool, limit: int | None, num_samples: int,
+                   split_name: str) -> tf.data.Dataset:
+        """Decoded ``(image, label, weight)`` of this rank's share of ``split``."""
+        if listing.kind == "files":
+            records = _file_records(listing, split, world, shuffle=shuffle,
+                                    seed=seed + world.rank, state=state)
+        else:
+            raw = shard_records(split, world, seed=seed, by_file=by_file and split is listing.train)
+            if shuffle:
+                raw = raw.shuffle(min(max(num_samples, 1), RAW_RECORD_SHUFFLE),
+                                  seed=seed + world.rank, reshuffle_each_iteration=True)
+            records = raw.enumerate()  # positions name nothing better for records
         if limit is not None:
             # Exactly the same number of validation samples on every rank (see plan.py).
             records = records.take(limit)
             num_samples = min(num_samples, limit)
-        if listing.kind == "memory":
-            images = records.map(decode, num_parallel_calls=tf.data.AUTOTUNE)
-        else:
-            counter = DecodeFailures(split_name, _sample_namer(listing, split, world, by_file))
-            failures.append(counter)
-            images = _decode_or_blank(records, decode, counter, num_samples,
-                                      listing.image_shape)
-        return images.cache() if cache else images
+        counter = DecodeFailures(split_name, _sample_namer(listing, split, world,
+                                                           by_file and split is listing.train))
+        failures.append(counter)
+        return cached(_decode_or_blank(records, decode, counter, num_samples,
+                                       listing.image_shape), split_name)
 
-    records_per_rank = (tfrecord_files_for_rank(listing.train, world, file_order)[1]
-                        if file_order is not None else _examples_for_rank(listing.train, world))
-    train = prepare(listing.train, by_file=by_file, limit=None, num_samples=records_per_rank,
-                    split_name="training")
-    train = (train.shuffle(max(1, min(records_per_rank, 10_000)), seed=seed + world.rank,
-                           reshuffle_each_iteration=True)
-             .batch(batch_size, drop_remainder=True)
+    if listing.kind == "memory":
+        train = (shard_records(listing.train, world, seed=seed, by_file=False)
+                 .map(decode, num_parallel_calls=tf.data.AUTOTUNE))
+        records_per_rank = _examples_for_rank(listing.train, world)
+        train = train.shuffle(max(1, min(records_per_rank, SHUFFLE_BUFFER)), seed=seed + world.rank,
+                              reshuffle_each_iteration=True)
+    else:
+        records_per_rank = (tfrecord_files_for_rank(listing.train, world, file_order)[1]
+                            if file_order is not None
+                            else _examples_for_rank(listing.train, world))
+        train = from_files(listing.train, shuffle=True, limit=None, num_samples=records_per_rank,
+                           split_name="training")
+        if cache.kind != "off":
+            train = train.shuffle(max(1, min(records_per_rank, POST_CACHE_SHUFFLE)),
+                                  seed=seed + world.rank, reshuffle_each_iteration=True)
+    train = (train.batch(batch_size, drop_remainder=True)
              .repeat()  # endless: Keras stops each epoch after steps_per_epoch (plan.py)
              .prefetch(tf.data.AUTOTUNE))
 
@@ -437,11 +699,15 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     if validation_steps:
         # Validation shards by example even for TFRecords: every rank must run the same number
         # of validation batches, and the validation set is small enough to read in full.
-        validation = (prepare(listing.validation, by_file=False,
-                              limit=validation_steps * validation_batch_size,
-                              num_samples=_examples_for_rank(listing.validation, world),
-                              split_name="validation")
-                      .batch(validation_batch_size, drop_remainder=True)
+        limit = validation_steps * validation_batch_size
+        if listing.kind == "memory":
+            validation = (shard_records(listing.validation, world, seed=seed, by_file=False)
+                          .take(limit).map(decode, num_parallel_calls=tf.data.AUTOTUNE))
+        else:
+            validation = from_files(listing.validation, shuffle=False, limit=limit,
+                                    num_samples=_examples_for_rank(listing.validation, world),
+                                    split_name="validation")
+        validation = (validation.batch(validation_batch_size, drop_remainder=True)
                       .prefetch(tf.data.AUTOTUNE))
     options = tf.data.Options()
     if threads:
@@ -450,34 +716,83 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     train = train.with_options(options)
     validation = validation.with_options(options) if validation is not None else None
     return ImageDatasets(train, validation, listing.description, image_shape=listing.image_shape,
-                         class_names=listing.class_names, decode_failures=tuple(failures))
+                         class_names=listing.class_names, decode_failures=tuple(failures),
+                         cache=cache, pipeline_state=tuple(state))
+
+
+def _process_cache_dir(cache: CacheChoice) -> str | None:
+    """This process's directory for a disk cache, removed when the process ends."""
+    if cache.kind != "disk":
+        return None
+    try:
+        directory = make_process_cache_dir(cache.directory or default_disk_dir())
+    except OSError as error:
+        raise UserError(f"--cache disk: cannot create a cache directory in "
+                        f"{cache.directory}: {error.strerror or error}") from None
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
+def _file_records(listing: Listing, split: Split, world: World, *, shuffle: bool, seed: int,
+                  state: list) -> tf.data.Dataset:
+    """``(position, (path, label))`` of this rank's files, in a new random order every pass
+    when ``shuffle``: a permutation of positions (an int64 each), so it costs milliseconds, not a
+    buffer of paths to fill."""
+    import tensorflow as tf
+
+    sources = tf.constant(split.sources[world.rank::world.size])
+    labels = tf.constant(split.labels[world.rank::world.size])
+    count = int(sources.shape[0])
+    prefix = _prefix(listing.root)
+    if shuffle:
+        with tf.device("/cpu:0"):
+            passes = tf.Variable(0, dtype=tf.int64, trainable=False)
+        state.append(passes)
+
+        def one_pass(_):
+            # Stateless with (seed, pass): reproducible, and a new order on every pass.
+            pass_seed = tf.stack([tf.constant(seed, tf.int64), passes.assign_add(1)])
+            order = tf.random.experimental.stateless_shuffle(tf.range(count, dtype=tf.int64),
+                                                             seed=pass_seed)
+            return tf.data.Dataset.from_tensor_slices(order)
+
+        positions = tf.data.Dataset.from_tensors(0).flat_map(one_pass)
+    else:
+        positions = tf.data.Dataset.range(count)
+    return positions.map(lambda position: (position, (
+        tf.strings.join([prefix, tf.gather(sources, position)]), tf.gather(labels, position))))
 
 
 def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: DecodeFailures,
                      num_samples: int, image_shape: tuple[int, int, int]) -> tf.data.Dataset:
-    """Decoded ``(image, label, 1.0)``, with ``(blank, 0, 0.0)`` wherever a sample did not decode.
-
-    Always exactly ``num_samples`` elements (see ``DecodeFailures`` for why).
-    """
+    """Decoded ``(image, label, 1.0)`` of ``(position, record)``, with ``(blank, 0, 0.0)``
+    wherever a sample did not decode. Always exactly ``num_samples`` elements (see
+    ``DecodeFailures`` for why)."""
     import tensorflow as tf
 
+    def number(count, element):
+        position, record = element
+        with tf.control_dependencies([failures.remember(count, position)]):
+            return tf.identity(count), record
+
     decoded = (records.enumerate()
-               .map(lambda index, record: (index, *decode(*_as_tuple(record))),
+               .map(number)  # sequential: every number's position is stored before decoding
+               .map(lambda count, record: (count, *decode(*_as_tuple(record))),
                     num_parallel_calls=tf.data.AUTOTUNE)  # keeps order (deterministic)
                .ignore_errors())
     blank = (tf.zeros(image_shape, tf.uint8), tf.constant(0, tf.int64))
-    # A sentinel index past the end makes a gap after the last good sample visible too.
+    # A sentinel number past the end makes a gap after the last good sample visible too.
     end = tf.data.Dataset.from_tensors((tf.constant(num_samples, tf.int64), *blank))
 
     def count_gaps(last_good, element):
-        index = element[0]
-        with tf.control_dependencies([failures.note(last_good, index)]):
-            return tf.identity(index), element
+        count = element[0]
+        with tf.control_dependencies([failures.note(last_good, count)]):
+            return tf.identity(count), element
 
     samples = (decoded.concatenate(end)
                .scan(tf.constant(-1, tf.int64), count_gaps)
-               .filter(lambda index, image, label: index < num_samples)
-               .map(lambda index, image, label: (image, label, tf.constant(1.0))))
+               .filter(lambda count, image, label: count < num_samples)
+               .map(lambda count, image, label: (image, label, tf.constant(1.0))))
     blanks = tf.data.Dataset.from_tensors((*blank, tf.constant(0.0))).repeat(num_samples)
     return samples.concatenate(blanks).take(num_samples)
 
@@ -488,13 +803,13 @@ def _as_tuple(record) -> tuple:
 
 def _sample_namer(listing: Listing, split: Split, world: World,
                   by_file: bool) -> Callable[[int], str]:
-    """Index in this rank's shard of ``split`` -> a name for that sample in messages."""
+    """Position in this rank's share of ``split`` -> a name for that sample in messages."""
     if listing.kind == "files":
-        # shard(size, rank) keeps every size-th sample from this rank's position on.
-        return lambda index: str(split.sources[world.rank + index * world.size])
+        # This rank's share is every size-th sample from its rank on.
+        return lambda position: listing.path(split.sources[world.rank + position * world.size])
     if by_file:
-        return lambda index: f"record {index} of this rank's TFRecord files"
-    return lambda index: f"record {world.rank + index * world.size} of the TFRecord files"
+        return lambda position: "a record of this rank's TFRecord files"
+    return lambda position: "a record of the TFRecord files"
 
 
 def _examples_for_rank(split: Split, world: World) -> int:

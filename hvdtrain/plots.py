@@ -8,6 +8,7 @@ def plot_curves(rows: list[dict], path: str) -> None:
     """One panel per metric (training and validation), against epochs."""
     plt = pyplot()
     skip = {"epoch", "samples_per_sec", "train_seconds", "epoch_seconds", "cpu_seconds",
+            "first_step_seconds",
             "learning_rate", "skipped_samples"}
     names = [k for k in rows[0] if k not in skip and not k.startswith("val_")] if rows else []
     figure, axes = plt.subplots(1, max(1, len(names)), figsize=(5 * max(1, len(names)), 3.6),

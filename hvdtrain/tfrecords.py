@@ -3,105 +3,581 @@
 Each record holds the file's encoded bytes unchanged under ``image`` (PNG/JPEG/GIF/BMP; decoding
 happens in the training pipeline, after sharding) and its class index under ``label`` (int64).
 The train/validation split is the same one ``--data-dir`` training uses (same seed, same
-fraction). Output::
+fraction), and sample i of a split goes to shard i mod N, so what a shard holds does not depend
+on how many workers wrote it. Output::
 
     O/train-00000-of-00004.tfrecord ...  O/validation-00000-of-00001.tfrecord  O/dataset.json
 
 ``dataset.json`` records class names, image size and the record count of every shard, so training
-does not have to count records at start-up. The output directory is written under a temporary
-name and renamed at the end: it is either complete or absent.
+does not have to count records at start-up.
+
+Workers: ``--workers`` processes (default: one per core this process may use, fewer for a small
+folder) each write whole shards. A worker reads a file once, checks its first bytes and skips any
+file that is unreadable or no PNG/JPEG/GIF/BMP image (counted in ``dataset.json``'s "skipped");
+with ``--on-bad-image fail`` the first such file stops the conversion and nothing is kept.
+Progress goes to stderr: records done, records/s and the time left, on one line redrawn in place
+on a terminal, as a line every 10 s in a log file (``--quiet``: none).
+
+Interruptions: shards are written into ``O.partial/``, each under a temporary name renamed once
+complete, beside a ``plan.json`` of what defines the output (data folder, a fingerprint of its
+files and labels, split, shards). Rerunning the same command after Ctrl-C, a kill or a lost node
+keeps the complete shards and writes the rest; a rerun with other arguments or changed data is
+refused. At the end ``O.partial/`` becomes ``O``: ``O`` is either complete or absent.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import hashlib
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
+import signal
 import sys
 import tempfile
-from typing import Sequence
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TextIO
 
-import numpy as np
-
-from hvdtrain.data import DEFAULT_FILE_IMAGE_SIZE, TFRECORD_METADATA, list_image_folder
-from hvdtrain.errors import UserError, reported
+# The signatures are data.py's (what tf.io.decode_image reads); the check here is on bytes
+# already read, so data.py's path-based image_format does not fit.
+from hvdtrain.data import (_IMAGE_SIGNATURES, DEFAULT_FILE_IMAGE_SIZE, TFRECORD_METADATA, Listing,
+                           Split, list_image_folder)
+from hvdtrain.errors import UserError, first_line, reported
 from hvdtrain.rundir import current_umask
 
+if TYPE_CHECKING:
+    from multiprocessing.sharedctypes import Synchronized
+    from multiprocessing.synchronize import Event
+
 PROGRAM = "hvdtrain.tfrecords"
+STAGING_SUFFIX = ".partial"
+PLAN = "plan.json"
+DONE_DIR = "done"
+"""Sub-directory of the staging directory with one JSON marker per complete shard."""
+REPORT_SECONDS = 0.25
+"""How often a worker adds its processed files to the shared count (and checks it should go on)."""
+TERMINAL_SECONDS = 0.25
+"""Redraw interval of the progress line on a terminal."""
+LOG_SECONDS = 10.0
+"""Interval between progress lines when stderr is a file or pipe (CI, Slurm logs)."""
+RATE_WINDOW_SECONDS = 30.0
+"""The progress line's records/s, and so its ETA, are over this last stretch: the current speed
+(not diluted by the workers' start-up, following a file system that slows down)."""
+FILES_PER_WORKER = 5000
+"""The default starts a worker per this many files at most: each worker process imports
+TensorFlow (~2.5 s, ~0.45 GB), which a small folder does not pay back."""
 
 
-def write_shards(paths: np.ndarray, labels: np.ndarray, out_dir: str, prefix: str,
-                 num_shards: int) -> dict[str, int]:
-    """Round-robin the samples over ``num_shards`` files; returns {file name: records}."""
-    import tensorflow as tf
+class BadImageError(UserError):
+    """A file that is no readable image, with --on-bad-image fail."""
 
-    num_shards = max(1, min(num_shards, len(paths)))
-    counts = {}
-    for shard in range(num_shards):
-        name = f"{prefix}-{shard:05d}-of-{num_shards:05d}.tfrecord"
-        indices = range(shard, len(paths), num_shards)
-        with tf.io.TFRecordWriter(os.path.join(out_dir, name)) as writer:
-            for index in indices:
-                with open(paths[index], "rb") as file:
-                    encoded = file.read()
-                example = tf.train.Example(features=tf.train.Features(feature={
-                    "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[encoded])),
-                    "label": tf.train.Feature(
-                        int64_list=tf.train.Int64List(value=[int(labels[index])])),
-                }))
-                writer.write(example.SerializeToString())
-        counts[name] = len(indices)
-    return counts
+
+class _Stopped(Exception):
+    """Raised in a worker told to stop (Ctrl-C, or another worker failed)."""
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One output file and its samples, in record order."""
+
+    name: str
+    paths: list[str]
+    labels: list[int]
+
+
+@dataclass(frozen=True)
+class ShardDone:
+    """A complete shard; also its marker in DONE_DIR, read back by a resumed run."""
+
+    name: str
+    records: int
+    skipped: int
+    """Files not written: unreadable, or no image."""
+    first_skipped: str | None
+    """The skipped path that sorts first (None when none was skipped)."""
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What ``write_dataset`` did."""
+
+    metadata: dict
+    """The contents of dataset.json."""
+    resumed_shards: int
+    """Shards an earlier, interrupted run had completed."""
+    records_written: int
+    """Records this run wrote (not counting resumed shards)."""
+    seconds: float
+
+
+def image_format_of_bytes(head: bytes) -> str | None:
+    """'PNG', 'JPEG', 'GIF' or 'BMP' from a file's first bytes (more are fine); None otherwise."""
+    for signature, name in _IMAGE_SIGNATURES.items():
+        if head.startswith(signature):
+            return name
+    return None
+
+
+def staging_dir(out_dir: str) -> str:
+    """Where the shards of ``out_dir`` are written until all are complete."""
+    return os.path.abspath(out_dir) + STAGING_SUFFIX
 
 
 def convert(data_dir: str, out_dir: str, *, shards: int, validation_shards: int,
             validation_fraction: float, seed: int, image_size: int, channels: int = 3,
-            on_bad_image: str = "skip") -> dict:
-    # The output checks are cheap; listing opens every image. A mistyped --out fails first.
+            on_bad_image: str = "skip", workers: int | None = None,
+            progress: bool = False) -> dict:
+    """Write the shards of an image folder (see the module docstring); returns dataset.json's
+    contents. ``progress`` shows the progress line and the resume note on stderr."""
+    def to_stderr(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    return write_dataset(data_dir, out_dir, shards=shards, validation_shards=validation_shards,
+                         validation_fraction=validation_fraction, seed=seed,
+                         image_size=image_size, channels=channels, on_bad_image=on_bad_image,
+                         workers=workers, progress_stream=sys.stderr if progress else None,
+                         notify=to_stderr if progress else lambda line: None).metadata
+
+
+def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards: int,
+                  validation_fraction: float, seed: int, image_size: int, channels: int,
+                  on_bad_image: str, workers: int | None, progress_stream: TextIO | None,
+                  notify: Callable[[str], None]) -> Conversion:
+    """``convert`` with the details the command line reports. ``notify`` gets the line saying a
+    run resumes; ``progress_stream`` the progress line (None: no progress)."""
+    started = time.monotonic()
+    # The output checks are cheap, the listing is not: a mistyped --out fails first.
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; name a new directory")
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise UserError(f"--out {out_dir} exists and is not empty; choose a new directory")
+    staging = staging_dir(out_dir)
+    if os.path.exists(staging) and not os.path.isdir(staging):
+        raise UserError(f"{staging} (where --out {out_dir} is written) is a file; remove it")
     listing = list_image_folder(data_dir, image_size=image_size,
                                 validation_fraction=validation_fraction, seed=seed,
                                 on_bad_image=on_bad_image, channels=channels)
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    tasks = _shard_tasks(listing, shards, validation_shards)
+    plan = {"data_dir": os.path.abspath(data_dir),
+            "samples": sum(len(task.paths) for task in tasks), "shards": shards,
+            "validation_shards": validation_shards, "validation_fraction": validation_fraction,
+            "seed": seed, "image_size": image_size, "channels": channels,
+            "files_sha256": _fingerprint(tasks, data_dir)}
+    resumed = _open_staging(staging, plan, tasks, out_dir)
+    if resumed:
+        notify(f"resuming {staging}: {len(resumed)} of {len(tasks)} shards were complete")
+    to_write = [task for task in tasks if task.name not in resumed]
+    progress = Progress(total=plan["samples"],
+                        done=sum(done.records + done.skipped for done in resumed.values()),
+                        stream=progress_stream)
     try:
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.")
-    except OSError as error:
-        raise UserError(f"--out {out_dir}: cannot create it ({error.strerror or error})") from None
-    # mkdtemp makes 0700; shards are for other users too.
-    os.chmod(staging, 0o777 & ~current_umask())
-    try:
-        counts = write_shards(listing.train.sources, listing.train.labels, staging, "train",
-                              shards)
-        if listing.validation.num_samples:
-            counts.update(write_shards(listing.validation.sources, listing.validation.labels,
-                                       staging, "validation", validation_shards))
-        metadata = {"source": os.path.abspath(data_dir), "class_names": listing.class_names,
-                    "image_size": image_size, "channels": channels, "seed": seed,
-                    "validation_fraction": validation_fraction, "counts": counts,
-                    "skipped": list(listing.notes)}
-        with open(os.path.join(staging, TFRECORD_METADATA), "w") as file:
-            json.dump(metadata, file, indent=2)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty, checked above
-        os.replace(staging, out_dir)
-    except BaseException:
+        earlier_bad = sorted(done.first_skipped for done in resumed.values() if done.skipped)
+        if on_bad_image == "fail" and earlier_bad:
+            raise BadImageError(_not_an_image(earlier_bad[0]))
+        written = _write_shards(to_write, staging, on_bad_image, workers, progress)
+    except BadImageError:
+        # The data has to change before a rerun, which would not match this plan anyway.
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return metadata
+    finally:
+        progress.close()
+    complete = {**resumed, **{done.name: done for done in written}}
+    metadata = {"source": os.path.abspath(data_dir), "class_names": listing.class_names,
+                "image_size": image_size, "channels": channels, "seed": seed,
+                "validation_fraction": validation_fraction,
+                "counts": {task.name: complete[task.name].records for task in tasks},
+                "skipped": list(listing.notes) + _skipped_notes(complete.values(), data_dir)}
+    _finish(staging, out_dir, metadata)
+    return Conversion(metadata, resumed_shards=len(resumed),
+                      records_written=sum(done.records for done in written),
+                      seconds=time.monotonic() - started)
 
 
+def _absolute_paths(listing: Listing, split: Split) -> list[str]:
+    """The split's files as paths to open: ``sources`` are relative to ``listing.root`` when the
+    listing has one (bytes or str), else already whole paths."""
+    root = getattr(listing, "root", None)
+    if root is None:
+        return [str(p) for p in split.sources]
+    return [os.path.join(root, p.decode() if isinstance(p, bytes) else str(p))
+            for p in split.sources]
+
+
+def _shard_tasks(listing: Listing, shards: int, validation_shards: int) -> list[ShardTask]:
+    """Every shard of the output, in name order: sample i of a split goes to shard i mod N."""
+    tasks = []
+    for prefix, split, requested in (("train", listing.train, shards),
+                                     ("validation", listing.validation, validation_shards)):
+        if not split.num_samples:
+            continue
+        paths, labels = _absolute_paths(listing, split), split.labels.tolist()
+        count = max(1, min(requested, len(paths)))
+        tasks += [ShardTask(f"{prefix}-{shard:05d}-of-{count:05d}.tfrecord", paths[shard::count],
+                            labels[shard::count]) for shard in range(count)]
+    return tasks
+
+
+def _fingerprint(tasks: list[ShardTask], data_dir: str) -> str:
+    """sha256 of the folder's files and labels (paths relative to it, sorted): the same for the
+    same folder however ``data_dir`` is spelled, whatever the split, and changed with any file."""
+    prefix = os.path.join(data_dir, "")
+    # "path<TAB>label" strings: sorting them is ~3x faster than sorting (path, label) tuples.
+    files = sorted(f"{path[len(prefix):] if path.startswith(prefix) else path}\t{label}"
+                   for task in tasks for path, label in zip(task.paths, task.labels))
+    return hashlib.sha256("\n".join(files).encode()).hexdigest()
+
+
+def _open_staging(staging: str, plan: dict, tasks: list[ShardTask],
+                  out_dir: str) -> dict[str, ShardDone]:
+    """The shards an earlier run of the same plan completed in ``staging`` (none when it creates
+    the directory). Refuses a staging directory of another plan."""
+    if not os.path.isdir(staging):
+        _create_staging(staging, plan, out_dir)
+        return {}
+    try:
+        with open(os.path.join(staging, PLAN)) as file:
+            recorded = json.load(file)
+    except (OSError, ValueError):
+        raise UserError(f"{staging} exists but has no readable {PLAN}; delete it to start "
+                        "over") from None
+    differences = [_difference(key, recorded.get(key), value) for key, value in plan.items()
+                   if recorded.get(key) != value]
+    if differences:
+        raise UserError(f"{staging} holds an unfinished conversion of other data or arguments "
+                        f"({'; '.join(differences)}): rerun with the original arguments to "
+                        f"resume it, or delete {staging} to start over")
+    # Partial shards of the interrupted run; their writers are gone (workers exit once the
+    # converter that started them is), and the shards are rewritten from the start.
+    for entry in os.scandir(staging):
+        if entry.name.endswith(".tmp"):
+            os.remove(entry.path)
+    complete = {}
+    for task in tasks:
+        marker = os.path.join(staging, DONE_DIR, task.name + ".json")
+        if os.path.exists(marker) and os.path.exists(os.path.join(staging, task.name)):
+            with open(marker) as file:
+                complete[task.name] = ShardDone(**json.load(file))
+    return complete
+
+
+def _difference(key: str, then: object, now: object) -> str:
+    if key == "files_sha256":
+        return "the folder's files or labels changed"
+    return f"{key} {then} then, {now} now"
+
+
+def _create_staging(staging: str, plan: dict, out_dir: str) -> None:
+    """Make ``staging`` with its plan and an empty DONE_DIR, all at once (built under a temporary
+    name): a staging directory without its plan is never left behind."""
+    parent = os.path.dirname(staging)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        building = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(staging)}.")
+    except OSError as error:
+        raise UserError(f"--out {out_dir}: cannot create it ({error.strerror or error})") from None
+    try:
+        # mkdtemp makes 0700; shards are for other users too.
+        os.chmod(building, 0o777 & ~current_umask())
+        os.mkdir(os.path.join(building, DONE_DIR))
+        _write_json(os.path.join(building, PLAN), plan)
+        os.rename(building, staging)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+
+
+def _write_json(path: str, value: dict) -> None:
+    """Write ``path`` whole or not at all (a kill mid-write leaves only a .tmp file)."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as file:
+        json.dump(value, file, indent=2)
+    os.replace(temporary, path)
+
+
+def _skipped_notes(shards: Iterable[ShardDone], data_dir: str) -> list[str]:
+    skipped = [done for done in shards if done.skipped]
+    if not skipped:
+        return []
+    first = min(done.first_skipped for done in skipped)
+    return [f"skipped {sum(done.skipped for done in skipped)} file(s) in {data_dir} that are not "
+            f"readable PNG/JPEG/GIF/BMP images (first: {first})"]
+
+
+def _not_an_image(path: str) -> str:
+    return (f"{path} is not a readable PNG/JPEG/GIF/BMP image; remove it or pass "
+            "--on-bad-image skip")
+
+
+def _finish(staging: str, out_dir: str, metadata: dict) -> None:
+    with open(os.path.join(staging, TFRECORD_METADATA), "w") as file:
+        json.dump(metadata, file, indent=2)
+    if os.path.isdir(out_dir):
+        os.rmdir(out_dir)  # empty, checked at the start
+    os.replace(staging, out_dir)
+    # The bookkeeping goes after the rename: a kill in between leaves a complete output with
+    # two extra entries, never finished shards stuck in a staging directory without its plan.
+    os.remove(os.path.join(out_dir, PLAN))
+    shutil.rmtree(os.path.join(out_dir, DONE_DIR))
+
+
+# --- writing shards ------------------------------------------------------------------------------
+def _write_shards(tasks: list[ShardTask], staging: str, on_bad_image: str, workers: int | None,
+                  progress: Progress) -> list[ShardDone]:
+    if not tasks:
+        return []
+    count = _worker_count(workers, tasks)
+    if count == 1:
+        # No process to start (and no TensorFlow import to wait for); the same shards.
+        def add(files: int) -> None:
+            progress.set(progress.done + files)
+
+        return [write_shard(task, staging, on_bad_image=on_bad_image, report=add)
+                for task in tasks]
+    return _write_in_workers(tasks, staging, on_bad_image, count, progress)
+
+
+def _worker_count(requested: int | None, tasks: list[ShardTask]) -> int:
+    if requested is None:
+        files = sum(len(task.paths) for task in tasks)
+        # The cores this process may use: a Slurm job's share, not the whole node.
+        requested = min(len(os.sched_getaffinity(0)), max(1, files // FILES_PER_WORKER))
+    return min(requested, len(tasks))  # a worker writes whole shards
+
+
+@dataclass(frozen=True)
+class WorkerLink:
+    """What a worker process shares with the converter that started it."""
+
+    staging: str
+    on_bad_image: str
+    processed: Synchronized
+    """Files all workers have processed (written or skipped)."""
+    stop: Event
+    """Set when the converter gives up: Ctrl-C, or another worker failed."""
+
+    def report(self, files: int) -> None:
+        if self.stop.is_set():
+            raise _Stopped()
+        with self.processed.get_lock():
+            self.processed.value += files
+
+
+_worker_link: WorkerLink | None = None
+"""Set in each worker process by _start_worker."""
+
+
+def _start_worker(link: WorkerLink) -> None:
+    global _worker_link
+    _worker_link = link
+    # Ctrl-C reaches the whole process group; the converter stops the workers itself (stop), so
+    # they print no traceback each.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_converter, daemon=True).start()
+
+
+def _exit_with_converter() -> None:
+    """End this worker when the converter ends without stopping it (SIGKILL, a lost Slurm step):
+    an orphan would wait for its next shard forever, or race the rerun writing the same one."""
+    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    os._exit(1)
+
+
+def _write_shard_in_worker(task: ShardTask) -> ShardDone:
+    link = _worker_link
+    return write_shard(task, link.staging, on_bad_image=link.on_bad_image, report=link.report)
+
+
+def _write_in_workers(tasks: list[ShardTask], staging: str, on_bad_image: str, workers: int,
+                      progress: Progress) -> list[ShardDone]:
+    # spawn: TensorFlow is not fork-safe, and this process never imports it.
+    context = multiprocessing.get_context("spawn")
+    processed = context.Value("q", 0)
+    stop = context.Event()
+    link = WorkerLink(staging, on_bad_image, processed, stop)
+    already_done = progress.done
+    written = []
+    with _CtrlC() as ctrl_c:
+        executor = concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_start_worker, initargs=(link,))
+        try:
+            pending = {executor.submit(_write_shard_in_worker, task) for task in tasks}
+            while pending and not ctrl_c.pressed:
+                finished, pending = concurrent.futures.wait(
+                    pending, timeout=REPORT_SECONDS,
+                    return_when=concurrent.futures.FIRST_COMPLETED)
+                written += [future.result() for future in finished]
+                progress.set(already_done + processed.value)
+            if ctrl_c.pressed:
+                raise KeyboardInterrupt
+        except concurrent.futures.BrokenExecutor:
+            raise UserError("a worker process died (out of memory? killed?); rerun the same "
+                            "command to resume") from None
+        finally:
+            stop.set()  # after an error or Ctrl-C, the workers still writing give up in 0.25 s
+            executor.shutdown(wait=True, cancel_futures=True)
+    return written
+
+
+class _CtrlC:
+    """Ctrl-C (SIGINT) as a flag the loop reads, while in this context.
+
+    A KeyboardInterrupt raised wherever it lands can land inside concurrent.futures.wait while
+    it holds the futures' locks, and the executor's shutdown then waits for them forever. Only
+    the main thread receives signals: elsewhere the flag is never set.
+    """
+
+    def __init__(self):
+        self.pressed = False
+        self._previous = None
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def __exit__(self, *exception) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _press(self, signum: int, frame) -> None:
+        self.pressed = True
+
+
+def write_shard(task: ShardTask, staging: str, *, on_bad_image: str,
+                report: Callable[[int], None]) -> ShardDone:
+    """Write one shard under a temporary name, rename it, then mark it complete in DONE_DIR.
+
+    ``report`` gets the number of files processed since its last call, every REPORT_SECONDS and
+    at the end. A file that is unreadable or no image is skipped, or raises BadImageError with
+    ``on_bad_image`` "fail".
+    """
+    import tensorflow as tf
+
+    final = os.path.join(staging, task.name)
+    temporary = f"{final}.{os.getpid()}.tmp"  # per process: a leftover writer never shares it
+    records = skipped = 0
+    first_skipped = None
+    report(0)  # a worker told to stop does not start another shard
+    unreported, reported_at = 0, time.monotonic()
+    try:
+        with tf.io.TFRecordWriter(temporary) as writer:
+            for path, label in zip(task.paths, task.labels):
+                encoded = _read_image(path)
+                if encoded is not None:
+                    example = tf.train.Example(features=tf.train.Features(feature={
+                        "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[encoded])),
+                        "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
+                    }))
+                    writer.write(example.SerializeToString())
+                    records += 1
+                elif on_bad_image == "fail":
+                    raise BadImageError(_not_an_image(path))
+                else:
+                    skipped += 1
+                    first_skipped = path if first_skipped is None else min(first_skipped, path)
+                unreported += 1
+                if time.monotonic() - reported_at >= REPORT_SECONDS:
+                    report(unreported)
+                    unreported, reported_at = 0, time.monotonic()
+        os.replace(temporary, final)
+        done = ShardDone(task.name, records, skipped, first_skipped)
+        _write_json(os.path.join(staging, DONE_DIR, task.name + ".json"), dataclasses.asdict(done))
+    except (OSError, tf.errors.OpError) as error:
+        # A full disk, a lost mount: the complete shards stay, a rerun writes the rest.
+        raise UserError(f"cannot write {final}: {first_line(error)}; rerun the same command to "
+                        "resume once that is fixed") from None
+    report(unreported)
+    return done
+
+
+def _read_image(path: str) -> bytes | None:
+    """The file's bytes when it is an image; None when unreadable or anything else."""
+    try:
+        with open(path, "rb") as file:
+            encoded = file.read()
+    except OSError:
+        return None
+    return encoded if image_format_of_bytes(encoded) else None
+
+
+# --- progress ------------------------------------------------------------------------------------
+class Progress:
+    """Files processed out of all, on a stream: one line redrawn in place on a terminal, a new
+    line every LOG_SECONDS otherwise (a log file keeps every line it gets). No stream: silent."""
+
+    def __init__(self, *, total: int, done: int, stream: TextIO | None):
+        self.total = total
+        self.done = done
+        self._done_before = done  # resumed shards: not part of this run's speed
+        self._stream = stream
+        self._terminal = stream is not None and stream.isatty()
+        self._started = self._shown_at = time.monotonic()
+        self._recent = collections.deque([(self._started, done)])
+        """(time, done) over the last RATE_WINDOW_SECONDS, and one before."""
+        self._show(final=False)  # at once: the total, before the workers have started
+
+    def set(self, done: int) -> None:
+        self.done = done
+        now = time.monotonic()
+        if done == self._done_before:  # still starting: the speed counts from the first file on
+            self._recent = collections.deque([(now, done)])
+        else:
+            self._recent.append((now, done))
+            while len(self._recent) > 2 and now - self._recent[1][0] >= RATE_WINDOW_SECONDS:
+                self._recent.popleft()
+        interval = TERMINAL_SECONDS if self._terminal else LOG_SECONDS
+        if now - self._shown_at >= interval:
+            self._show(final=False)
+
+    def close(self) -> None:
+        """The last line: how far it got, and how fast on average."""
+        self._show(final=True)
+        if self._terminal:
+            self._stream.write("\n")
+
+    def _show(self, *, final: bool) -> None:
+        if self._stream is None:
+            return
+        self._shown_at = now = time.monotonic()
+        if final:
+            elapsed = now - self._started
+            rate = (self.done - self._done_before) / elapsed if elapsed > 0 else 0.0
+            tail = f"{_clock(elapsed)} elapsed"
+        else:
+            since, done_then = self._recent[0]
+            rate = (self.done - done_then) / (now - since) if now > since else 0.0
+            tail = f"ETA {_clock((self.total - self.done) / rate) if rate > 0 else '--'}"
+        line = (f"{self.done}/{self.total} records ({100 * self.done // self.total}%) | "
+                f"{rate:.0f} records/s | {tail}")
+        # \x1b[K clears what a longer previous line left on the terminal.
+        self._stream.write(f"\r{line}\x1b[K" if self._terminal else line + "\n")
+        self._stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    """1h02m03s, 2m05s."""
+    minutes, second = divmod(int(seconds), 60)
+    hours, minute = divmod(minutes, 60)
+    return f"{hours}h{minute:02d}m{second:02d}s" if hours else f"{minute}m{second:02d}s"
+
+
+# --- command line --------------------------------------------------------------------------------
 def run(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {PROGRAM}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True, help="image folder, one sub-folder per class")
-    parser.add_argument("--out", required=True, help="new directory for the shards")
+    parser.add_argument("--out", required=True,
+                        help="new directory for the shards (written in OUT.partial until done)")
     parser.add_argument("--shards", type=int, default=4,
                         help="training shards; at least the number of ranks that will read them "
-                             "with --tfrecord-sharding file (default 4)")
+                             "with --tfrecord-sharding file, and at least --workers to keep every "
+                             "worker busy (default 4)")
     parser.add_argument("--validation-shards", type=int, default=1, help="(default 1)")
     parser.add_argument("--validation-fraction", type=float, default=0.2, help="(default 0.2)")
     parser.add_argument("--seed", type=int, default=42, help="split seed (default 42)")
@@ -109,19 +585,40 @@ def run(argv: Sequence[str] | None = None) -> int:
                         help="size training resizes to, recorded in dataset.json (default 64)")
     parser.add_argument("--channels", type=int, choices=(1, 3), default=3,
                         help="channels training decodes to, recorded in dataset.json (default 3)")
-    parser.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip")
+    parser.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip",
+                        help="a file that is unreadable or no PNG/JPEG/GIF/BMP image: skip and "
+                             "count it, or stop (and keep nothing) (default skip)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes writing shards in parallel; each imports TensorFlow "
+                             "(~0.5 GB) (default: one per core this process may use, but no more "
+                             f"than one per {FILES_PER_WORKER} files)")
+    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     args = parser.parse_args(argv)
     if args.shards < 1 or args.validation_shards < 1:
         raise UserError("--shards and --validation-shards must be at least 1")
-    metadata = convert(args.data_dir, args.out, shards=args.shards,
-                       validation_shards=args.validation_shards,
-                       validation_fraction=args.validation_fraction, seed=args.seed,
-                       image_size=args.image_size, channels=args.channels,
-                       on_bad_image=args.on_bad_image)
-    for note in metadata["skipped"]:
+    if args.workers is not None and args.workers < 1:
+        raise UserError("--workers must be at least 1")
+    try:
+        conversion = write_dataset(
+            args.data_dir, args.out, shards=args.shards, validation_shards=args.validation_shards,
+            validation_fraction=args.validation_fraction, seed=args.seed,
+            image_size=args.image_size, channels=args.channels, on_bad_image=args.on_bad_image,
+            workers=args.workers, progress_stream=None if args.quiet else sys.stderr,
+            notify=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        staging = staging_dir(args.out)
+        then = (f"rerun the same command to resume from {staging}" if os.path.isdir(staging)
+                else "nothing was written")
+        print(f"{PROGRAM}: interrupted; {then}", file=sys.stderr, flush=True)
+        return 130
+    counts = conversion.metadata["counts"]
+    for note in conversion.metadata["skipped"]:
         print(note)
-    print(f"wrote {sum(metadata['counts'].values())} records in {len(metadata['counts'])} "
-          f"shards to {args.out}")
+    resumed = (f"; {conversion.resumed_shards} shard(s) came from the interrupted run"
+               if conversion.resumed_shards else "")
+    print(f"wrote {sum(counts.values())} records in {len(counts)} shards to {args.out} in "
+          f"{conversion.seconds:.1f} s ({conversion.records_written / conversion.seconds:.0f} "
+          f"records/s{resumed})")
     return 0
 
 

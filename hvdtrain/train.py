@@ -19,13 +19,15 @@ from typing import Callable
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
-from hvdtrain import KERAS, __version__, ranklog
+from hvdtrain import KERAS, STARTED, __version__, ranklog
 from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
-                                MetricsLog, StallWatchdog, Throughput, batch_norm_layers)
+                                MetricsLog, Progress, StallWatchdog, Throughput,
+                                batch_norm_layers)
 from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, training_state,
                                  variables_bytes)
 from hvdtrain.config import ImageConfig, TrainConfig
-from hvdtrain.data import ImageDatasets, agreed_batches, build_pipelines, load_listing
+from hvdtrain.data import (ImageDatasets, agreed_batches, build_pipelines, choose_data_cache,
+                           load_listing)
 from hvdtrain.errors import UserError
 from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch
 from hvdtrain.preemption import (PreemptionCheck, StopRequest, StopSignals, describe_stop,
@@ -103,14 +105,20 @@ def image_data(config: TrainConfig, runtime: Runtime
     # A process driving several replicas (tf.distribute) feeds all of them: Keras splits its
     # batch between the replicas. A horovod rank feeds exactly one.
     per_process = runtime.world.replicas_per_process
+    validation_batch_size = plan.validation_batch_size * per_process
+    # Each rank sizes its own cache against its node's memory: nodes may differ, and no rank
+    # waits for another to decide. The banner shows rank 0's choice.
+    cache = choose_data_cache(listing, runtime.world, config.cache,
+                              budget_gb=config.cache_budget_gb,
+                              validation_samples=plan.validation_steps * validation_batch_size)
     datasets = build_pipelines(
         listing, runtime.world,
         batch_size=plan.per_worker_batch_size * per_process,
-        validation_batch_size=plan.validation_batch_size * per_process,
-        validation_steps=plan.validation_steps, seed=config.seed, cache=config.cache,
+        validation_batch_size=validation_batch_size,
+        validation_steps=plan.validation_steps, seed=config.seed, cache=cache,
         tfrecord_sharding=config.tfrecord_sharding, on_bad_image=config.on_bad_image,
         threads=runtime.devices.threads)
-    return plan, datasets, listing.notes
+    return plan, datasets, (*listing.notes, cache.describe())
 
 
 def task_data(config: TrainConfig, runtime: Runtime, task: Task
@@ -258,6 +266,9 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     if decode_failures:
         callbacks.append(DecodeFailureReport(runtime, decode_failures, config.on_bad_image))
     if world.is_chief:
+        callbacks.append(Progress(plan.global_batch_size, plan.steps_per_epoch, config.epochs,
+                                  config.progress_seconds if _verbosity(world) == 2 else 0,
+                                  STARTED, print_line=runtime.print0))
         # Metrics before the checkpoint: a crash between the two then costs a repeated epoch,
         # never a missing row.
         callbacks += [MetricsLog(run_dir, rows, request, throughput),

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import socket
 
 import numpy as np
 import pytest
@@ -58,7 +61,7 @@ def test_uneven_shards_still_give_every_rank_the_planned_steps(samples, size):
     for rank in range(size):
         pipelines = build_pipelines(listing, World(rank=rank, size=size),
                                     batch_size=batch, validation_batch_size=batch,
-                                    validation_steps=0, seed=0, cache=True)
+                                    validation_steps=0, seed=0)
         # Two epochs' worth: the training stream repeats, so no rank can run dry.
         batches = list(pipelines.train.take(2 * steps).as_numpy_iterator())
         assert len(batches) == 2 * steps
@@ -72,7 +75,7 @@ def test_image_folder_png_and_jpeg_of_any_size(tmp_path):
     assert listing.class_names == ("one", "two", "zero")
     assert listing.train.num_samples + listing.validation.num_samples == 36
     pipelines = build_pipelines(listing, World(), batch_size=4,
-                                validation_batch_size=4, validation_steps=2, seed=0, cache=True)
+                                validation_batch_size=4, validation_steps=2, seed=0)
     images, labels, weights = next(iter(pipelines.train))
     assert images.shape == (4, 16, 16, 3) and images.dtype.name == "uint8"
     assert set(labels.numpy()) <= {0, 1, 2}
@@ -96,17 +99,48 @@ def test_unusable_folders_are_one_line_errors(tmp_path, make_bad, message):
     assert "\n" not in str(error.value)
 
 
-def test_non_image_files_are_skipped_and_counted_or_fatal(tmp_path):
+def test_listing_opens_only_files_without_an_image_extension(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, per_class=5)
     (root / "zero" / "notes.txt").write_text("not an image")
+    (root / "zero" / "scan.dat").write_bytes((root / "zero" / "000.png").read_bytes())
     (root / "one" / "broken.png").write_bytes(b"garbage that is not a PNG")
     listing = list_image_folder(str(root), image_size=None, validation_fraction=0.2, seed=0,
                                 on_bad_image="skip")
-    assert listing.train.num_samples + listing.validation.num_samples == 10
-    assert listing.notes and "skipped 2 file(s)" in listing.notes[0]
-    with pytest.raises(UserError, match="2 file.*--on-bad-image skip"):
+    # The two odd extensions were opened: the text file is skipped, the PNG named .dat kept;
+    # broken.png has an image's name, so it is listed and left to the decoder to skip and count.
+    assert "2 header(s) checked" in listing.description
+    listed = {listing.path(source) for split in (listing.train, listing.validation)
+              for source in split.sources}
+    assert len(listed) == 12
+    assert str(root / "one" / "broken.png") in listed and str(root / "zero" / "scan.dat") in listed
+    assert listing.notes and "skipped 1 file(s)" in listing.notes[0] and "notes.txt" in listing.notes[0]
+    with pytest.raises(UserError, match="1 file.*--on-bad-image skip"):
         list_image_folder(str(root), image_size=None, validation_fraction=0.2, seed=0,
                           on_bad_image="fail")
+    # --check-images opens every file: broken.png is found while listing too.
+    checked = list_image_folder(str(root), image_size=None, validation_fraction=0.2, seed=0,
+                                on_bad_image="skip", check_images=True)
+    assert "13 header(s) checked" in checked.description
+    assert checked.train.num_samples + checked.validation.num_samples == 11
+    assert "skipped 2 file(s)" in checked.notes[0]
+
+
+def test_the_listing_travels_as_a_compact_table_and_every_rank_redoes_the_split(tmp_path):
+    root = tmp_path / "data"
+    source = make_image_folder(tmp_path / "source", classes=2, per_class=1)
+    for class_name in ("zero", "one", "two"):
+        (root / class_name).mkdir(parents=True)
+        for index in range(3000):  # hard links: a big folder in milliseconds
+            os.link(source / "zero" / "000.png", root / class_name / f"img-{index:05d}.png")
+    listing = list_image_folder(str(root), image_size=None, validation_fraction=0.1, seed=7,
+                                on_bad_image="skip")
+    packed = pickle.dumps(listing)
+    received = pickle.loads(packed)
+    for mine, theirs in ((listing.train, received.train), (listing.validation, received.validation)):
+        assert (mine.sources == theirs.sources).all() and (mine.labels == theirs.labels).all()
+    plain = pickle.dumps([listing.train.sources, listing.validation.sources,
+                          listing.train.labels, listing.validation.labels])
+    assert len(packed) * 5 < len(plain), (len(packed), len(plain))
 
 
 def add_undecodable_files(root, per_class: int) -> list[str]:
@@ -138,7 +172,7 @@ def test_undecodable_files_become_blank_samples_and_every_rank_keeps_its_count(t
         world = World(rank=rank, size=size)
         pipelines = build_pipelines(listing, world, batch_size=batch,
                                     validation_batch_size=batch,
-                                    validation_steps=validation_steps, seed=0, cache=True)
+                                    validation_steps=validation_steps, seed=0)
         # One full pass over this rank's shard: exactly its planned number of samples, the
         # undecodable ones as weight-0 blanks, so no rank can run short of a batch.
         planned = len(listing.train.sources[rank::size])
@@ -178,7 +212,7 @@ def test_tfrecords_round_trip_and_file_sharding(tmp_path):
         seen.append(sum(1 for _ in records))
     assert seen == [8, 8, 8]
     pipelines = build_pipelines(listing, World(rank=1, size=3), batch_size=4,
-                                validation_batch_size=2, validation_steps=1, seed=0, cache=True)
+                                validation_batch_size=2, validation_steps=1, seed=0)
     images, labels, weights = next(iter(pipelines.train))
     assert images.shape == (4, 16, 16, 3)
 
@@ -212,10 +246,10 @@ def test_more_ranks_than_tfrecord_files_is_refused(tmp_path):
     listing = list_tfrecords(str(tmp_path / "records"), image_size=None)
     with pytest.raises(UserError, match="3 ranks but only 2 training TFRecord file"):
         build_pipelines(listing, World(rank=0, size=3), batch_size=1,
-                        validation_batch_size=1, validation_steps=0, seed=0, cache=True)
+                        validation_batch_size=1, validation_steps=0, seed=0)
     # Sharding by example works with any number of ranks.
     build_pipelines(listing, World(rank=2, size=3), batch_size=1,
-                    validation_batch_size=1, validation_steps=0, seed=0, cache=True,
+                    validation_batch_size=1, validation_steps=0, seed=0,
                     tfrecord_sharding="example")
 
 
@@ -261,3 +295,139 @@ def test_tfrecords_and_run_directory_on_a_url_file_system(tmp_path):
         assert tf.io.gfile.exists(f"{run_dir}/{name}"), name
     resumed = train.run("test", dataclasses.replace(config, epochs=3), runtime, CLASSIFIER)
     assert resumed.initial_epoch == 2 and [r["epoch"] for r in resumed.rows] == [1, 2, 3]
+
+
+# --- TFRecords without validation shards -----------------------------------------------------------
+def write_numbered_shards(directory, num_shards: int, per_shard: int) -> None:
+    """Shards whose records carry an ``id`` (0, 1, ... through the shards in name order)."""
+    import tensorflow as tf
+
+    png = (make_image_folder(directory / "_image", classes=2, per_class=1) / "zero" /
+           "000.png").read_bytes()
+    for shard in range(num_shards):
+        with tf.io.TFRecordWriter(str(directory / f"part-{shard:03d}.tfrecord")) as writer:
+            for index in range(per_shard):
+                record_id = shard * per_shard + index
+                writer.write(tf.train.Example(features=tf.train.Features(feature={
+                    "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[png])),
+                    "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[record_id % 2])),
+                    "id": tf.train.Feature(int64_list=tf.train.Int64List(value=[record_id])),
+                })).SerializeToString())
+
+
+def record_ids(split, world, *, by_file: bool) -> list[int]:
+    import tensorflow as tf
+
+    parse = lambda record: tf.io.parse_single_example(  # noqa: E731
+        record, {"id": tf.io.FixedLenFeature([], tf.int64)})["id"]
+    return [int(i) for i in shard_records(split, world, seed=5, by_file=by_file).map(parse)]
+
+
+@pytest.mark.parametrize("num_shards, fraction, whole", [(10, 0.2, True), (4, 0.2, False),
+                                                           (3, 0.1, False)])
+def test_tfrecords_without_validation_shards_hold_out_the_fraction(tmp_path, num_shards, fraction,
+                                                                   whole):
+    write_numbered_shards(tmp_path, num_shards, per_shard=10)
+    total = num_shards * 10
+    listing = list_tfrecords(str(tmp_path / "*.tfrecord"), image_size=8,
+                             validation_fraction=fraction, seed=3)
+    assert listing.validation.num_samples == round(total * fraction)
+    assert listing.train.num_samples + listing.validation.num_samples == total
+    assert ("shard(s) held out" if whole else "records held out") in listing.description
+    validation = record_ids(listing.validation, World(), by_file=False)
+    assert len(validation) == listing.validation.num_samples
+    # Training, read by file over 2 ranks and by example: each rank reads what was counted for
+    # it, the ranks are disjoint, and nothing validates that also trains.
+    order = tfrecord_file_order(listing.train, seed=5)
+    by_file = [record_ids(listing.train, World(rank=r, size=2), by_file=True) for r in range(2)]
+    assert [len(ids) for ids in by_file] == [
+        tfrecord_files_for_rank(listing.train, World(rank=r, size=2), order)[1] for r in range(2)]
+    by_example = [record_ids(listing.train, World(rank=r, size=2), by_file=False)
+                  for r in range(2)]
+    for ids in (by_file, by_example):
+        train = ids[0] + ids[1]
+        assert sorted(train + validation) == list(range(total))
+    # The same split on every call (every rank lists the same shards with the same seed).
+    again = list_tfrecords(str(tmp_path / "*.tfrecord"), image_size=8,
+                           validation_fraction=fraction, seed=3)
+    assert record_ids(again.validation, World(), by_file=False) == validation
+
+
+def test_tfrecords_validation_fraction_zero_keeps_none(tmp_path):
+    write_numbered_shards(tmp_path, 10, per_shard=4)
+    listing = list_tfrecords(str(tmp_path), image_size=8, validation_fraction=0.0)
+    assert (listing.train.num_samples, listing.validation.num_samples) == (40, 0)
+    assert "no validation" in listing.description
+
+
+# --- the cache decision ----------------------------------------------------------------------------
+GB = 10**9
+
+
+def test_auto_cache_never_holds_more_than_the_memory_budget():
+    from hvdtrain.datacache import choose_cache
+
+    common = dict(local_size=4, disk_dir="/scratch")
+    fits = choose_cache("auto", bytes_per_rank=2 * GB, memory_budget=8 * GB, disk_free=0,
+                        **common)
+    assert fits.kind == "memory" and "fits" in fits.reason
+    # 4 local ranks x 2.1 GB > 8 GB: never memory, whatever the disk.
+    for disk_free, kind in ((100 * GB, "disk"), (9 * GB, "off"), (None, "off")):
+        choice = choose_cache("auto", bytes_per_rank=int(2.1 * GB), memory_budget=8 * GB,
+                              disk_free=disk_free, **common)
+        assert choice.kind == kind and "exceeds" in choice.reason, choice
+    assert choose_cache("auto", bytes_per_rank=3 * GB, memory_budget=8 * GB,
+                        disk_free=100 * GB, **common).directory == "/scratch"
+    # What the user asks for is what they get, with the size in the reason.
+    assert choose_cache("memory", bytes_per_rank=9 * GB, memory_budget=GB, disk_free=0,
+                        **common).kind == "memory"
+    assert choose_cache("disk:/fast", bytes_per_rank=1, memory_budget=GB, disk_free=0,
+                        **common).directory == "/fast"
+    assert choose_cache("off", bytes_per_rank=1, memory_budget=GB, disk_free=0,
+                        **common).kind == "off"
+
+
+@pytest.mark.parametrize("flag", ["ram", "disk:", "memory:/x", "auto:/x", ""])
+def test_bad_cache_flags_are_one_line_errors(flag):
+    with pytest.raises(ValueError, match="--cache must be memory, disk, disk:DIR, off or auto"):
+        ImageConfig(cache=flag)
+
+
+def test_the_budget_decides_for_a_real_listing(tmp_path):
+    from hvdtrain.data import choose_data_cache
+
+    root = make_image_folder(tmp_path / "data", classes=2, per_class=50)
+    listing = list_image_folder(str(root), image_size=32, validation_fraction=0.2, seed=0,
+                                on_bad_image="skip")
+    world = World(rank=0, size=2, local_size=2)
+    decoded = 40 * 32 * 32 * 3 + 8 * 32 * 32 * 3  # this rank: 40 training + 8 validation
+    enough = choose_data_cache(listing, world, "auto", budget_gb=2 * decoded / 1e9,
+                               validation_samples=8)
+    short = choose_data_cache(listing, world, "auto", budget_gb=(2 * decoded - 1) / 1e9,
+                              validation_samples=8)
+    assert enough.kind == "memory"
+    assert short.kind != "memory"
+    assert choose_data_cache(list_data(ImageConfig()), world, "memory", budget_gb=None,
+                             validation_samples=0).kind == "off"  # embedded: in memory already
+
+
+def test_a_disk_cache_is_written_per_process_and_stale_ones_are_removed(tmp_path):
+    from hvdtrain.datacache import CacheChoice
+
+    stale = tmp_path / f"hvdtrain-cache-{socket.gethostname()}-999999999"
+    stale.mkdir()
+    root = make_image_folder(tmp_path / "data", classes=2, per_class=8)
+    listing = list_image_folder(str(root), image_size=8, validation_fraction=0.25, seed=0,
+                                on_bad_image="skip")
+    pipelines = build_pipelines(listing, World(), batch_size=4, validation_batch_size=2,
+                                validation_steps=2, seed=0,
+                                cache=CacheChoice("disk", "test", str(tmp_path)))
+    first = [batch[1].tolist() for batch in pipelines.train.take(3).as_numpy_iterator()]
+    list(pipelines.validation.as_numpy_iterator())
+    mine = tmp_path / f"hvdtrain-cache-{socket.gethostname()}-{os.getpid()}"
+    assert not stale.exists()
+    assert any(name.startswith("training") for name in os.listdir(mine))
+    assert any(name.startswith("validation") for name in os.listdir(mine))
+    # Later passes read the cache: the same samples, in another order.
+    later = [batch[1].tolist() for batch in pipelines.train.skip(3).take(3).as_numpy_iterator()]
+    assert sorted(sum(first, [])) == sorted(sum(later, []))

@@ -263,7 +263,8 @@ def test_bad_image_folders_under_two_ranks(tmp_path):
 
 def mixed_bad_folder(root: Path, *, unreadable_headers: bool = True) -> Path:
     """Real images plus the bad files real data sets contain: JPEGs and PNGs cut short (valid
-    headers, so only decoding finds them), empty files, and text under an image's name."""
+    headers), empty files and text under an image's name (the listing trusts image extensions,
+    so decoding finds all of these), and text files (which the listing finds)."""
     make_image_folder(root, classes=2, per_class=24)
     for class_dir in (root / "zero", root / "one"):
         jpeg = next(class_dir.glob("*.jpg")).read_bytes()
@@ -274,6 +275,7 @@ def mixed_bad_folder(root: Path, *, unreadable_headers: bool = True) -> Path:
         if unreadable_headers:
             (class_dir / "empty.jpg").write_bytes(b"")
             (class_dir / "readme.png").write_text("a text file with an image's extension")
+            (class_dir / "notes.txt").write_text("a text file")
     return root
 
 
@@ -286,14 +288,17 @@ def test_undecodable_images_are_skipped_and_counted_never_a_hang(tmp_path, np_):
     result = horovodrun(np_, "hvdtrain.cnn", *flags, "--run-dir", str(tmp_path / "run"),
                         timeout=240)
     output = result.stdout
-    # Empty and non-image files are found while listing; truncated ones while decoding, by
-    # whichever rank owns them, and summed over the ranks at the end of the epoch.
-    assert output.count("skipped 4 file(s)") == 1, output[-3000:]
+    # Text files are found while listing; everything with an image's name while decoding, by
+    # whichever rank owns it, summed over the ranks at the end of the epoch and named.
+    assert output.count("skipped 2 file(s)") == 1, output[-3000:]
     decode_lines = [l for l in output.splitlines() if "did not decode in epoch" in l]
     assert decode_lines and len(decode_lines) == len({l.split("epoch")[1] for l in decode_lines})
     skipped = sum(int(re.search(r"(\d+) sample\(s\) did not decode", l).group(1))
                   for l in decode_lines)
-    assert 1 <= skipped <= 12  # the 12 cut files, minus validation ones past the last step
+    # The 12 cut and 4 unreadable files, minus validation ones past the last step.
+    assert 1 <= skipped <= 16
+    named = {re.search(r"\(e\.g\. (\S+)\)", line).group(1) for line in decode_lines}
+    assert all(re.search(r"/(cut-\d\.(jpg|png)|empty\.jpg|readme\.png)$", n) for n in named), named
     rows = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert [row["epoch"] for row in rows] == [1, 2]
     assert sum(row.get("skipped_samples", 0) for row in rows) == skipped

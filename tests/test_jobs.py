@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -64,15 +65,23 @@ def test_image_folder_then_tfrecords(tmp_path):
     images = make_image_folder(tmp_path / "images", classes=3, per_class=60)
     common = ["--preset", "tiny", "--image-size", "16", "--epochs", "6", "--batch-size", "8",
               "--no-tensorboard"]
-    horovodrun(2, "hvdtrain.cnn", "--data-dir", str(images), "--run-dir",
-               str(tmp_path / "folder"), *common)
+    folder = horovodrun(2, "hvdtrain.cnn", "--data-dir", str(images), "--run-dir",
+                        str(tmp_path / "folder"), "--progress-seconds", "0.01", *common)
     folder_accuracy = final_metrics(tmp_path / "folder")["val_accuracy"]
+    # Progress inside the epochs, from rank 0 only, as whole lines under horovodrun's prefix.
+    progress = re.findall(r"^\[1,(\d)\]<stdout>:epoch \d/6 step (\d+)/9 \(\d+%\) \| [\d.]+ "
+                          r"samples/s \| loss [\d.]+ \| epoch ends in \dm\d\ds$",
+                          folder.stdout, re.MULTILINE)
+    assert progress and {rank for rank, _ in progress} == {"0"}, folder.stdout[-3000:]
+    assert folder.stdout.count("first step done") == 1
+    rows = json.loads((tmp_path / "folder" / "metrics.json").read_text())
+    assert rows[0]["first_step_seconds"] > 0 and "first_step_seconds" not in rows[1]
 
     run_job([sys.executable, "-m", "hvdtrain.tfrecords", "--data-dir", str(images), "--out",
              str(tmp_path / "records"), "--shards", "4", "--image-size", "16"], timeout=120)
     result = horovodrun(2, "hvdtrain.cnn", "--tfrecords", str(tmp_path / "records"),
                         "--run-dir", str(tmp_path / "tfr"), *common)
-    assert "4 training shard(s) with 144 records" in result.stdout
+    assert "144 training records in 4 shard(s), 1 validation shard(s)" in result.stdout
     tfrecord_accuracy = final_metrics(tmp_path / "tfr")["val_accuracy"]
     # Three easy digit classes: both routes learn them (chance is 33%).
     assert folder_accuracy >= 0.8 and tfrecord_accuracy >= 0.8, (folder_accuracy,

@@ -12,6 +12,8 @@
     workers     speedup against the number of workers (1, 2, 4)
     network     2 nodes of the local cluster, links limited to 1 Gbit/s and 100 Mbit/s: fp32,
                 fp16 allreduce and a larger fusion buffer, against a step-time model (root only)
+    data        image folders and TFRecords at 1k, 10k, 100k and 1.28 M files: listing, time to
+                the first step and to the end of a 5-step epoch, memory per rank, steady samples/s
     matmul      the article's `w @ x + b` device timing on the backend's device
 
 Variants are separate processes, interleaved, repeated (--repeats, default 5), first epochs and a
@@ -42,7 +44,8 @@ def _matmul(args) -> int:
     return 0
 
 
-SUITES = ("scaling", "overhead", "tax", "keras3", "allreduce", "mwms", "input", "workers", "network")
+SUITES = ("scaling", "overhead", "tax", "keras3", "allreduce", "mwms", "input", "workers", "network",
+          "data")
 
 
 def _suite(args) -> int:
@@ -86,15 +89,20 @@ def _suite(args) -> int:
                     result = network.run(settings, out, log)
                     if result is not None:
                         print(network.markdown(result))
+                elif name == "data":
+                    from hvdtrain.bench import datascale
+
+                    result = datascale.run(settings, out, log, quick=args.quick)
+                    print(datascale.markdown(result))
                 elif name == "allreduce":
                     allreduce_rounds = suite.allreduce(settings, workdir, log)
                     comparisons += suite.allreduce_comparisons(allreduce_rounds)
             except suite.BenchmarkFailed as error:  # keep what the others measured
                 failed[name] = str(error)
                 log(f"{name} failed: {first_line(error)}")
-    if names == ("network",):  # its own network.json and network.md are written
+    if names in (("network",), ("data",)):  # they write their own .json and .md
         if failed:
-            raise UserError(f"the network comparison failed: {first_line(failed['network'])}")
+            raise UserError(f"the {names[0]} comparison failed: {first_line(failed[names[0]])}")
         return 0
     # The table as written, machine and all (machine() runs mpirun --version: once is enough).
     print(report.write(out, dataclasses.asdict(settings), comparisons, speedup, allreduce_rounds,

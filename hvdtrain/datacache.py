@@ -1,0 +1,151 @@
+"""Where decoded images are cached between epochs: in memory, on local disk, or not at all.
+
+Decoding is most of an image pipeline's cost, so a second epoch that reads decoded pixels back is
+much cheaper than the first. But a cache in memory grows by the whole decoded data set of the
+rank (ImageNet at 128x128 is 63 GB per job), so ``--cache auto`` (the default) sizes it first:
+
+    decoded bytes of this rank's samples x local ranks  <=  the node's memory budget  -> memory
+    otherwise, if the node's local disk has room                                      -> disk
+    otherwise                                                                         -> off
+
+The budget is per node because the local ranks share one node's memory. ``choose_cache`` is pure
+(numbers in, decision out) so the decision is tested without filling any memory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from typing import Literal
+
+CacheKind = Literal["memory", "disk", "off"]
+DEFAULT_MEMORY_FRACTION = 0.5
+"""Share of the node's available memory (at start) caching may use when no budget is given:
+the rest is for the model, TensorFlow, the shuffle buffers and whatever else runs there."""
+DISK_HEADROOM = 1.1
+"""A disk cache needs this much more free space than it will write (file system overhead)."""
+CACHE_DIR_PREFIX = "hvdtrain-cache-"
+
+
+@dataclass(frozen=True)
+class CacheChoice:
+    kind: CacheKind
+    reason: str
+    """Why, in words for the banner."""
+    directory: str | None = None
+    """Where a disk cache lives (a directory of this process's own, removed at exit)."""
+
+    def describe(self) -> str:
+        where = f" in {self.directory}" if self.directory else ""
+        return f"cache: {self.kind}{where} ({self.reason})"
+
+
+def parse_cache_flag(value: str) -> tuple[str, str | None]:
+    """'memory'|'disk'|'disk:DIR'|'off'|'auto' -> (mode, directory); ValueError otherwise."""
+    mode, _, directory = value.partition(":")
+    if mode not in ("memory", "disk", "off", "auto") or (directory and mode != "disk") or (
+            value.endswith(":") and not directory):
+        raise ValueError(f"--cache must be memory, disk, disk:DIR, off or auto, got {value!r}")
+    return mode, directory or None
+
+
+def choose_cache(flag: str, *, bytes_per_rank: int, local_size: int, memory_budget: int,
+                 disk_free: int | None, disk_dir: str) -> CacheChoice:
+    """The cache for one rank. ``bytes_per_rank``: decoded size of what this rank caches;
+    ``memory_budget``: bytes the whole node may cache in memory; ``disk_free``: free bytes in
+    ``disk_dir`` (None: unknown, e.g. it does not exist)."""
+    mode, directory = parse_cache_flag(flag)
+    disk_dir = directory or disk_dir
+    node_bytes = bytes_per_rank * local_size
+    need = f"{_size(bytes_per_rank)} decoded per rank x {local_size} local rank(s)"
+    if mode == "off":
+        return CacheChoice("off", "--cache off")
+    if mode == "memory":
+        return CacheChoice("memory", f"--cache memory; {need}")
+    if mode == "disk":
+        return CacheChoice("disk", f"--cache disk; {need}", disk_dir)
+    if node_bytes <= memory_budget:
+        return CacheChoice("memory", f"auto: {need} fits the node's memory budget of "
+                                     f"{_size(memory_budget)}")
+    over = f"auto: {need} exceeds the node's memory budget of {_size(memory_budget)}"
+    if disk_free is not None and node_bytes * DISK_HEADROOM <= disk_free:
+        return CacheChoice("disk", f"{over}; {disk_dir} has {_size(disk_free)} free", disk_dir)
+    return CacheChoice("off", f"{over} and {disk_dir} has "
+                              f"{_size(disk_free) if disk_free is not None else 'no'} room; "
+                              "every epoch decodes again")
+
+
+def node_memory_budget(budget_gb: float | None) -> int:
+    """Bytes of the node's memory caching may use: ``budget_gb`` or a share of MemAvailable."""
+    if budget_gb is not None:
+        return int(budget_gb * 1e9)
+    return int(available_memory() * DEFAULT_MEMORY_FRACTION)
+
+
+def available_memory() -> int:
+    """MemAvailable of this node (Linux), else total physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_disk_dir() -> str:
+    """Node-local scratch: $TMPDIR (Slurm sites point it at the job's local disk), else /tmp."""
+    return tempfile.gettempdir()
+
+
+def free_bytes(directory: str) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def make_process_cache_dir(parent: str) -> str:
+    """A directory of this process's own under ``parent``, named by host and pid.
+
+    tf.data's file cache refuses to reuse files a killed process left half-written (it finds
+    their lock files), so each process writes fresh files; directories of processes on this host
+    that no longer exist are removed first, so a crashed run's cache does not fill the disk.
+    """
+    host = socket.gethostname()
+    remove_stale_cache_dirs(parent, host)
+    directory = os.path.join(parent, f"{CACHE_DIR_PREFIX}{host}-{os.getpid()}")
+    os.makedirs(directory, exist_ok=True)
+    return directory
+
+
+def remove_stale_cache_dirs(parent: str, host: str) -> None:
+    prefix = f"{CACHE_DIR_PREFIX}{host}-"
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    for name in entries:
+        pid = name[len(prefix):]
+        if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _size(num_bytes: int | float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{int(num_bytes)} B"

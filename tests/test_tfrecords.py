@@ -1,0 +1,232 @@
+"""The TFRecord converter for real: worker processes, bad files, interruption and resume.
+
+Integration tests: they start worker processes and converter runs of their own (skipped under
+mpirun, where every rank would start them at once on the same cores).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, clean_env, integration
+from hvdtrain.errors import UserError
+from hvdtrain.tfrecords import DONE_DIR, convert, staging_dir
+from images import make_image_folder
+
+pytestmark = integration
+
+RUN_TIMEOUT = 120
+"""Seconds any converter run may take on a loaded 2-core machine (a normal one takes ~5)."""
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """120 small PNG/JPEG files in 3 classes."""
+    return make_image_folder(tmp_path_factory.mktemp("images") / "digits", classes=3,
+                             per_class=40)
+
+
+@pytest.fixture(scope="module")
+def many_images(tmp_path_factory, images) -> Path:
+    """60,000 files (hard links of the 120), enough for a run to take seconds, not milliseconds."""
+    root = tmp_path_factory.mktemp("many") / "folder"
+    originals = sorted(images.glob("*/*"))
+    for index in range(60_000):
+        original = originals[index % len(originals)]
+        folder = root / original.parent.name
+        folder.mkdir(parents=True, exist_ok=True)
+        os.link(original, folder / f"{index:05d}{original.suffix}")
+    return root
+
+
+def shard_bytes(out: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(out.glob("*.tfrecord"))}
+
+
+def records_of(out: Path) -> list[tuple[int, bytes]]:
+    """(label, image bytes) of every record of every shard."""
+    import tensorflow as tf
+
+    from hvdtrain.data import _parse_example
+
+    records = tf.data.TFRecordDataset(sorted(map(str, out.glob("*.tfrecord")))).map(
+        _parse_example)
+    return [(int(label), bytes(image)) for image, label in records.as_numpy_iterator()]
+
+
+def test_two_workers_write_the_shards_one_writes(images, tmp_path):
+    common = dict(shards=4, validation_shards=2, validation_fraction=0.2, seed=3, image_size=16)
+    one = convert(str(images), str(tmp_path / "one"), workers=1, **common)
+    two = convert(str(images), str(tmp_path / "two"), workers=2, **common)
+    assert one == two and sum(one["counts"].values()) == 120 and one["skipped"] == []
+    assert shard_bytes(tmp_path / "one") == shard_bytes(tmp_path / "two")
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+        "dataset.json", "train-00000-of-00004.tfrecord", "train-00001-of-00004.tfrecord",
+        "train-00002-of-00004.tfrecord", "train-00003-of-00004.tfrecord",
+        "validation-00000-of-00002.tfrecord", "validation-00001-of-00002.tfrecord"]
+    # Every file once, bytes unchanged, labelled with its class folder's index.
+    classes = sorted(p.name for p in images.iterdir())
+    expected = sorted((classes.index(path.parent.name), path.read_bytes())
+                      for path in images.glob("*/*"))
+    assert sorted(records_of(tmp_path / "two")) == expected
+
+
+def test_a_file_that_is_no_image_is_skipped_or_fails(images, tmp_path):
+    folder = tmp_path / "images"
+    for path in images.glob("*/*"):
+        (folder / path.parent.name).mkdir(parents=True, exist_ok=True)
+        os.link(path, folder / path.parent.name / path.name)
+    bad = folder / "one" / "notes.png"
+    bad.write_text("not an image, whatever the name says")
+    common = dict(shards=3, validation_shards=1, validation_fraction=0.2, seed=0, image_size=8)
+    metadata = convert(str(folder), str(tmp_path / "skipped"), **common)
+    assert sum(metadata["counts"].values()) == 120
+    written = json.loads((tmp_path / "skipped" / "dataset.json").read_text())
+    assert written["counts"] == metadata["counts"]
+    assert written["skipped"] == [f"skipped 1 file(s) in {folder} that are not readable "
+                                  f"PNG/JPEG/GIF/BMP images (first: {bad})"]
+    # Failing, in a worker process: one line, and no output, finished or partial.
+    with pytest.raises(UserError, match=f"^{re.escape(str(bad))} is not a readable "
+                                        "PNG/JPEG/GIF/BMP image; remove it or pass "
+                                        "--on-bad-image skip$"):
+        convert(str(folder), str(tmp_path / "failed"), on_bad_image="fail", workers=2, **common)
+    assert not (tmp_path / "failed").exists()
+    assert not Path(staging_dir(str(tmp_path / "failed"))).exists()
+
+
+def converter(folder: Path, out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "hvdtrain.tfrecords", "--data-dir", str(folder), "--out",
+            str(out), "--shards", "480", "--validation-shards", "120", *args]
+
+
+def run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT)
+
+
+@pytest.fixture
+def start():
+    """Start a command in a session of its own: signals can go to its whole process group, as a
+    terminal's Ctrl-C does, and the group shows which of its processes are still alive. Whatever
+    a failed test leaves of the groups is killed."""
+    groups = []
+
+    def started(command: list[str]) -> subprocess.Popen:
+        process = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+        groups.append(process.pid)
+        return process
+
+    yield started
+    for group in groups:
+        for pid in live_processes_in_group(group):
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(pid, signal.SIGKILL)
+
+
+def complete_shards(staging: Path) -> set[str]:
+    return {marker.name[:-len(".json")] for marker in (staging / DONE_DIR).glob("*.tfrecord.json")}
+
+
+def wait_for_complete_shards(process: subprocess.Popen, staging: Path, more_than: int) -> None:
+    """Until more than ``more_than`` shards are complete; fails when the run ends or stalls."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while len(complete_shards(staging)) <= more_than:
+        if process.poll() is not None:
+            pytest.fail(f"the converter ended (exit {process.returncode}) before it could be "
+                        f"interrupted:\n{process.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no more than {more_than} shard(s) complete in {staging} after "
+                        f"{RUN_TIMEOUT} s")
+        time.sleep(0.005)
+
+
+def live_processes_in_group(group: int) -> list[int]:
+    """Processes of a process group that have not exited (zombies do not count: PID 1 of a
+    container may never reap them)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid pgrp ...; comm may hold spaces, so split after its ')'.
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError):
+            continue  # exited while being read
+        if int(pgrp) == group and state != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def wait_until_group_ends(group: int) -> None:
+    """Until no process of the group is left (the converter has ended already)."""
+    deadline = time.monotonic() + 10
+    while live := live_processes_in_group(group):
+        assert time.monotonic() < deadline, f"processes {live} outlived their converter by 10 s"
+        time.sleep(0.05)
+
+
+def test_interrupted_runs_resume_to_the_shards_of_a_clean_run(many_images, tmp_path, start):
+    clean = run(converter(many_images, tmp_path / "clean", "--workers", "1", "--quiet"))
+    assert clean.returncode == 0, clean.stderr
+    assert clean.stderr == ""  # --quiet: no progress
+    out = tmp_path / "resumed"
+    staging = Path(staging_dir(str(out)))
+
+    # Ctrl-C (to the process group, as a terminal sends it): a prompt exit, one line.
+    process = start(converter(many_images, out, "--workers", "2"))
+    wait_for_complete_shards(process, staging, more_than=0)
+    os.killpg(process.pid, signal.SIGINT)
+    interrupted = time.monotonic()
+    _, stderr = process.communicate(timeout=RUN_TIMEOUT)
+    assert time.monotonic() - interrupted < 10
+    assert process.returncode == 130
+    assert stderr.splitlines()[-1] == (f"hvdtrain.tfrecords: interrupted; rerun the same command "
+                                       f"to resume from {staging}")
+    assert "Traceback" not in stderr
+    wait_until_group_ends(process.pid)  # the workers, and multiprocessing's resource tracker
+
+    # SIGKILL of the converter alone: its workers notice and exit by themselves.
+    before = len(complete_shards(staging))
+    process = start(converter(many_images, out, "--workers", "2"))
+    wait_for_complete_shards(process, staging, more_than=before)
+    process.kill()
+    process.communicate(timeout=RUN_TIMEOUT)
+    wait_until_group_ends(process.pid)
+
+    # Other arguments are refused, in one line naming the staging directory.
+    refused = run(converter(many_images, out, "--seed", "7"))
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == [
+        f"hvdtrain.tfrecords: error: {staging} holds an unfinished conversion of other data or "
+        f"arguments (seed 42 then, 7 now): rerun with the original arguments to resume it, or "
+        f"delete {staging} to start over"]
+
+    # The same command resumes: the complete shards stay as they are (same files), the rest are
+    # written, and the result is byte for byte the clean run's.
+    kept = {name: (staging / name).stat().st_ino for name in complete_shards(staging)}
+    assert 0 < len(kept) < 600
+    resumed = run(converter(many_images, out, "--workers", "2"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.splitlines()[0] == (f"resuming {staging}: {len(kept)} of 600 shards "
+                                              "were complete")
+    assert {name: (out / name).stat().st_ino for name in kept} == kept
+    assert shard_bytes(out) == shard_bytes(tmp_path / "clean")
+    assert (json.loads((out / "dataset.json").read_text())
+            == json.loads((tmp_path / "clean" / "dataset.json").read_text()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clean", "resumed"]
+    # Progress on a pipe: plain lines, the first at once, the last with the totals.
+    lines = resumed.stderr.splitlines()
+    assert re.fullmatch(r"\d+/60000 records \(\d+%\) \| 0 records/s \| ETA --", lines[0]), lines
+    assert re.fullmatch(r"60000/60000 records \(100%\) \| \d+ records/s \| 0m\d\ds elapsed",
+                        lines[-1]), lines
+    assert re.fullmatch(rf"wrote 60000 records in 600 shards to {re.escape(str(out))} in "
+                        rf"[\d.]+ s \(\d+ records/s; {len(kept)} shard\(s\) came from the "
+                        r"interrupted run\)", resumed.stdout.splitlines()[-1]), resumed.stdout
