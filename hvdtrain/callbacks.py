@@ -153,11 +153,25 @@ class Throughput(keras.callbacks.Callback):
         # Timings go to metrics.csv, not the progress line.
         self.timings = {"train_seconds": train_seconds, "epoch_seconds": now - self.start,
                         "cpu_seconds": time.process_time() - self.cpu_start}
+        resident = resident_megabytes()
+        if resident is not None:
+            # Rank 0's own memory now: flat over epochs unless something (a cache) keeps growing.
+            self.timings["resident_mb"] = resident
 
     def row(self, epoch: int, logs: dict | None) -> dict:
         """One row of metrics.json: the 1-based epoch, its (averaged) metrics, its timings."""
         return {"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items()},
                 **self.timings}
+
+
+def resident_megabytes() -> float | None:
+    """This process's resident memory now (Linux /proc), or None where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as statm:
+            resident_pages = int(statm.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class Progress(keras.callbacks.Callback):

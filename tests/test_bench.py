@@ -110,3 +110,37 @@ def test_the_thread_profile_finds_a_busy_process_and_its_busy_thread(capsys):
     main_thread = next(line for line in lines if line.endswith("  main"))
     assert float(main_thread.split()[0]) >= 0.5  # a spinning main thread, on a core of its own
     assert threads.main(["--seconds", "0", "--match", marker]) == 1  # nothing left to find
+
+
+def test_the_data_suites_verdicts_follow_its_numbers():
+    from hvdtrain.bench.datascale import flatness, markdown, verdicts
+
+    def row(wall, rss, listed=0.0):
+        return {"wall_seconds": wall, "listing_seconds": listed, "first_step_seconds": 5.0,
+                "samples_per_sec": 100.0, "peak_rss_mb": rss, "resident_mb_by_epoch": [],
+                "cache": "disk"}
+
+    result = {"sizes": [10_000, 1_281_167],
+              "to_first_epoch": {"image folder": {"10000": row(9.0, [600, 610]),
+                                                  "1281167": row(31.0, [700, 650], 2.5)},
+                                 "TFRecords": {"10000": row(9.0, [600, 600], None),
+                                               "1281167": row(12.0, [2100, 600], None)}},
+              "memory_over_epochs": {
+                  "files": 10_000, "image_size": 128, "epochs": 4, "decoded_mb_per_rank": 400.0,
+                  "by_cache": {"memory": {**row(1, [1]), "resident_mb_by_epoch": [900, 1300,
+                                                                                  1300, 1310]},
+                               "disk": {**row(1, [1]), "resident_mb_by_epoch": [800, 900,
+                                                                                990, 990]}}},
+              "steady_samples_per_sec": {"image folder": {"10000 files": [100.0, 110.0, 90.0],
+                                                          "1281167 files": [95.0, 80.0, 99.0]}}}
+    # The growth that counts starts at the second pass (the first fills the cache).
+    assert flatness(result["memory_over_epochs"]) == {"memory": 10, "disk": 90}
+    lines = verdicts(result)
+    assert "end of a 5-step epoch in 31.0 s (target <= 30 s: MISSED)" in lines[0]
+    assert "largest rank 700 MB resident (target < 2000 MB: met)" in lines[0]
+    assert "largest rank 2100 MB resident (target < 2000 MB: MISSED)" in lines[1]
+    assert "+90 MB" in lines[2] and "target within 80 MB: MISSED" in lines[2]
+    assert "= 0.950 (target >= 0.9: met)" in lines[3]
+    table = markdown(result)
+    assert "| image folder | 10,000 | 0.0 |" in table and "| TFRecords | 10,000 | - |" in table
+    assert "| disk | 800 | 900 | 990 | 990 |" in table

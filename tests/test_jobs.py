@@ -76,6 +76,7 @@ def test_image_folder_then_tfrecords(tmp_path):
     assert folder.stdout.count("first step done") == 1
     rows = json.loads((tmp_path / "folder" / "metrics.json").read_text())
     assert rows[0]["first_step_seconds"] > 0 and "first_step_seconds" not in rows[1]
+    assert all(100 < row["resident_mb"] < 8000 for row in rows), rows  # a TF process's size
 
     run_job([sys.executable, "-m", "hvdtrain.tfrecords", "--data-dir", str(images), "--out",
              str(tmp_path / "records"), "--shards", "4", "--image-size", "16"], timeout=120)

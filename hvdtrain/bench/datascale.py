@@ -2,7 +2,7 @@
 
 `python -m hvdtrain.bench data`. Each size is a folder of hard links to a small set of distinct
 images (so 1.28 M files cost seconds to make and no disk), in ImageNet's shape: 1000 class folders
-at the two large sizes. The same folder converted by `python -m hvdtrain.tfrecords` (1024 shards
+from 10k files up. The same folder converted by `python -m hvdtrain.tfrecords` (1024 shards
 at 1.28 M, like ImageNet's) is the TFRecord source. Every job is `horovodrun -np 2 python -m
 hvdtrain.cnn` with `--validation-fraction 0.001`.
 
@@ -10,12 +10,17 @@ hvdtrain.cnn` with `--validation-fraction 0.001`.
   root, as a job after another job's data would find it): the job's wall time from `horovodrun`
   to exit, the listing time the banner reports, the time to the first step (metrics), and the
   peak resident memory of every rank (each prints its own ``ru_maxrss`` at exit).
+* **Memory over epochs** (10k files at 128x128, 4 complete passes, `--cache memory` against
+  `--cache disk`, which `auto` picks for data larger than the node's budget): rank 0's resident
+  memory at the end of every epoch (metrics.json's ``resident_mb``); flat means from the end of
+  the second pass (the first to replay the cache) to the end of the last.
 * **Steady samples/s**: 10k against 1.28 M files, interleaved rounds, median of each run's later
   epochs (the first includes tracing). Every measured step still reads and decodes new files at
   both sizes (neither size finishes a pass), so the comparison is of the same work.
 
 Targets (issue 14): 1.28 M files reach the end of the 5-step epoch in <= 30 s with every process
-under 2 GB resident; steady samples/s at 1.28 M within 10% of 10k.
+under 2 GB resident; steady samples/s at 1.28 M within 10% of 10k; resident memory flat over
+epochs with the disk cache (within 50 MB or a fifth of the decoded share, whichever is larger).
 """
 from __future__ import annotations
 
@@ -45,7 +50,9 @@ PEAK_RSS = re.compile(r"peak resident memory: (\d+) MB")
 
 
 def classes_for(size: int) -> int:
-    return 1000 if size >= 100_000 else max(2, size // 100)
+    """1000 classes (ImageNet's) from 10k files up: the steady comparison of 10k against 1.28 M
+    must train the same model, and the CNN's last layer grows with the class count."""
+    return 1000 if size >= 10_000 else max(2, size // 100)
 
 
 def make_textures(directory: Path, count: int) -> list[Path]:
@@ -99,12 +106,13 @@ def drop_page_cache() -> bool:
 
 
 def job(source: list[str], run_dir: Path, *, steps: int, epochs: int,
-        timeout: float) -> dict:
-    """One `horovodrun -np 2` CNN job: wall, listing, first step, samples/s, peak RSS per rank."""
+        timeout: float, image_size: int = IMAGE_SIZE) -> dict:
+    """One `horovodrun -np 2` CNN job: wall, listing, first step, samples/s, peak RSS per rank,
+    and rank 0's resident memory at the end of each epoch."""
     shutil.rmtree(run_dir, ignore_errors=True)
     wall, output = _run([str(BIN / "horovodrun"), "-np", "2", sys.executable, "-m",
                          "hvdtrain.bench.peakrss", "hvdtrain.cnn", *source,
-                         "--image-size", str(IMAGE_SIZE), "--validation-fraction", "0.001",
+                         "--image-size", str(image_size), "--validation-fraction", "0.001",
                          "--batch-size", str(BATCH_SIZE), "--steps-per-epoch", str(steps),
                          "--epochs", str(epochs), "--warmup-epochs", "0",
                          "--no-tensorboard", "--no-export", "--run-dir", str(run_dir)],
@@ -117,11 +125,34 @@ def job(source: list[str], run_dir: Path, *, steps: int, epochs: int,
             "first_step_seconds": rows[0].get("first_step_seconds"),
             "samples_per_sec": statistics.median(r["samples_per_sec"] for r in rows[1:] or rows),
             "peak_rss_mb": [int(m) for m in PEAK_RSS.findall(output)],
+            "resident_mb_by_epoch": [round(row["resident_mb"]) for row in rows
+                                     if "resident_mb" in row],
             "cache": cache.group(1) if cache else None}
 
 
-def measure(s: Settings, workdir: Path, log: Callable[[str], None], sizes: tuple[int, ...]
-            ) -> dict:
+def memory_over_epochs(s: Settings, folder: Path, size: int, workdir: Path,
+                       log: Callable[[str], None], *, image_size: int = 128,
+                       epochs: int = 4) -> dict:
+    """Rank 0's resident memory after each of ``epochs`` complete passes over ``size`` files at
+    ``image_size``, with the decoded images cached in memory and on disk (what `auto` picks when
+    they do not fit): the memory cache grows by this rank's share in the first pass and then
+    stays; the disk cache keeps memory where it started, pass after pass."""
+    per_rank = int(size * (1 - 0.001)) // 2
+    steps = per_rank // BATCH_SIZE
+    decoded_mb = per_rank * image_size * image_size * 3 / 2**20
+    result = {"files": size, "image_size": image_size, "epochs": epochs, "steps_per_epoch": steps,
+              "decoded_mb_per_rank": decoded_mb, "by_cache": {}}
+    for cache in ("memory", "disk"):
+        row = job(["--data-dir", str(folder), "--cache", cache], workdir / "run", steps=steps,
+                  epochs=epochs, timeout=s.timeout, image_size=image_size)
+        result["by_cache"][cache] = row
+        log(f"  memory over {epochs} passes, cache {cache}: rank 0 resident "
+            f"{row['resident_mb_by_epoch']} MB after each epoch, peak {row['peak_rss_mb']} MB")
+    return result
+
+
+def measure(s: Settings, workdir: Path, log: Callable[[str], None], sizes: tuple[int, ...],
+            quick: bool = False) -> dict:
     textures = make_textures(workdir / "textures", DISTINCT_IMAGES)
     sources: dict[str, dict[int, list[str]]] = {"image folder": {}, "TFRecords": {}}
     preparation = {}
@@ -147,6 +178,10 @@ def measure(s: Settings, workdir: Path, log: Callable[[str], None], sizes: tuple
                 f"{result['first_step_seconds']:.1f} s, peak RSS {result['peak_rss_mb']} MB, "
                 f"cache {result['cache']}")
 
+    over_size = sizes[0] if quick else 10_000
+    over_epochs = memory_over_epochs(s, workdir / f"folder-{over_size}", over_size, workdir, log,
+                                     image_size=32 if quick else 128, epochs=3 if quick else 4)
+
     small, large = 10_000, sizes[-1]
     steady = {}
     if small in sizes and large != small:
@@ -162,7 +197,8 @@ def measure(s: Settings, workdir: Path, log: Callable[[str], None], sizes: tuple
                 f"{v} {statistics.median(rates):.0f}" for v, rates in steady[name].items()))
     return {"sizes": list(sizes), "batch_size_per_rank": BATCH_SIZE, "image_size": IMAGE_SIZE,
             "cold_page_cache": cold, "preparation": preparation,
-            "to_first_epoch": to_first_epoch, "steady_samples_per_sec": steady,
+            "to_first_epoch": to_first_epoch, "memory_over_epochs": over_epochs,
+            "steady_samples_per_sec": steady,
             "steady_sizes": [small, large]}
 
 
@@ -177,6 +213,17 @@ def verdicts(result: dict) -> list[str]:
                      f"{'met' if row['wall_seconds'] <= TARGET_SECONDS else 'MISSED'}); "
                      f"largest rank {rss:.0f} MB resident (target < {TARGET_RSS_MB:.0f} MB: "
                      f"{'met' if rss < TARGET_RSS_MB else 'MISSED'})")
+    over = result.get("memory_over_epochs")
+    if over:
+        growth = flatness(over)
+        allowed = max(50.0, over["decoded_mb_per_rank"] / 5)
+        disk = growth.get("disk", float("nan"))
+        lines.append(f"disk cache, {over['files']} files at {over['image_size']}x"
+                     f"{over['image_size']} ({over['decoded_mb_per_rank']:.0f} MB decoded per "
+                     f"rank), {over['epochs']} passes: rank 0's resident memory changed by "
+                     f"{disk:+.0f} MB from the second epoch's end to the last (memory cache: "
+                     f"{growth.get('memory', float('nan')):+.0f} MB; target within "
+                     f"{allowed:.0f} MB: {'met' if abs(disk) <= allowed else 'MISSED'})")
     for name, rates in result["steady_samples_per_sec"].items():
         small, large_rates = (statistics.median(values) for values in rates.values())
         ratio = large_rates / small
@@ -186,14 +233,33 @@ def verdicts(result: dict) -> list[str]:
     return lines
 
 
+def flatness(over: dict) -> dict[str, float]:
+    """Per cache: rank 0's resident memory at the last epoch's end minus at the second's. The
+    first pass fills the cache, the second is the first to replay it (its reader, the
+    validation's tracing); from then on every pass is the same work and memory must not grow."""
+    return {cache: row["resident_mb_by_epoch"][-1] - row["resident_mb_by_epoch"][1]
+            for cache, row in over["by_cache"].items() if len(row["resident_mb_by_epoch"]) > 1}
+
+
 def markdown(result: dict) -> str:
     lines = ["| source | files | listing s | first step s | end of 5 steps s | peak RSS per "
              "rank MB | cache |", "|---|---:|---:|---:|---:|---|---|"]
     for name, by_size in result["to_first_epoch"].items():
         for size, row in by_size.items():
-            lines.append(f"| {name} | {int(size):,} | {row['listing_seconds'] or '-'} | "
+            listed = "-" if row["listing_seconds"] is None else row["listing_seconds"]
+            lines.append(f"| {name} | {int(size):,} | {listed} | "
                          f"{row['first_step_seconds']:.1f} | {row['wall_seconds']:.1f} | "
                          f"{', '.join(map(str, row['peak_rss_mb']))} | {row['cache']} |")
+    over = result.get("memory_over_epochs")
+    if over:
+        epochs = range(1, over["epochs"] + 1)
+        lines += ["", f"Rank 0's resident memory (MB) at the end of each complete pass, "
+                  f"{over['files']} files at {over['image_size']}x{over['image_size']}:", "",
+                  "| cache | " + " | ".join(f"epoch {e}" for e in epochs) + " | peak per rank |",
+                  "|---|" + "---:|" * over["epochs"] + "---|"]
+        for cache, row in over["by_cache"].items():
+            lines.append(f"| {cache} | " + " | ".join(map(str, row["resident_mb_by_epoch"]))
+                         + f" | {', '.join(map(str, row['peak_rss_mb']))} |")
     if result["steady_samples_per_sec"]:
         lines += ["", "| source | variant | samples/s per round | median |", "|---|---|---|---:|"]
         for name, rates in result["steady_samples_per_sec"].items():
@@ -232,7 +298,7 @@ def run(s: Settings, out: Path, log: Callable[[str], None], *, quick: bool = Fal
     sizes = QUICK_SIZES if quick else SIZES
     parent = workdir or Path(tempfile.gettempdir())
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-data-", dir=parent) as scratch:
-        result = measure(s, Path(scratch), log, sizes)
+        result = measure(s, Path(scratch), log, sizes, quick)
     from hvdtrain.bench.report import machine
 
     result["machine"] = machine()
