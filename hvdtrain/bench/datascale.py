@@ -135,8 +135,8 @@ def memory_over_epochs(s: Settings, folder: Path, size: int, workdir: Path,
                        epochs: int = 4) -> dict:
     """Rank 0's resident memory after each of ``epochs`` complete passes over ``size`` files at
     ``image_size``, with the decoded images cached in memory and on disk (what `auto` picks when
-    they do not fit): the memory cache grows by this rank's share in the first pass and then
-    stays; the disk cache keeps memory where it started, pass after pass."""
+    they do not fit). The memory cache holds this rank's decoded share from the first pass on; with
+    either cache, memory must not grow once every pass is the same work (see ``flatness``)."""
     per_rank = int(size * (1 - 0.001)) // 2
     steps = per_rank // BATCH_SIZE
     decoded_mb = per_rank * image_size * image_size * 3 / 2**20
@@ -235,8 +235,8 @@ def verdicts(result: dict) -> list[str]:
 
 def flatness(over: dict) -> dict[str, float]:
     """Per cache: rank 0's resident memory at the last epoch's end minus at the second's. The
-    first pass fills the cache, the second is the first to replay it (its reader, the
-    validation's tracing); from then on every pass is the same work and memory must not grow."""
+    first pass fills the cache and the second is the first to replay it; from then on every pass
+    is the same work and memory must not grow."""
     return {cache: row["resident_mb_by_epoch"][-1] - row["resident_mb_by_epoch"][1]
             for cache, row in over["by_cache"].items() if len(row["resident_mb_by_epoch"]) > 1}
 
