@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 
 import pytest
 
@@ -101,6 +102,10 @@ def test_the_thread_profile_finds_a_busy_process_and_its_busy_thread(capsys):
     busy = subprocess.Popen([sys.executable, "-c", "import sys\nwhile True: pass", marker],
                             env=clean_env(HOROVOD_RANK="3"))
     try:
+        # Popen returns after fork; until the child has exec'd, /proc shows pytest's command line.
+        deadline = time.monotonic() + 30
+        while not threads.training_processes(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert threads.main(["--seconds", "1.5", "--match", marker]) == 0
     finally:
         busy.kill()
