@@ -532,8 +532,7 @@ class DecodeFailures:
                                                            self.last_position)))
 
 
-def shard_records(split: Split, world: World, *, seed: int, by_file: bool,
-                  root: str | None = None) -> tf.data.Dataset:
+def shard_records(split: Split, world: World, *, seed: int, by_file: bool) -> tf.data.Dataset:
     """The records this rank owns, undecoded and in list order. Public so tests can check the
     sharding itself: ``(path, label)`` of files, ``(row, label)`` in memory, TFRecord records.
 
@@ -544,11 +543,7 @@ def shard_records(split: Split, world: World, *, seed: int, by_file: bool,
     import tensorflow as tf
 
     if split.labels is not None:
-        # Slice before TensorFlow sees the list: a rank holds its own share, not the whole list.
-        sources, labels = split.sources[world.rank::world.size], split.labels[world.rank::world.size]
-        if root is not None:
-            sources = tf.strings.join([_prefix(root), sources])
-        return tf.data.Dataset.from_tensor_slices((sources, labels))
+        return tf.data.Dataset.from_tensor_slices(_rank_share(split, world))
     if by_file:
         order = tfrecord_file_order(split, seed)
         files = tf.data.Dataset.from_tensor_slices(
@@ -560,8 +555,10 @@ def shard_records(split: Split, world: World, *, seed: int, by_file: bool,
         world.size, world.rank)
 
 
-def _prefix(root: str) -> str:
-    return root.rstrip("/") + "/"
+def _rank_share(split: Split, world: World) -> tuple[np.ndarray, np.ndarray]:
+    """(sources, labels) of this rank: every size-th sample from its rank on. Sliced before
+    TensorFlow sees the list, so a rank holds its own share, not the whole list."""
+    return split.sources[world.rank::world.size], split.labels[world.rank::world.size]
 
 
 def _first_record_indices(split: Split) -> np.ndarray:
@@ -740,10 +737,9 @@ def _file_records(listing: Listing, split: Split, world: World, *, shuffle: bool
     buffer of paths to fill."""
     import tensorflow as tf
 
-    sources = tf.constant(split.sources[world.rank::world.size])
-    labels = tf.constant(split.labels[world.rank::world.size])
+    sources, labels = map(tf.constant, _rank_share(split, world))
     count = int(sources.shape[0])
-    prefix = _prefix(listing.root)
+    prefix = listing.root.rstrip("/") + "/"
     if shuffle:
         with tf.device("/cpu:0"):
             passes = tf.Variable(0, dtype=tf.int64, trainable=False)
@@ -805,7 +801,7 @@ def _sample_namer(listing: Listing, split: Split, world: World,
                   by_file: bool) -> Callable[[int], str]:
     """Position in this rank's share of ``split`` -> a name for that sample in messages."""
     if listing.kind == "files":
-        # This rank's share is every size-th sample from its rank on.
+        # Position k of this rank's share (_rank_share) is sample rank + k * size.
         return lambda position: listing.path(split.sources[world.rank + position * world.size])
     if by_file:
         return lambda position: "a record of this rank's TFRecord files"
