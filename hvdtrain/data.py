@@ -55,6 +55,11 @@ def image_format(path: str) -> str | None:
             head = file.read(8)
     except OSError:
         return None
+    return image_format_of_bytes(head)
+
+
+def image_format_of_bytes(head: bytes) -> str | None:
+    """'PNG', 'JPEG', 'GIF' or 'BMP' from a file's first bytes (more are fine); None otherwise."""
     for signature, name in _IMAGE_SIGNATURES.items():
         if head.startswith(signature):
             return name

@@ -44,10 +44,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TextIO
 
-# The signatures are data.py's (what tf.io.decode_image reads); the check here is on bytes
-# already read, so data.py's path-based image_format does not fit.
-from hvdtrain.data import (_IMAGE_SIGNATURES, DEFAULT_FILE_IMAGE_SIZE, TFRECORD_METADATA, Listing,
-                           Split, list_image_folder)
+from hvdtrain.data import (DEFAULT_FILE_IMAGE_SIZE, TFRECORD_METADATA, Listing,
+                           image_format_of_bytes, list_image_folder)
 from hvdtrain.errors import UserError, first_line, reported
 from hvdtrain.rundir import current_umask
 
@@ -114,14 +112,6 @@ class Conversion:
     records_written: int
     """Records this run wrote (not counting resumed shards)."""
     seconds: float
-
-
-def image_format_of_bytes(head: bytes) -> str | None:
-    """'PNG', 'JPEG', 'GIF' or 'BMP' from a file's first bytes (more are fine); None otherwise."""
-    for signature, name in _IMAGE_SIGNATURES.items():
-        if head.startswith(signature):
-            return name
-    return None
 
 
 def staging_dir(out_dir: str) -> str:
@@ -199,16 +189,6 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
                       seconds=time.monotonic() - started)
 
 
-def _absolute_paths(listing: Listing, split: Split) -> list[str]:
-    """The split's files as paths to open: ``sources`` are relative to ``listing.root`` when the
-    listing has one (bytes or str), else already whole paths."""
-    root = getattr(listing, "root", None)
-    if root is None:
-        return [str(p) for p in split.sources]
-    return [os.path.join(root, p.decode() if isinstance(p, bytes) else str(p))
-            for p in split.sources]
-
-
 def _shard_tasks(listing: Listing, shards: int, validation_shards: int) -> list[ShardTask]:
     """Every shard of the output, in name order: sample i of a split goes to shard i mod N."""
     tasks = []
@@ -216,7 +196,7 @@ def _shard_tasks(listing: Listing, shards: int, validation_shards: int) -> list[
                                      ("validation", listing.validation, validation_shards)):
         if not split.num_samples:
             continue
-        paths, labels = _absolute_paths(listing, split), split.labels.tolist()
+        paths, labels = [listing.path(source) for source in split.sources], split.labels.tolist()
         count = max(1, min(requested, len(paths)))
         tasks += [ShardTask(f"{prefix}-{shard:05d}-of-{count:05d}.tfrecord", paths[shard::count],
                             labels[shard::count]) for shard in range(count)]
