@@ -4,13 +4,21 @@ from __future__ import annotations
 import numpy as np
 
 
+NOT_CURVES = frozenset({"epoch", "samples_per_sec", "train_seconds", "epoch_seconds",
+                        "cpu_seconds", "first_step_seconds", "resident_mb", "learning_rate",
+                        "skipped_samples"})
+"""Columns of metrics.json that are timings, memory or bookkeeping, not training metrics."""
+
+
+def curve_names(rows: list[dict]) -> list[str]:
+    """The training metrics that get a panel (each with its val_ twin when there is one)."""
+    return [k for k in rows[0] if k not in NOT_CURVES and not k.startswith("val_")] if rows else []
+
+
 def plot_curves(rows: list[dict], path: str) -> None:
     """One panel per metric (training and validation), against epochs."""
     plt = pyplot()
-    skip = {"epoch", "samples_per_sec", "train_seconds", "epoch_seconds", "cpu_seconds",
-            "first_step_seconds",
-            "learning_rate", "skipped_samples"}
-    names = [k for k in rows[0] if k not in skip and not k.startswith("val_")] if rows else []
+    names = curve_names(rows)
     figure, axes = plt.subplots(1, max(1, len(names)), figsize=(5 * max(1, len(names)), 3.6),
                                 squeeze=False)
     epochs = [row["epoch"] for row in rows]

@@ -207,6 +207,16 @@ def test_a_url_run_dir_is_checked_written_and_read_back(url, url_run_dir):
                                           "notes.txt"]
 
 
+def test_only_training_metrics_get_curves():
+    from hvdtrain.plots import curve_names
+
+    row = {"epoch": 1, "loss": 0.5, "accuracy": 0.9, "val_loss": 0.6, "val_accuracy": 0.8,
+           "samples_per_sec": 900.0, "first_step_seconds": 5.0, "learning_rate": 0.001,
+           "train_seconds": 1.0, "epoch_seconds": 1.2, "cpu_seconds": 2.0, "resident_mb": 700.0}
+    assert curve_names([row]) == ["loss", "accuracy"]
+    assert curve_names([]) == []
+
+
 def test_write_with_writes_locally_then_copies_into_a_url(url, url_run_dir):
     import tensorflow as tf
 
