@@ -2,7 +2,7 @@
 # A multi-host cluster on one machine: N "nodes" (network namespaces) for hvdtrain's multi-node
 # integration tests, with ssh between them and a Slurm that sees N nodes.
 #
-#   scripts/cluster-local.sh up [--nodes N] [--isolated-iface]
+#   scripts/cluster-local.sh up [--nodes N] [--isolated-iface] [--pin-cpus]
 #                                      build and start everything (root only); idempotent, exit 0
 #                                      when every node is idle in Slurm and reachable by ssh
 #   scripts/cluster-local.sh down      stop and remove everything `up` made
@@ -42,6 +42,12 @@
 # --isolated-iface gives every node a second interface, eth1 (a veth whose host end goes nowhere),
 # with an address in 10.78.0.0/24: one subnet on every node that connects nothing, like docker0 on the nodes of a
 # real cluster. Tools that pick interfaces by subnet think the nodes can talk over it.
+#
+# --pin-cpus gives every node a CPU of its own, as separate hosts have: node K's sshd and slurmd,
+# and so everything started on it (ssh sessions, job steps, `exec`), run on the K-th allowed CPU
+# (wrapping around). Without it every node's processes share all the machine's cores, and a busy
+# rank on one node takes CPU from the ranks of another. The last `up` decides (without the flag
+# the daemons get every allowed CPU back).
 #
 # Environment knobs:
 #   HVDTRAIN_CLUSTER_DIR      state directory (default /var/tmp/hvdtrain-cluster); removed by down
@@ -103,6 +109,35 @@ in_node() {
 }
 # node_prefix NODE: the same as words, for commands that must exec (setsid, exec).
 node_prefix() { printf '%s\n' nsenter "--net=/var/run/netns/$(netns_of "$1")" "--uts=$(uts_of "$1")"; }
+
+# --- CPUs (--pin-cpus) -----------------------------------------------------------------------------
+# allowed_cpus: the CPUs this script may use, one per line (Cpus_allowed_list, e.g. 0-3,6).
+allowed_cpus() {
+  local part
+  for part in $(awk '/^Cpus_allowed_list:/ {print $2}' /proc/self/status | tr ',' ' '); do
+    if [[ $part == *-* ]]; then seq "${part%-*}" "${part#*-}"; else echo "$part"; fi
+  done
+}
+# node_cpus NODE: the CPU list NODE's processes run on (all allowed ones unless pinned).
+node_cpus() {
+  local cpus
+  mapfile -t cpus < <(allowed_cpus)
+  if [[ $(cat "$STATE_DIR/pin-cpus" 2>/dev/null || echo 0) == 1 ]]; then
+    echo "${cpus[$(((${1#node} - 1) % ${#cpus[@]}))]}"
+  else
+    (IFS=,; echo "${cpus[*]}")
+  fi
+}
+# pin_node_daemons NODE: NODE's sshd and slurmd (all their threads) on the node's CPUs; what they
+# start later inherits it.
+pin_node_daemons() {
+  local name pid
+  for name in sshd slurmd; do
+    if pid=$(our_pid "$name-$1" "$name"); then
+      taskset -a -p -c "$(node_cpus "$1")" "$pid" >/dev/null
+    fi
+  done
+}
 
 # --- process bookkeeping (pid files in $STATE_DIR/pids) ------------------------------------------
 pid_file() { printf '%s/pids/%s.pid\n' "$STATE_DIR" "$1"; }
@@ -537,13 +572,14 @@ take_lock() {
 }
 
 cmd_up() {
-  local n=$DEFAULT_NODES isolated=0
+  local n=$DEFAULT_NODES isolated=0 pin=0
   while (($#)); do
     case $1 in
       --nodes) n=${2:-}; shift 2 || die "--nodes needs a number" ;;
       --nodes=*) n=${1#--nodes=}; shift ;;
       --isolated-iface) isolated=1; shift ;;
-      *) die "up: unknown option $1 (usage: up [--nodes N] [--isolated-iface])" ;;
+      --pin-cpus) pin=1; shift ;;
+      *) die "up: unknown option $1 (usage: up [--nodes N] [--isolated-iface] [--pin-cpus])" ;;
     esac
   done
   [[ $n =~ ^[0-9]+$ ]] && ((n >= 1 && n <= 200)) || die "--nodes must be 1..200, got '$n'"
@@ -582,6 +618,8 @@ cmd_up() {
   fi
   start_slurmctld
   while read -r node; do start_slurmd "$node"; done < <(node_names "$n")
+  echo "$pin" >"$STATE_DIR/pin-cpus"
+  while read -r node; do pin_node_daemons "$node"; done < <(node_names "$n")
   wait_nodes "$n"
 
   local end=$((SECONDS + TIMEOUT))
@@ -591,7 +629,7 @@ cmd_up() {
       sleep 0.3
     done
   done < <(node_names "$n")
-  say "up: $n node(s) ($(node_names "$n" | tr '\n' ' ')) on $BRIDGE $SUBNET.0/24$( ((isolated)) && echo ", eth1 in $ISOLATED_SUBNET.0/24 on each (connects nothing)"); Slurm: SLURM_CONF=$SLURM_CONF_FILE"
+  say "up: $n node(s) ($(node_names "$n" | tr '\n' ' ')) on $BRIDGE $SUBNET.0/24$( ((isolated)) && echo ", eth1 in $ISOLATED_SUBNET.0/24 on each (connects nothing)")$( ((pin)) && echo ", one CPU each"); Slurm: SLURM_CONF=$SLURM_CONF_FILE"
 }
 
 # kill_node_processes NODE: everything still running in the node's network namespace.
@@ -707,7 +745,7 @@ cmd_exec() {
   [[ $(id -u) -eq 0 ]] || die "exec must run as root (it enters the node's namespaces)"
   local prefix
   mapfile -t prefix < <(node_prefix "$node")
-  exec "${prefix[@]}" env SLURM_CONF="$SLURM_CONF_FILE" "$@"
+  exec "${prefix[@]}" taskset -c "$(node_cpus "$node")" env SLURM_CONF="$SLURM_CONF_FILE" "$@"
 }
 
 case ${1:-} in
@@ -717,7 +755,7 @@ case ${1:-} in
   exec) shift; cmd_exec "$@" ;;
   env) printf 'export SLURM_CONF=%s\n' "$SLURM_CONF_FILE" ;;
   *)
-    printf 'usage: %s up [--nodes N] [--isolated-iface] | down | status | exec NODE CMD... | env\n' "$0" >&2
+    printf 'usage: %s up [--nodes N] [--isolated-iface] [--pin-cpus] | down | status | exec NODE CMD... | env\n' "$0" >&2
     exit 2
     ;;
 esac

@@ -236,6 +236,37 @@ def test_launcher_in_a_two_node_allocation(cluster_env, run_dir, tmp_path, via):
     print(f"hvdtrain.launch --via {via}: {time.monotonic() - started:.0f} s")
 
 
+# --- a CPU per node (the network bench's setting) ------------------------------------------------
+def test_pinned_nodes_run_on_a_cpu_of_their_own(cluster_env):
+    """`up --pin-cpus`: what `exec` and ssh start on node K runs on the K-th allowed CPU; the
+    next plain `up` gives every CPU back."""
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def affinity(node: str, via_ssh: bool) -> str:
+        show = "taskset -pc $$ | sed 's/.*: //'"
+        command = (["ssh", node, show] if via_ssh else ["bash", "-c", show])
+        start = "node1" if via_ssh else node
+        return subprocess.run(["bash", str(CLUSTER), "exec", start, *command], capture_output=True,
+                              text=True, check=True, timeout=60).stdout.strip()
+
+    pinned = subprocess.run(["bash", str(CLUSTER), "up", "--nodes", "2", "--isolated-iface",
+                             "--pin-cpus"], capture_output=True, text=True, timeout=900)
+    try:
+        assert pinned.returncode == 0, pinned.stdout + pinned.stderr
+        seen = {(node, via_ssh): affinity(node, via_ssh)
+                for node in ("node1", "node2") for via_ssh in (False, True)}
+    finally:
+        cluster_up()
+    assert seen == {(node, via_ssh): str(cpus[k % len(cpus)])
+                    for k, node in enumerate(("node1", "node2")) for via_ssh in (False, True)}
+    # Unpinned again: a node's processes may use every allowed CPU ("0,1" or "0-3,6" ...).
+    unpinned = set()
+    for part in affinity("node2", True).split(","):
+        first, _, last = part.partition("-")
+        unpinned.update(range(int(first), int(last or first) + 1))
+    assert unpinned == set(cpus)
+
+
 # --- the network interface, named --------------------------------------------------------------
 def test_a_named_interface_that_connects_nothing_fails_in_one_line(cluster_env, run_dir):
     # Outside Slurm (hosts given, probes over ssh) and inside (probes as an srun step).
