@@ -77,19 +77,68 @@ def test_quick_run_writes_results_whose_ratios_match_its_measurements(tmp_path):
 
 
 def test_the_network_models_arithmetic():
-    from hvdtrain.bench.network import WIRE_OVERHEAD, predicted_step, projections, wire_bytes
+    from hvdtrain.bench.network import (WIRE_OVERHEAD, handshake_seconds, predicted_step,
+                                        projections, wire_bytes)
 
     # 2 ranks send the whole buffer once; N ranks 2 (N-1)/N of it; fp16 halves it.
     assert wire_bytes(1000, 2, fp16=False) == pytest.approx(1000 * WIRE_OVERHEAD)
     assert wire_bytes(1000, 16, fp16=True) == pytest.approx(2 * 15 / 16 * 500 * WIRE_OVERHEAD)
-    # 1 MB at 100 Mbit/s adds 80 ms (+ headers) to the unlimited step; no limit adds nothing.
-    assert predicted_step(0.040, 1e6, 2, False, 1e8) == pytest.approx(0.040 + 0.08 * WIRE_OVERHEAD)
-    assert predicted_step(0.040, 1e6, 2, False, None) == 0.040
+    # The handshake: half of the largest gradient beyond the eager limit, at the link's rate;
+    # nothing when half of it fits in the eager fragment (fp16 halves it first).
+    assert handshake_seconds(1e6, False, 100_000, 1e8) == pytest.approx(
+        400_000 * WIRE_OVERHEAD * 8 / 1e8)
+    assert handshake_seconds(1e6, True, 300_000, 1e8) == 0.0
+    assert handshake_seconds(1e6, False, 4 << 20, 1e8) == 0.0
+    # 1 MB at 100 Mbit/s: 80 ms (+ headers) replaces a 10 ms window of a 40 ms step.
+    transfer = 0.08 * WIRE_OVERHEAD
+    assert predicted_step(0.040, 0.010, 1e6, 1e5, 2, False, 4 << 20, 1e8) == pytest.approx(
+        0.030 + transfer)
+    # A transfer shorter than the window hides in it; no limit changes nothing.
+    assert predicted_step(0.040, 0.100, 1e6, 1e5, 2, False, 4 << 20, 1e8) == pytest.approx(0.040)
+    assert predicted_step(0.040, 0.010, 1e6, 1e5, 2, False, 4 << 20, None) == 0.040
+    # The handshake adds to the transfer.
+    assert predicted_step(0.040, 0.010, 1e6, 1e6, 2, False, 100_000, 1e8) == pytest.approx(
+        0.030 + transfer + handshake_seconds(1e6, False, 100_000, 1e8))
     resnet = [row for row in projections(600_000) if row["model"].startswith("ResNet")
               and row["nodes"] == 8 and row["link_gbit"] == 25 and not row["fp16"]]
     # 102.4 MB, 2 * 63/64 of it at 25 Gbit/s: ~66 ms.
     assert resnet[0]["allreduce_ms"] == pytest.approx(2 * 63 / 64 * 102.4e6 * WIRE_OVERHEAD * 8
                                                       / 25e9 * 1e3)
+
+
+def test_the_allreduce_window_is_read_from_a_horovod_timeline(tmp_path):
+    from hvdtrain.bench.network import allreduce_windows, slow_mode_excess
+
+    def gradient(pid, name, shape, spans):
+        events = [{"name": "process_name", "ph": "M", "pid": pid,
+                   "args": {"name": f"DistributedAdam_Allreduce/HorovodAllreduce_{name}"}}]
+        for start, end in spans:
+            events += [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": start - 50, "pid": pid},
+                       {"ph": "E", "ts": start - 10, "pid": pid},
+                       {"ph": "B", "name": "ALLREDUCE", "ts": start, "pid": pid},
+                       {"ph": "B", "name": "MPI_ALLREDUCE", "ts": start + 1, "pid": pid},
+                       {"ph": "E", "ts": end - 1, "pid": pid},
+                       {"ph": "E", "ts": end, "pid": pid, "args": {"shape": shape}}]
+        return events
+
+    # Three steps; the logits gradient goes first, the big kernel's group at 1000 + 10^4 k.
+    events = (gradient(1, "grads_9_0", "[10]", [(900, 950), (10900, 10950), (20900, 20950)])
+              + gradient(2, "grads_6_0", "[1024, 128]",
+                         [(1000, 3000), (11000, 14000), (21000, 25000)])
+              + gradient(3, "DistributedAdam_Allreduce_cond_Cast_1_0", "[3, 3, 1, 16]",
+                         [(3100, 3500), (14100, 14200), (25100, 26000)])
+              + [{"name": "process_name", "ph": "M", "pid": 4,
+                  "args": {"name": "HorovodAllreduce"}},
+                 {"ph": "B", "name": "ALLREDUCE", "ts": 99000, "pid": 4},
+                 {"ph": "E", "ts": 99900, "pid": 4, "args": {"shape": "[]"}}])
+    # Written as horovod leaves it when a job is killed: the array not closed.
+    path = tmp_path / "timeline.json"
+    path.write_text("[\n" + ",".join(json.dumps(e) for e in events) + ",")
+    assert allreduce_windows(path, 0) == pytest.approx([2.5e-3, 3.2e-3, 5.0e-3])
+    assert allreduce_windows(path, 1) == pytest.approx([3.2e-3, 5.0e-3])
+    # A bimodal series: the slow calls' excess over the fast ones, and their count.
+    excess, slow = slow_mode_excess([0.044, 0.045, 0.0445, 0.061, 0.044, 0.060, 0.0448, 0.0442])
+    assert slow == 2 and excess == pytest.approx(0.0605 - 0.04435)
 
 
 def test_the_thread_profile_finds_a_busy_process_and_its_busy_thread(capsys):

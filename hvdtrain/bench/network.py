@@ -3,21 +3,26 @@
 `python -m hvdtrain.bench network` (root: it builds the local cluster of scripts/cluster-local.sh
 and limits its links with `tc ... tbf`). One rank on each of node1 and node2 trains the CNN on
 synthetic 32x32 images, 64 per rank, one thread each, started by `hvdtrain.launch --hosts
-node1:1,node2:1`. Variants: fp32 gradients, `--fp16-allreduce`, a fusion buffer of 512 MiB,
-and fp32 with Open MPI's TCP eager limit raised to 4 MiB; link rates: no limit, 1 Gbit/s and
+node1:1,node2:1`, each node on a CPU of its own (`up --pin-cpus`). Variants: fp32 gradients,
+`--fp16-allreduce`, a fusion buffer of 512 MiB, and fp32 with Open MPI's TCP eager limit raised
+to 4 MiB; link rates: no limit, 1 Gbit/s and
 100 Mbit/s (a tbf qdisc on both nodes' eth0). Each round runs every variant at every rate, a
 variant's three rates back to back. Each run's steady step time is the global batch over its
 samples/s (first epoch dropped).
 
-The model (docs/benchmarks.md): one step costs its computation plus the allreduce,
+The model (docs/benchmarks.md): a step is the unlimited step with its allreduce window
+replaced by the limited one,
 
-    t_step = t_base + wire_bytes / rate
+    t_step(rate) = t_base - W0 + max(W0, wire_bytes / rate + handshake(rate))
 
-where t_base is the step measured without a limit (computation, horovod's negotiation, MPI's
-latency and the transfer at the bridge's own speed) and wire_bytes what each node sends per step:
-a 2-rank allreduce sends the whole gradient once each way (ring or recursive doubling alike:
-2 (N-1)/N x gradient bytes for N ranks), halved by fp16 compression, plus TCP/IP headers
-(1500-byte packets carry 1448 bytes of data).
+t_base is the same variant's step without a limit; W0 its allreduce window there, from a horovod
+timeline of the same run (from the start of the fused group holding the largest gradient to the
+end of the step's last allreduce; the rest of the backward pass runs inside it, so a transfer
+shorter than W0 hides behind it). wire_bytes is what each node sends per step: a 2-rank
+allreduce sends the whole gradient once each way (2 (N-1)/N of it for N ranks), halved by fp16
+compression, plus TCP/IP headers. handshake(rate) is Open MPI's rendezvous: in the first exchange
+of the ring one direction's data beyond the eager fragment waits behind the other direction's
+data, which costs (largest gradient / 2 - eager limit) / rate.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 from hvdtrain.bench.harness import interleave
 from hvdtrain.bench.suite import (BenchmarkFailed, Settings, _env, _training_args,
@@ -54,6 +61,10 @@ VARIANTS = {"fp32": ((), (), {}), "fp16 allreduce": ((), ("--fp16-allreduce",), 
 #: (20 IP + 32 TCP header bytes with timestamps); tbf counts whole packets.
 WIRE_OVERHEAD = 1500 / 1448
 RESNET50_PARAMETERS = 25_600_000
+#: Open MPI's default TCP eager limit (btl_tcp_eager_limit).
+EAGER_LIMIT = 64 * 1024
+#: The isolated allreduce's size: the dense layer's kernel, the CNN's largest gradient.
+ISOLATED_MB = 0.5
 #: Calls of the isolated allreduce per variant (its times are bimodal by default: many needed).
 ISOLATED_REPEATS = 30
 
@@ -64,12 +75,71 @@ def wire_bytes(gradient_bytes: float, ranks: int, fp16: bool) -> float:
     return 2 * (ranks - 1) / ranks * payload * WIRE_OVERHEAD
 
 
-def predicted_step(base_seconds: float, gradient_bytes: float, ranks: int, fp16: bool,
+def handshake_seconds(largest_gradient_bytes: float, fp16: bool, eager_limit: int,
+                      rate_bits: float) -> float:
+    """What Open MPI's rendezvous adds to a 2-rank allreduce on a link that is the bottleneck.
+
+    The ring's first exchange sends half the fused buffer each way. A message above the eager
+    limit goes out as one eager fragment, then waits for the receiver's acknowledgement; when the
+    ranks arrive at different times, the later rank's acknowledgement travels behind the earlier
+    rank's bulk data in the same TCP connection, so one direction's data beyond the eager fragment
+    starts only when the other direction's is through. The group holding the largest gradient
+    is charged (the rest of the gradients are small and fused with it or sent after it).
+    """
+    half_message = largest_gradient_bytes * (0.5 if fp16 else 1.0) / 2
+    return max(0.0, half_message - eager_limit) * WIRE_OVERHEAD * 8 / rate_bits
+
+
+def predicted_step(base_seconds: float, base_window_seconds: float, gradient_bytes: float,
+                   largest_gradient_bytes: float, ranks: int, fp16: bool, eager_limit: int,
                    rate_bits: float | None) -> float:
-    """The model: the unlimited step plus the allreduce's bytes at the link's rate."""
+    """The model: the unlimited step, its allreduce window replaced by the limited link's.
+
+    The window without a limit holds the rest of the backward pass (the transfer starts when the
+    largest gradient is ready, and the convolutions' gradients are still being computed), so a
+    transfer shorter than it hides; a longer one sets the window.
+    """
     if rate_bits is None:
         return base_seconds
-    return base_seconds + wire_bytes(gradient_bytes, ranks, fp16) * 8 / rate_bits
+    transfer = (wire_bytes(gradient_bytes, ranks, fp16) * 8 / rate_bits
+                + handshake_seconds(largest_gradient_bytes, fp16, eager_limit, rate_bits))
+    return base_seconds - base_window_seconds + max(base_window_seconds, transfer)
+
+
+def allreduce_windows(timeline_path: Path, skip_steps: int) -> list[float]:
+    """Seconds of each step's allreduce window, from rank 0's horovod timeline.
+
+    A window runs from the start of the allreduce of the group holding the largest gradient to
+    the end of the step's last gradient allreduce. Horovod records one ALLREDUCE span per
+    gradient per step (fused gradients share their span); the k-th span of every gradient
+    belongs to step k. The first ``skip_steps`` (tracing, warm-up) are dropped.
+    """
+    text = timeline_path.read_text().rstrip()
+    # Horovod closes the JSON array only at a clean shutdown.
+    events = json.loads(text if text.endswith("]") else text.rstrip(",") + "]")
+    # Named gradient allreduces: ``...HorovodAllreduce_grads_6_0``, or ``..._Cast_1_0`` with
+    # fp16 compression; a bare ``HorovodAllreduce`` is the metrics' averaging.
+    gradients = {e["pid"] for e in events if e.get("name") == "process_name"
+                 and "HorovodAllreduce_" in e.get("args", {}).get("name", "")}
+    spans: dict[int, list[tuple[float, float]]] = {pid: [] for pid in gradients}
+    elements: dict[int, int] = {}
+    open_spans: dict[int, list[tuple[str, float]]] = {pid: [] for pid in gradients}
+    for event in events:
+        pid = event.get("pid")
+        if pid not in gradients:
+            continue
+        if event.get("ph") == "B":
+            open_spans[pid].append((event["name"], event["ts"]))
+        elif event.get("ph") == "E" and open_spans[pid]:
+            name, start = open_spans[pid].pop()
+            if name == "ALLREDUCE":
+                spans[pid].append((start, event["ts"]))
+                shape = json.loads(event.get("args", {}).get("shape", "[]"))
+                elements[pid] = int(np.prod(shape)) if shape else 1
+    steps = min(len(s) for s in spans.values())
+    largest = max(elements, key=elements.get)
+    return [(max(spans[pid][k][1] for pid in gradients) - spans[largest][k][0]) / 1e6
+            for k in range(skip_steps, steps)]
 
 
 def cluster(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -88,15 +158,18 @@ def limit_links(rate_bits: float | None) -> None:
                     f"{int(rate_bits)}bit", "burst", str(burst), "latency", "200ms")
 
 
-def gradient_bytes(image_size: int) -> int:
-    """Bytes of the CNN's trainable weights (float32) for this input, as hvdtrain.cnn builds it."""
+def gradient_bytes(image_size: int) -> tuple[int, int]:
+    """Bytes of the CNN's trainable weights (float32) for this input, as hvdtrain.cnn builds
+    it, and of its largest weight."""
     code = ("import hvdtrain, json\n"
             "from hvdtrain.models.cnn import build_cnn\n"
             f"model = build_cnn(({image_size}, {image_size}, 1), 10)\n"
-            "print(json.dumps(sum(int(w.shape.num_elements()) for w in model.trainable_weights)))")
+            "sizes = [int(w.shape.num_elements()) for w in model.trainable_weights]\n"
+            "print(json.dumps([sum(sizes), max(sizes)]))")
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=_env(), check=True, timeout=300).stdout
-    return 4 * int(output.strip().splitlines()[-1])
+    total, largest = json.loads(output.strip().splitlines()[-1])
+    return 4 * total, 4 * largest
 
 
 def launch_on_two_nodes(s: Settings, environment: dict[str, str], launcher_flags,
@@ -116,18 +189,22 @@ def launch_on_two_nodes(s: Settings, environment: dict[str, str], launcher_flags
 def two_node_run(s: Settings, workdir: Path, launcher_flags, training_flags,
                  environment: dict[str, str]) -> dict:
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
-    launch_on_two_nodes(s, environment, launcher_flags,
+    # Every run writes a timeline (the same small cost in every run): the unlimited runs give
+    # the model its window, the limited ones show the window the model predicts.
+    timeline = run_dir / "timeline.json"
+    launch_on_two_nodes(s, environment, (*launcher_flags, "--timeline-filename", str(timeline)),
                         ["hvdtrain.cnn", *_training_args(s, "synthetic"), "--threads-per-worker",
                          "1", "--no-rank-logs", *training_flags, "--run-dir", str(run_dir)],
                         "run")
     result = steady_state(json.loads((run_dir / "metrics.json").read_text()), 0.0)
     result["step_seconds"] = 2 * s.batch_size / result["samples_per_sec"]
+    result["window_seconds"] = statistics.median(allreduce_windows(timeline, s.steps_per_epoch))
     shutil.rmtree(run_dir, ignore_errors=True)
     return result
 
 
 def isolated_allreduce(s: Settings, workdir: Path, environment: dict[str, str],
-                       size_mb: float = 0.5) -> list[float]:
+                       size_mb: float = ISOLATED_MB) -> list[float]:
     """Seconds of each horovod allreduce of ``size_mb`` between the nodes, nothing else running."""
     out = Path(tempfile.mkdtemp(dir=workdir)) / "allreduce.json"
     launch_on_two_nodes(s, environment, (),
@@ -144,7 +221,7 @@ def measure(s: Settings, workdir: Path, log: Callable[[str], None]) -> dict:
     (no limit, 1 Gbit/s, 100 Mbit/s, the order reversed every other round), and a round's
     prediction for a limited link starts from the same round's unlimited step.
     """
-    grad_bytes = gradient_bytes(s.image_size)
+    grad_bytes, largest_bytes = gradient_bytes(s.image_size)
     log(f"network: CNN gradient {grad_bytes / 2**20:.2f} MiB, 1 rank on each of 2 nodes")
 
     def limited_run(rate, flags):
@@ -166,17 +243,27 @@ def measure(s: Settings, workdir: Path, log: Callable[[str], None]) -> dict:
     for rate_name, rate in RATES.items():
         for name in VARIANTS:
             steps = [m["step_seconds"] for m in runs[rate_name][name]]
-            bases = [m["step_seconds"] for m in runs["no limit"][name]]
-            # The base is the same variant without a limit (fp16 compression costs a cast).
-            predicted = [predicted_step(base, grad_bytes, 2, name == "fp16 allreduce", rate)
+            bases = runs["no limit"][name]
+            eager = int(VARIANTS[name][2].get("OMPI_MCA_btl_tcp_eager_limit", EAGER_LIMIT))
+            # The base is the same variant without a limit (fp16 compression costs a cast), and
+            # from the same round: the prediction is paired with the run it predicts.
+            predicted = [predicted_step(base["step_seconds"], base["window_seconds"], grad_bytes,
+                                        largest_bytes, 2, name == "fp16 allreduce", eager, rate)
                          for base in bases]
+            windows = [m["window_seconds"] for m in runs[rate_name][name]]
+            predicted_windows = [p - b["step_seconds"] + b["window_seconds"]
+                                 for p, b in zip(predicted, bases)]
             rows.append({"rate": rate_name, "variant": name,
                          "measured_ms": statistics.median(steps) * 1e3,
                          "predicted_ms": statistics.median(predicted) * 1e3,
                          "error": statistics.median(p / m - 1 for p, m in zip(predicted, steps)),
+                         "window_ms": statistics.median(windows) * 1e3,
+                         "predicted_window_ms": statistics.median(predicted_windows) * 1e3,
                          "samples_per_sec": 2 * s.batch_size / statistics.median(steps)})
-    return {"gradient_bytes": grad_bytes, "rows": rows, "runs": runs,
-            "isolated_allreduce_0.5MiB_100Mbit_seconds": isolated,
+    return {"gradient_bytes": grad_bytes, "largest_gradient_bytes": largest_bytes, "rows": rows,
+            "runs": runs, "isolated_allreduce_0.5MiB_100Mbit_seconds": isolated,
+            "isolated_handshake_model_ms": handshake_seconds(
+                ISOLATED_MB * 2**20, False, EAGER_LIMIT, RATES["100 Mbit/s"]) * 1e3,
             "projections": projections(grad_bytes)}
 
 
@@ -197,24 +284,41 @@ def projections(cnn_gradient_bytes: int) -> list[dict]:
     return rows
 
 
+def slow_mode_excess(seconds: list[float]) -> tuple[float, int]:
+    """How much longer the slow calls of a bimodal series take than the fast ones (median of
+    each mode; a call is slow when it is more than 5 ms above the fastest quarter's median),
+    and how many are slow."""
+    ordered = sorted(seconds)
+    fast_mode = statistics.median(ordered[:max(1, len(ordered) // 4)])
+    slow = [t for t in ordered if t > fast_mode + 0.005]
+    fast = [t for t in ordered if t <= fast_mode + 0.005]
+    return (statistics.median(slow) - statistics.median(fast) if slow else 0.0), len(slow)
+
+
 def markdown(result: dict) -> str:
     from hvdtrain.bench.report import measured_on
 
     where = measured_on(result["machine"])
-    lines = [f"CNN gradient: {result['gradient_bytes'] / 2**20:.3f} MiB (float32); 2 nodes x 1 "
-             "rank; step = 2 x 64 samples", "",
+    lines = [f"CNN gradient: {result['gradient_bytes'] / 2**20:.3f} MiB (float32), the largest "
+             f"{result['largest_gradient_bytes'] / 2**20:.3f} MiB; 2 nodes x 1 rank; step = "
+             "2 x 64 samples; window: horovod's allreduce window (timeline, rank 0)", "",
              "| link | variant | measured step (ms) | model (ms) | model error (paired) | "
-             "samples/s | measured on |",
-             "|---|---|---|---|---|---|---|"]
+             "window (ms) | model window (ms) | samples/s | measured on |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['rate']} | {row['variant']} | {row['measured_ms']:.1f} | "
                      f"{row['predicted_ms']:.1f} | {row['error']:+.1%} | "
+                     f"{row['window_ms']:.1f} | {row['predicted_window_ms']:.1f} | "
                      f"{row['samples_per_sec']:.0f} | {where} |")
     lines += ["", "A 0.5 MiB horovod allreduce alone between the nodes at 100 Mbit/s, every call "
               "(ms):"]
     for variant, seconds in result["isolated_allreduce_0.5MiB_100Mbit_seconds"].items():
         lines.append(f"- {variant}: median {statistics.median(seconds) * 1e3:.1f}; "
                      + " ".join(f"{t * 1e3:.1f}" for t in seconds))
+    fast, slow = slow_mode_excess(result["isolated_allreduce_0.5MiB_100Mbit_seconds"]["fp32"])
+    lines.append(f"- fp32 calls in the slow mode: {slow}; they take {fast * 1e3:.1f} ms longer "
+                 "than the fast mode (median); the model's handshake for this message: "
+                 f"{result['isolated_handshake_model_ms']:.1f} ms")
     lines += ["", "| model | nodes x 8 GPUs | link | fp16 allreduce | allreduce per step (ms) |",
               "|---|---|---|---|---|"]
     for row in result["projections"]:
@@ -229,7 +333,9 @@ def run(s: Settings, out: Path, log: Callable[[str], None]) -> dict | None:
         log("network: skipped: it needs root (network namespaces and tc for the local cluster)")
         return None
     was_up = cluster("status", check=False).returncode == 0
-    up = cluster("up", "--nodes", "2", check=False)
+    # A CPU per node, as on separate hosts: sharing the cores, one node's busy-polling MPI
+    # thread slowed the other node's computation in a third of the runs (docs/benchmarks.md).
+    up = cluster("up", "--nodes", "2", "--pin-cpus", check=False)
     if up.returncode:
         raise BenchmarkFailed(f"scripts/cluster-local.sh up failed:\n{up.stdout}{up.stderr}")
     try:
@@ -237,8 +343,8 @@ def run(s: Settings, out: Path, log: Callable[[str], None]) -> dict | None:
             result = measure(s, Path(scratch), log)
     finally:
         limit_links(None)
-        if not was_up:
-            cluster("down", check=False)
+        # A cluster that was up before is left up as it was, without the pinning.
+        cluster("up", "--nodes", "2", check=False) if was_up else cluster("down", check=False)
     from hvdtrain.bench.report import machine
 
     result["machine"] = machine()
