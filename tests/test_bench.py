@@ -78,7 +78,7 @@ def test_quick_run_writes_results_whose_ratios_match_its_measurements(tmp_path):
 
 def test_the_network_models_arithmetic():
     from hvdtrain.bench.network import (WIRE_OVERHEAD, handshake_seconds, predicted_step,
-                                        projections, wire_bytes)
+                                        predicted_window, projections, wire_bytes)
 
     # 2 ranks send the whole buffer once; N ranks 2 (N-1)/N of it; fp16 halves it.
     assert wire_bytes(1000, 2, fp16=False) == pytest.approx(1000 * WIRE_OVERHEAD)
@@ -93,6 +93,7 @@ def test_the_network_models_arithmetic():
     transfer = 0.08 * WIRE_OVERHEAD
     assert predicted_step(0.040, 0.010, 1e6, 1e5, 2, False, 4 << 20, 1e8) == pytest.approx(
         0.030 + transfer)
+    assert predicted_window(0.010, 1e6, 1e5, 2, False, 4 << 20, 1e8) == pytest.approx(transfer)
     # A transfer shorter than the window hides in it; no limit changes nothing.
     assert predicted_step(0.040, 0.100, 1e6, 1e5, 2, False, 4 << 20, 1e8) == pytest.approx(0.040)
     assert predicted_step(0.040, 0.010, 1e6, 1e5, 2, False, 4 << 20, None) == 0.040

@@ -27,6 +27,7 @@ data, which costs (largest gradient / 2 - eager limit) / rate.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -35,8 +36,6 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
-
-import numpy as np
 
 from hvdtrain.bench.harness import interleave
 from hvdtrain.bench.suite import (BenchmarkFailed, Settings, _env, _training_args,
@@ -90,20 +89,30 @@ def handshake_seconds(largest_gradient_bytes: float, fp16: bool, eager_limit: in
     return max(0.0, half_message - eager_limit) * WIRE_OVERHEAD * 8 / rate_bits
 
 
-def predicted_step(base_seconds: float, base_window_seconds: float, gradient_bytes: float,
-                   largest_gradient_bytes: float, ranks: int, fp16: bool, eager_limit: int,
-                   rate_bits: float | None) -> float:
-    """The model: the unlimited step, its allreduce window replaced by the limited link's.
+def predicted_window(base_window_seconds: float, gradient_bytes: float,
+                     largest_gradient_bytes: float, ranks: int, fp16: bool, eager_limit: int,
+                     rate_bits: float | None) -> float:
+    """The allreduce window on a limited link: the transfer with its handshake, or the unlimited
+    window when that is longer.
 
     The window without a limit holds the rest of the backward pass (the transfer starts when the
     largest gradient is ready, and the convolutions' gradients are still being computed), so a
     transfer shorter than it hides; a longer one sets the window.
     """
     if rate_bits is None:
-        return base_seconds
+        return base_window_seconds
     transfer = (wire_bytes(gradient_bytes, ranks, fp16) * 8 / rate_bits
                 + handshake_seconds(largest_gradient_bytes, fp16, eager_limit, rate_bits))
-    return base_seconds - base_window_seconds + max(base_window_seconds, transfer)
+    return max(base_window_seconds, transfer)
+
+
+def predicted_step(base_seconds: float, base_window_seconds: float, gradient_bytes: float,
+                   largest_gradient_bytes: float, ranks: int, fp16: bool, eager_limit: int,
+                   rate_bits: float | None) -> float:
+    """The model: the unlimited step, its allreduce window replaced by the limited link's."""
+    return base_seconds - base_window_seconds + predicted_window(
+        base_window_seconds, gradient_bytes, largest_gradient_bytes, ranks, fp16, eager_limit,
+        rate_bits)
 
 
 def allreduce_windows(timeline_path: Path, skip_steps: int) -> list[float]:
@@ -135,7 +144,7 @@ def allreduce_windows(timeline_path: Path, skip_steps: int) -> list[float]:
             if name == "ALLREDUCE":
                 spans[pid].append((start, event["ts"]))
                 shape = json.loads(event.get("args", {}).get("shape", "[]"))
-                elements[pid] = int(np.prod(shape)) if shape else 1
+                elements[pid] = math.prod(shape)
     steps = min(len(s) for s in spans.values())
     largest = max(elements, key=elements.get)
     return [(max(spans[pid][k][1] for pid in gradients) - spans[largest][k][0]) / 1e6
@@ -247,12 +256,11 @@ def measure(s: Settings, workdir: Path, log: Callable[[str], None]) -> dict:
             eager = int(VARIANTS[name][2].get("OMPI_MCA_btl_tcp_eager_limit", EAGER_LIMIT))
             # The base is the same variant without a limit (fp16 compression costs a cast), and
             # from the same round: the prediction is paired with the run it predicts.
-            predicted = [predicted_step(base["step_seconds"], base["window_seconds"], grad_bytes,
-                                        largest_bytes, 2, name == "fp16 allreduce", eager, rate)
+            link = (grad_bytes, largest_bytes, 2, name == "fp16 allreduce", eager, rate)
+            predicted = [predicted_step(base["step_seconds"], base["window_seconds"], *link)
                          for base in bases]
+            predicted_windows = [predicted_window(base["window_seconds"], *link) for base in bases]
             windows = [m["window_seconds"] for m in runs[rate_name][name]]
-            predicted_windows = [p - b["step_seconds"] + b["window_seconds"]
-                                 for p, b in zip(predicted, bases)]
             rows.append({"rate": rate_name, "variant": name,
                          "measured_ms": statistics.median(steps) * 1e3,
                          "predicted_ms": statistics.median(predicted) * 1e3,
@@ -343,8 +351,11 @@ def run(s: Settings, out: Path, log: Callable[[str], None]) -> dict | None:
             result = measure(s, Path(scratch), log)
     finally:
         limit_links(None)
-        # A cluster that was up before is left up as it was, without the pinning.
-        cluster("up", "--nodes", "2", check=False) if was_up else cluster("down", check=False)
+        if was_up:
+            # Left up, unpinned (a plain `up`, which also drops an --isolated-iface eth1).
+            cluster("up", "--nodes", "2", check=False)
+        else:
+            cluster("down", check=False)
     from hvdtrain.bench.report import machine
 
     result["machine"] = machine()
