@@ -5,8 +5,9 @@ path (``train.py``: ``python train.py args``), so a horovod script of your own g
 Outside Slurm it runs ``horovodrun -np N`` on this machine (N: the GPU count, or 1 on CPU). Inside a
 Slurm allocation it reads the hosts, tasks and GPUs per node from the allocation and passes them on
 (``-np``/``-H`` to horovodrun, or lets ``mpirun``/``srun --mpi=pmix`` read the allocation; pick
-with ``--via``). Before launching it checks horovod's build, the GPUs per node and the rank count;
-each problem is one line and exit status 2. ``--dry-run`` prints the command and environment.
+with ``--via``). Before launching it checks that the program exists for the ranks' Python, then
+horovod's build, the GPUs per node and the rank count; each problem is one line and exit status 2.
+``--dry-run`` prints the command and environment.
 
 Signals: SIGUSR1, SIGTERM and SIGINT are forwarded to the ranks (SIGUSR1 is Slurm's warning before
 the time limit; the ranks write a checkpoint and exit 75). The exit status is the job's.
@@ -151,6 +152,42 @@ def program_command(options: LaunchOptions) -> list[str]:
         raise UserError(f"{options.program!r} is neither a module name (like hvdtrain.cnn) nor "
                         "a script path (like train.py)")
     return [options.python, "-m", options.program, *options.program_args]
+
+
+# Run by the ranks' interpreter: prints the marker when `python -m NAME` would find no module NAME
+# (find_spec finds nothing, or a parent package is missing). A parent package that fails to
+# import for another reason is left to the ranks, which report it in full.
+_FIND_MODULE = """
+import importlib.util, sys
+name = sys.argv[1]
+try:
+    missing = importlib.util.find_spec(name) is None
+except ModuleNotFoundError as error:
+    missing = error.name is not None and (name + ".").startswith(error.name + ".")
+if missing:
+    print("HVDTRAIN_NO_MODULE")
+"""
+
+
+def check_module(python: str, module: str) -> None:
+    """Refuse a module the ranks' ``python -m`` would not find: a mistyped name fails the same
+    way on every attempt, so it must not cost a launch (or one per ``--max-restarts``).
+
+    Asked of the ranks' interpreter (``--python`` may name another one than the launcher's) in
+    the launcher's working directory and environment, which the ranks inherit, so it searches
+    what ``python -m`` searches; it also keeps the imports of parent packages out of the
+    launcher. A check that cannot finish in time lets the ranks find out.
+    """
+    try:
+        completed = subprocess.run([python, "-c", _FIND_MODULE, module], capture_output=True,
+                                   text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return
+    except OSError as error:
+        raise UserError(f"could not run {python}: {error.strerror or error}") from None
+    if "HVDTRAIN_NO_MODULE" in completed.stdout.split():
+        raise UserError(f"no module named {module!r} in the ranks' Python ({python}): check the "
+                        "name, or pass a script path")
 
 
 @dataclass(frozen=True)
@@ -701,7 +738,9 @@ def parse_options(argv: Sequence[str] | None) -> tuple[LaunchOptions, bool, bool
 def run(argv: Sequence[str] | None = None) -> int:
     stops = StopSignals()
     options, dry_run, skip_preflight = parse_options(argv)
-    program_command(options)  # a missing script is reported before the ~3 s probe
+    program_command(options)  # a missing script or module is reported before the ~3 s probe
+    if not is_script_path(options.program):
+        check_module(options.python, options.program)
     allocation = Allocation.from_env(os.environ)
     running_as_root = os.geteuid() == 0
     build = None if skip_preflight else probe_build(options.python)

@@ -298,10 +298,39 @@ def _tensorflow():
 
 
 def current_umask() -> int:
-    """The process's umask (reading it means setting it; it is set straight back)."""
-    mask = os.umask(0)
-    os.umask(mask)
+    """The process's umask, read without setting it (so it is never 0, not even for a moment).
+
+    Linux (>= 4.7) shows it in /proc/self/status, read on every call so a later ``os.umask``
+    counts. Elsewhere, the umask this module found when it was imported.
+    """
+    mask = _umask_from_proc()
+    return _UMASK_AT_IMPORT if mask is None else mask
+
+
+def _umask_from_proc() -> int | None:
+    """The umask from the ``Umask:`` line (octal) of /proc/self/status, or None without one."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return None
+
+
+def _umask_at_import() -> int:
+    """Without /proc the only way to read the umask is to set it and set it back, and a file
+    another thread creates in between (TensorBoard events, tf.data) gets mode 0666/0777. So that
+    is done once, when this module is imported, before training starts its threads."""
+    mask = _umask_from_proc()
+    if mask is None:
+        mask = os.umask(0)
+        os.umask(mask)
     return mask
+
+
+_UMASK_AT_IMPORT = _umask_at_import()
 
 
 def ensure_writable(run_dir: RunDir, runtime, bytes_needed: int,

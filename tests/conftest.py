@@ -4,7 +4,8 @@
 and integration tests that start their own horovodrun/mpirun/Slurm jobs.
 `mpirun -np 2 pytest tests/` runs the same files in two processes: the collective tests then run
 across 2 real ranks; integration tests skip there (they would start every job twice, competing
-for the same 2 cores) and pure tests simply run on both ranks.
+for the same 2 cores) and pure tests simply run on both ranks. Collective tests that only compare
+ranks (`multi_rank`) skip in a world of one, where they would compare rank 0 with itself.
 
 Collective tests never assert before the ranks have exchanged their results: `gather_checked`
 runs the local part, all-gathers (ok, error) from every rank, and only then asserts, so a failure
@@ -31,6 +32,10 @@ LAUNCHED_RANKS = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
 integration = pytest.mark.skipif(
     LAUNCHED_RANKS > 1, reason="integration tests start their own jobs; they run in the "
                                "single-process pass (pytest tests/)")
+# Decided from the launcher's environment, the same on every rank: no rank enters a collective
+# that the others skipped.
+multi_rank = pytest.mark.skipif(
+    LAUNCHED_RANKS < 2, reason="needs >= 2 ranks: run under mpirun -np 2 pytest tests/")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The training job across real ranks: `mpirun -np 2 pytest` runs these as 2 horovod ranks.
 
-Under plain `pytest` the same tests run as a world of one. Every test exchanges its ranks'
-results before asserting (conftest.gather_checked), so a failure fails all ranks together.
+Under plain `pytest` the same tests run as a world of one, except those that only compare ranks
+(`multi_rank`): they skip there. Every test exchanges its ranks' results before asserting
+(conftest.gather_checked), so a failure fails all ranks together.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from conftest import LAUNCHED_RANKS, assert_same_on_all_ranks, gather_checked
+from conftest import LAUNCHED_RANKS, assert_same_on_all_ranks, gather_checked, multi_rank
 from hvdtrain import checkpoint, train
 from hvdtrain.cnn import CLASSIFIER
 from hvdtrain.cnn import tiny
@@ -47,6 +48,7 @@ def test_the_world_is_what_the_launcher_started(runtime):
     assert [w.is_chief for w in worlds].count(True) == 1
 
 
+@multi_rank
 def test_shards_are_disjoint_and_cover_the_training_set(runtime):
     listing = list_data(ImageConfig())
 
@@ -60,6 +62,7 @@ def test_shards_are_disjoint_and_cover_the_training_set(runtime):
     assert sorted(everything) == sorted(listing.train.sources.tolist())
 
 
+@multi_rank
 @pytest.mark.parametrize("extra", [1, 3])
 def test_sizes_that_do_not_divide_give_every_rank_the_same_steps(runtime, extra):
     size = runtime.world.size
@@ -81,6 +84,7 @@ def test_sizes_that_do_not_divide_give_every_rank_the_same_steps(runtime, extra)
     assert all(delivered == 3 * steps for steps, delivered in results)
 
 
+@multi_rank
 def test_uneven_data_trains_to_the_end(runtime, shared_dir):
     size = runtime.world.size
     config = config_in(shared_dir, data="synthetic", synthetic_samples=3 * size + 1,
@@ -89,23 +93,33 @@ def test_uneven_data_trains_to_the_end(runtime, shared_dir):
     assert len(results[0]) == 2  # rank 0 logged both epochs; nobody hung
 
 
-def test_one_step_leaves_every_rank_identical_and_only_rank_0_writes(runtime, tmp_path):
-    # Each rank gets its own run directory and its own random initial weights: the broadcast must
-    # equalise them, the allreduce keep them equal, and only rank 0's directory may fill up.
+@pytest.fixture(scope="module")
+def one_step(runtime, tmp_path_factory):
+    """One training step on every rank, from its own random initial weights and in its own run
+    directory: every rank's (model and optimizer state, files in its directory)."""
+    root = tmp_path_factory.mktemp("one-step")
     seeded = dataclasses.replace(
         CLASSIFIER, build_model=lambda data: (
             keras.utils.set_random_seed(1000 + runtime.world.rank),
             build_cnn(data.image_shape, len(data.class_names)))[1])
-    config = config_in(tmp_path / "run", epochs=1, steps_per_epoch=1, tensorboard=True)
+    config = config_in(root / "run", epochs=1, steps_per_epoch=1, tensorboard=True)
 
-    def one_step():
+    def run():
         result = train.run("test", config, runtime, seeded)
-        files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+        files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
         return state_of(result.model), files
 
-    results = gather_checked(runtime, one_step)
-    assert_same_on_all_ranks([state for state, _ in results], "after one step")
-    chief_files, other_files = results[0][1], [files for _, files in results[1:]]
+    return gather_checked(runtime, run)
+
+
+@multi_rank
+def test_one_step_from_different_weights_leaves_every_rank_identical(one_step):
+    # The broadcast must equalise the initial weights and the allreduce keep them equal.
+    assert_same_on_all_ranks([state for state, _ in one_step], "after one step")
+
+
+def test_only_rank_0_writes_the_outputs_of_a_step(runtime, one_step):
+    chief_files, other_files = one_step[0][1], [files for _, files in one_step[1:]]
     for expected in ("run/config.json", "run/metrics.csv", "run/metrics.json", "run/curves.png",
                      "run/model.keras", "run/checkpoints/checkpoint"):
         assert expected in chief_files
@@ -250,6 +264,7 @@ def test_a_resumed_mixed_precision_run_keeps_every_rank_identical(runtime, share
     assert_same_on_all_ranks([state for _, _, state in results], "resumed mixed precision")
 
 
+@multi_rank
 def test_ranks_draw_their_own_dropout_masks_from_the_same_weights(runtime, tmp_path):
     config = config_in(tmp_path / "run", epochs=1, steps_per_epoch=2, export=False)
 
@@ -294,6 +309,7 @@ def test_steps_per_execution_runs_that_many_steps_per_call(runtime, tmp_path):
     assert all(outcome == (2, 8) for outcome in calls[4])
 
 
+@multi_rank
 def test_epoch_metrics_are_the_mean_over_ranks(runtime):
     """The sync callbacks average each epoch's metrics: every rank reports the same mean."""
     features = np.random.default_rng(runtime.world.rank).normal(size=(64, 4)).astype("float32")
@@ -318,10 +334,9 @@ def test_epoch_metrics_are_the_mean_over_ranks(runtime):
 
     results = gather_checked(runtime, local_and_synced_loss)
     local_losses = [before for before, _ in results]
+    assert len(set(local_losses)) == runtime.world.size  # the ranks' data did differ
     for _, synced in results:
         assert synced == pytest.approx(np.mean(local_losses), rel=1e-5)
-    if runtime.world.size > 1:
-        assert len(set(local_losses)) == runtime.world.size  # the ranks' data did differ
 
 
 def test_a_stall_ends_the_job_by_default(runtime):

@@ -7,6 +7,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -249,9 +250,9 @@ def test_what_counts_as_a_script(tmp_path, monkeypatch):
             build_launch(options(program=program), None, gpus=0)
 
 
-def launcher_cli(*args: str) -> subprocess.CompletedProcess:
+def launcher_cli(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
     """The launcher's command line, for what it prints before starting anything."""
-    return subprocess.run([sys.executable, "-m", "hvdtrain.launch", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "hvdtrain.launch", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=60, env=clean_env())
 
 
@@ -271,6 +272,40 @@ def test_a_missing_script_is_one_line_and_exit_2():
     assert result.stderr.splitlines() == [
         "hvdtrain.launch: error: no such script: tests/scripts/no_such_script.py (a script path "
         "runs as `python PATH`, a module name like hvdtrain.cnn as `python -m MODULE`)"]
+
+
+@pytest.mark.parametrize("module", ["hvdtrain.cnnn", "hvdtrin.cnn"])
+def test_a_missing_module_is_one_line_and_no_attempt_even_with_restarts(module):
+    started = time.monotonic()
+    result = launcher_cli("--np", "2", "--max-restarts", "3", "--", module, "--epochs", "1")
+    seconds = time.monotonic() - started
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        f"hvdtrain.launch: error: no module named {module!r} in the ranks' Python "
+        f"({sys.executable}): check the name, or pass a script path"]
+    assert result.stdout == ""  # no "job exited ...; restart 1 of 3" line: nothing started
+    # Refused before the horovod probe, let alone a launch and 3 restarts 3 s apart.
+    assert seconds < 30, seconds
+
+
+def test_the_module_check_asks_the_ranks_python_in_the_launchers_directory(tmp_path):
+    (tmp_path / "in_the_directory.py").write_text("")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "only_for_the_ranks.py").write_text("")
+    ranks_python = tmp_path / "ranks-python"
+    ranks_python.write_text(f"#!/bin/sh\nPYTHONPATH={elsewhere} exec {sys.executable} \"$@\"\n")
+    ranks_python.chmod(0o755)
+    dry_run = ("--dry-run", "--skip-preflight", "--np", "1")
+    # `python -m` finds modules in the working directory, which the ranks start in.
+    assert launcher_cli(*dry_run, "--", "in_the_directory", cwd=tmp_path).returncode == 0
+    mine = launcher_cli(*dry_run, "--", "only_for_the_ranks", cwd=tmp_path)
+    assert mine.returncode == 2 and "no module named 'only_for_the_ranks'" in mine.stderr
+    theirs = launcher_cli(*dry_run, "--python", str(ranks_python), "--", "only_for_the_ranks",
+                          cwd=tmp_path)
+    assert theirs.returncode == 0, theirs.stderr
+    assert shlex.split(theirs.stdout.splitlines()[-1])[-3:] == [
+        str(ranks_python), "-m", "only_for_the_ranks"]
 
 
 def test_templates_tell_scripts_from_modules_as_the_launcher_does(tmp_path, monkeypatch):

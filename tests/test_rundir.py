@@ -161,6 +161,20 @@ def test_local_files_get_umask_permissions_and_leave_no_temporary_files(tmp_path
     assert run_dir.read_json("missing.json", default=[]) == []
 
 
+def test_the_umask_is_read_without_being_set(monkeypatch):
+    # Setting it, even for a moment, makes files other threads create meanwhile world-writable.
+    def refuse(mask):
+        raise AssertionError(f"current_umask() set the umask to {mask:o}")
+
+    previous = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", refuse)
+        assert current_umask() == 0o027
+    finally:
+        monkeypatch.undo()
+        os.umask(previous)
+
+
 def test_files_of_another_rank_are_not_written(tmp_path):
     RunDir(tmp_path, is_chief=False).write_json("config.json", {})
     assert list(tmp_path.iterdir()) == []
