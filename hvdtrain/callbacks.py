@@ -127,6 +127,40 @@ def batch_norm_layers(model) -> list:
             if isinstance(layer, keras.layers.BatchNormalization)]
 
 
+class TensorBoardLog(keras.callbacks.TensorBoard):
+    """Keras' TensorBoard callback, with its two one-time costs moved out of the first batch.
+
+    Keras' callback pays them in the first ``on_train_batch_end``: its first ``tf.summary`` call
+    imports TensorBoard's summary package (~50 ms here), and it writes the training graph. tf_keras
+    times the first batches' hooks, and against a small model's few-millisecond steps it then
+    warns on every job that the callbacks are slow (it did in `make train`). Here the import
+    happens when the callback is made and the graph is written at the end of the first epoch:
+    the same graph (the training function is traced at the first step), off the timed hooks.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        import tensorboard.summary.v2  # noqa: F401  (what tf.summary imports at its first call)
+
+    def set_model(self, model):
+        super().set_model(model)
+        self._graph_pending = self._should_write_train_graph  # both Kerases set it here
+        self._should_write_train_graph = False
+
+    def _write_pending_graph(self):
+        if self._graph_pending:
+            self._graph_pending = False
+            self._write_keras_model_train_graph()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._write_pending_graph()
+        super().on_epoch_end(epoch, logs)
+
+    def on_train_end(self, logs=None):
+        self._write_pending_graph()  # a run stopped inside its first epoch
+        super().on_train_end(logs)
+
+
 class Throughput(keras.callbacks.Callback):
     """Per-epoch wall time, process CPU time and global samples per second of the training part."""
 

@@ -34,6 +34,14 @@ class RankError(UserError):
     """A mistake only this rank can see (its own GPU, its own shard). Printed by this rank."""
 
 
+def as_one_line(error: BaseException, limit: int = 300) -> str:
+    """``Type: message`` with the message's lines joined, cut at ``limit`` characters: for a
+    message Keras wraps over several lines, whose first line alone says nothing."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def first_line(error: BaseException) -> str:
     """The first non-empty line of an exception's message, or its type's name when it has none.
 

@@ -21,14 +21,15 @@ import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3
 
 from hvdtrain import KERAS, STARTED, __version__, ranklog
 from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
-                                MetricsLog, Progress, StallWatchdog, Throughput,
+                                MetricsLog, Progress, StallWatchdog, TensorBoardLog,
+                                Throughput,
                                 batch_norm_layers)
 from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, training_state,
                                  variables_bytes)
 from hvdtrain.config import ImageConfig, TrainConfig
 from hvdtrain.data import (ImageDatasets, agreed_batches, build_pipelines, choose_data_cache,
                            load_listing)
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, as_one_line, first_line
 from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch
 from hvdtrain.preemption import (PreemptionCheck, StopRequest, StopSignals, describe_stop,
                                  stop_exit_code)
@@ -36,6 +37,9 @@ from hvdtrain.rundir import MODEL_FILE, RunDir, ensure_writable, is_url
 from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
 from hvdtrain.slurm import job_label
 from hvdtrain.task import Datasets, Shard, Task
+
+#: What rank 0 exports for a model that cannot be rebuilt from its config (``export``).
+WEIGHTS_FILE = "model.weights.h5"
 
 
 @dataclass
@@ -201,9 +205,13 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     precision = runtime.default_precision() if config.precision == "auto" else config.precision
     keras.mixed_precision.set_global_policy("float32" if precision == "fp32" else precision)
 
-    # --- model and optimizer ------------------------------------------------------------------
+    # --- data as the model sees it, model and optimizer -----------------------------------------
+    train, validation = datasets.train, datasets.validation
+    if task.to_pairs is not None:
+        train = with_targets(train, task.to_pairs)
+        validation = with_targets(validation, task.to_pairs) if validation is not None else None
     schedule = learning_rate_schedule(plan, config.lr_decay)
-    model = build_and_compile(config, runtime, task, datasets, schedule)
+    model = build_and_compile(config, runtime, task, datasets, train.element_spec, schedule)
     state_variables = training_state(model)
 
     # --- run directory and resume ---------------------------------------------------------------
@@ -235,11 +243,6 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done")
 
     # --- fit ------------------------------------------------------------------------------------
-    train, validation = datasets.train, datasets.validation
-    if task.to_pairs is not None:
-        train = with_targets(train, task.to_pairs)
-        validation = with_targets(validation, task.to_pairs) if validation is not None else None
-
     def save_on_stop(epoch: int, mid_epoch: bool) -> None:
         if world.is_chief:  # an epoch cut short is re-run from its start on resume
             checkpoints.save(resume_epoch=epoch if mid_epoch else epoch + 1)
@@ -274,14 +277,14 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         callbacks += [MetricsLog(run_dir, rows, request, throughput),
                       SaveCheckpoint(checkpoints, request)]
         if config.tensorboard:
-            callbacks.append(keras.callbacks.TensorBoard(run_dir.tensorboard,
-                                                         profile_batch=0))
+            callbacks.append(TensorBoardLog(run_dir.tensorboard, profile_batch=0))
     # A signal that came before training (while listing data or building the model): stop now,
     # all ranks together; nothing new to save.
     request.agreed = runtime.max_over_ranks(request.received)
+    trains = initial_epoch < config.epochs
     if request.agreed:
         request.epoch = initial_epoch
-    elif initial_epoch < config.epochs:
+    elif trains:
         model.fit(train, epochs=config.epochs, initial_epoch=initial_epoch,
                   steps_per_epoch=plan.steps_per_epoch, validation_data=validation,
                   callbacks=callbacks, verbose=_verbosity(world),
@@ -297,9 +300,35 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         runtime.barrier()
         return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows,
                               stop_exit_code(request.agreed))
-    if config.export and world.is_chief:
-        run_dir.write_with(MODEL_FILE, inference_copy(model).save, suffix=".keras")
+    # A resumed run that found every epoch done has nothing new to export either (an earlier run
+    # wrote it); one whose export is missing (it ended before) writes it now.
+    if config.export and world.is_chief and (trains or not exported(run_dir)):
+        note = export(model, run_dir)
+        if note:
+            runtime.print0(note)
     return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows, 0)
+
+
+def exported(run_dir: RunDir) -> bool:
+    return any(tf.io.gfile.exists(run_dir.file(name)) for name in (MODEL_FILE, WEIGHTS_FILE))
+
+
+def export(model: keras.Model, run_dir: RunDir) -> str | None:
+    """Rank 0, after the last epoch: ``model.keras``, or the weights when the model has no config.
+
+    Every epoch and checkpoint is done by now, so nothing here may fail the run: a model that
+    cannot be rebuilt from its config (a subclassed model without ``get_config``, a layer whose
+    config lacks its constructor's arguments) gets ``model.weights.h5`` instead, which loads into
+    the same model built in code. Returns the line saying so, or None for ``model.keras``.
+    """
+    try:
+        run_dir.write_with(MODEL_FILE, inference_copy(model).save, suffix=".keras")
+        return None
+    except Exception as error:  # noqa: BLE001 - whatever the model's own code raises
+        reason = as_one_line(error)
+    run_dir.write_with(WEIGHTS_FILE, model.save_weights, suffix=".weights.h5")
+    return (f"model: wrote {run_dir.file(WEIGHTS_FILE)}, not {MODEL_FILE}: the model cannot be "
+            f"rebuilt from its config ({reason}); build it in code and load_weights() this file")
 
 
 def inference_copy(model: keras.Model) -> keras.Model:
@@ -309,8 +338,13 @@ def inference_copy(model: keras.Model) -> keras.Model:
     own loss or metric functions would not deserialize in a serving or fine-tuning process).
     """
     if KERAS == "3":
-        # Keras 3's clone_model recompiles the clone from the original's compile config.
-        copy = type(model).from_config(model.get_config())
+        # Keras 3's clone_model recompiles the clone from the original's compile config. Its
+        # from_config finds layer classes by registered name: the model's own classes are named
+        # here, so a user's unregistered layer (defined in a --model file) rebuilds too.
+        classes = {type(layer).__name__: type(layer)
+                   for layer in model._flatten_layers(include_self=True, recursive=True)}
+        with keras.saving.custom_object_scope(classes):
+            copy = type(model).from_config(model.get_config())
     else:
         copy = keras.models.clone_model(model)
     copy.set_weights(model.get_weights())
@@ -323,8 +357,9 @@ def rank_log_header(program: str, world) -> str:
 
 
 def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, datasets: Datasets,
-                      schedule) -> keras.Model:
-    """The task's model, compiled with the distributed optimizer, its slots already created."""
+                      element_spec, schedule) -> keras.Model:
+    """The task's model, its variables and the optimizer's slots created, compiled with the
+    distributed optimizer. ``element_spec`` is what the model trains on: (inputs, targets[, w])."""
     with runtime.scope():
         try:
             model = task.build_model(datasets)
@@ -333,6 +368,7 @@ def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, dataset
         if not isinstance(model, keras.Model):
             raise UserError(f"the task's build_model must return a keras.Model, got "
                             f"{type(model).__name__}")
+        create_variables(model, element_spec[0])
         optimizer = keras.optimizers.Adam(learning_rate=schedule)
         if KERAS == "3" and keras.mixed_precision.global_policy().name == "mixed_float16":
             # Keras 3's compile would wrap the distributed optimizer in a LossScaleOptimizer,
@@ -355,6 +391,25 @@ def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, dataset
         # broadcast in restore_or_start covers them.
         model.optimizer.build(model.trainable_variables)
     return model
+
+
+def create_variables(model: keras.Model, input_spec) -> None:
+    """Create the variables of a model that makes them at its first call (a subclassed model, a
+    Sequential without an Input): call it once on a batch of zeros shaped like the data.
+
+    The optimizer's slots, the checkpoint restore and rank 0's broadcast all need the variables
+    to exist before the first step; Keras would otherwise create them inside it, on each rank
+    from its own random initialisation, and the optimizer would not know them.
+    """
+    if model.built:
+        return
+    def zeros(spec):
+        return tf.zeros([1, *spec.shape[1:]], spec.dtype)  # one sample: the batch size is free
+    try:
+        model(tf.nest.map_structure(zeros, input_spec), training=False)
+    except Exception as error:  # noqa: BLE001 - the model's own code
+        raise UserError(f"the model could not be built from the data's inputs {input_spec}: "
+                        f"{type(error).__name__}: {first_line(error)}") from None
 
 
 def with_targets(dataset: tf.data.Dataset, to_pairs: Callable) -> tf.data.Dataset:
