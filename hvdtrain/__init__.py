@@ -39,6 +39,10 @@ def __getattr__(name: str):
         from hvdtrain import config
 
         return config.TrainConfig
+    if name in ("main", "run"):
+        from hvdtrain import job
+
+        return getattr(job, name)
     if name in __all__:
         from hvdtrain import task
 

@@ -8,15 +8,13 @@ gpu.png, tpu.png, as in the article's outputs/).
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Sequence
 
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
-from hvdtrain import train
-from hvdtrain.config import ImageConfig, parse_config
-from hvdtrain.errors import reported
+from hvdtrain import job, train
+from hvdtrain.config import ImageConfig
 from hvdtrain.models.autoencoder import build_autoencoder
 from hvdtrain.plots import plot_reconstructions
 from hvdtrain.runtime import Runtime
@@ -66,24 +64,14 @@ def write_reconstructions(result: train.TrainingResult, runtime: Runtime) -> str
     return result.run_dir.file(name)
 
 
-def run(argv: Sequence[str] | None = None) -> int:
-    # 1. configuration: a preset, then command-line overrides, validated
-    config = parse_config(argv, PRESETS, prog=f"python -m {PROGRAM}", description=__doc__)
-    # 2. compute: horovod ranks, a tf.distribute strategy, or one process
-    runtime = train.start_runtime(config)
-    # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)
-    result = train.run(PROGRAM, config, runtime, RECONSTRUCTOR)
-    # 4. the article's picture, then the summary
-    if result.exit_code == 0:
-        picture = write_reconstructions(result, runtime)
-        runtime.print0(f"reconstructions: {picture}")
-    runtime.print0(train.summary(result))
-    return result.exit_code
+def after_training(result: train.TrainingResult, runtime: Runtime) -> None:
+    """The article's picture, named on rank 0."""
+    picture = write_reconstructions(result, runtime)
+    runtime.print0(f"reconstructions: {picture}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    with reported(PROGRAM):
-        sys.exit(run(argv))
+    job.main(RECONSTRUCTOR, argv, name=PROGRAM, presets=PRESETS, after=after_training)
 
 
 if __name__ == "__main__":

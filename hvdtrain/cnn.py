@@ -8,16 +8,14 @@ checkpoint is resumed.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
-from hvdtrain import train
-from hvdtrain.config import ImageConfig, parse_config
-from hvdtrain.errors import reported
-from hvdtrain.models import BUILT_IN_CLASSIFIERS, build_classifier
+from hvdtrain import job
+from hvdtrain.config import ImageConfig
+from hvdtrain.models import CLASSIFIERS, build_classifier
 from hvdtrain.models.user import is_user_model
 from hvdtrain.task import Task
 
@@ -36,8 +34,8 @@ class ClassifierConfig(ImageConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.model not in BUILT_IN_CLASSIFIERS and not is_user_model(self.model):
-            raise ValueError(f"--model must be one of {', '.join(BUILT_IN_CLASSIFIERS)} or "
+        if self.model not in CLASSIFIERS and not is_user_model(self.model):
+            raise ValueError(f"--model must be one of {', '.join(CLASSIFIERS)} or "
                              f"FILE.py:FUNCTION, got {self.model!r}")
 
 
@@ -68,21 +66,9 @@ def classifier(model: str = "cnn") -> Task:
 CLASSIFIER = classifier()
 
 
-def run(argv: Sequence[str] | None = None) -> int:
-    # 1. configuration: a preset, then command-line overrides, validated
-    config = parse_config(argv, PRESETS, prog=f"python -m {PROGRAM}", description=__doc__)
-    # 2. compute: horovod ranks, a tf.distribute strategy, or one process
-    runtime = train.start_runtime(config)
-    # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)
-    result = train.run(PROGRAM, config, runtime, classifier(config.model))
-    # 4. summary
-    runtime.print0(train.summary(result))
-    return result.exit_code
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    with reported(PROGRAM):
-        sys.exit(run(argv))
+    # The flags choose the network, so the task is made from the parsed config.
+    job.main(lambda config: classifier(config.model), argv, name=PROGRAM, presets=PRESETS)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ The public API (exported from ``hvdtrain``; README "Your own training job")::
     if __name__ == "__main__":
         hvdtrain.main(task)  # flags, banner, run directory, checkpoints, resume, preemption
 
+``hvdtrain.main`` and ``hvdtrain.run`` are ``hvdtrain/job.py``'s, which runs every job; this
+module holds only the types a job is described with, and imports nothing of hvdtrain.
+
 A dataset builder returns *this rank's* batches: ``shard`` says which slice and how big a batch.
 Every rank must feed the same number of batches per epoch (a rank that runs out first would leave
 the others waiting in an allreduce forever): hvdtrain counts each rank's batches and refuses to
@@ -19,10 +22,8 @@ start, in one line, when they differ.
 """
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -83,54 +84,3 @@ class Task:
     to_pairs: Callable | None = None
     """For the image data hvdtrain reads: map batched ``(images, labels)`` to
     ``(inputs, targets)`` (an autoencoder's targets are its inputs). None keeps them."""
-
-
-def main(task: Task, argv: Sequence[str] | None = None, *, name: str | None = None,
-         presets: Mapping[str, Callable[[], TrainConfig]] | None = None) -> None:
-    """Run ``task`` with hvdtrain's flags from ``argv`` (default ``sys.argv[1:]``) and exit with
-    the job's status: 0, 2 for bad input (one line), 75 or 128+N when a signal stopped it.
-
-    ``name`` names the job in messages and its default run directory (``runs/NAME``; default: the
-    script's file name). ``presets`` maps ``--preset`` names to functions returning the starting
-    configuration; the default is one preset, ``default``, of plain ``TrainConfig`` (or an
-    ``ImageConfig`` when the task reads hvdtrain's image data).
-    """
-    from hvdtrain.errors import reported
-
-    program = name or _script_name()
-    with reported(program):
-        sys.exit(run(task, argv, name=program, presets=presets))
-
-
-def run(task: Task, argv: Sequence[str] | None = None, *, name: str | None = None,
-        presets: Mapping[str, Callable[[], TrainConfig]] | None = None) -> int:
-    """``main`` without the exit: returns the job's exit status, raises ``UserError`` for bad
-    input (for running a task from your own code or a test)."""
-    from hvdtrain import train
-    from hvdtrain.config import ImageConfig, TrainConfig, parse_config
-
-    program = name or _script_name()
-    if presets is None:
-        config_class = TrainConfig if task.datasets else ImageConfig
-        presets = {"default": lambda: config_class(run_dir=f"runs/{program}")}
-    # 1. configuration: a preset, then command-line overrides, validated
-    config = parse_config(argv, presets, prog=program, description=_description())
-    # 2. compute: horovod ranks, a tf.distribute strategy, or one process
-    runtime = train.start_runtime(config)
-    # 3. data, plan, model, resume, fit, checkpoints, export
-    result = train.run(program, config, runtime, task)
-    # 4. summary
-    runtime.print0(train.summary(result))
-    return result.exit_code
-
-
-def _script_name() -> str:
-    main_module = sys.modules.get("__main__")
-    path = getattr(main_module, "__file__", None) or "hvdtrain-job"
-    return os.path.splitext(os.path.basename(path))[0]
-
-
-def _description() -> str | None:
-    main_module = sys.modules.get("__main__")
-    doc = getattr(main_module, "__doc__", None)
-    return doc.strip() if doc else None

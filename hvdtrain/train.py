@@ -1,8 +1,8 @@
 """The training run every job shares: data, plan, compile, resume, fit, save.
 
-A job supplies a ``Task`` (``hvdtrain/task.py``: how to build its model, its loss and metrics, and
-optionally its own datasets); the built-in jobs (``hvdtrain.cnn``, ``hvdtrain.autoencoder``) are
-tasks on the image data hvdtrain reads itself. The rest (scaling, checkpoints, preemption,
+``hvdtrain/job.py`` runs it for every job with the job's ``Task`` (``hvdtrain/task.py``: how to
+build its model, its loss and metrics, and optionally its own datasets); the built-in jobs
+(``hvdtrain.cnn``, ``hvdtrain.autoencoder``) are tasks on the image data hvdtrain reads itself. The rest (scaling, checkpoints, preemption,
 callbacks, outputs) is the same for every job and every backend.
 """
 from __future__ import annotations

@@ -1,0 +1,82 @@
+"""Every job runs here: flags -> compute -> the training run -> summary.
+
+Users' tasks (``hvdtrain.main(task)``), the classifier (``python -m hvdtrain.cnn``) and the
+autoencoder (``python -m hvdtrain.autoencoder``) are all ``main(task, ...)``: a job is its ``Task``
+(or a function of the parsed config returning one, when the flags choose the model), its presets
+and, optionally, what it does with a finished run (``after``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Mapping, Sequence
+
+from hvdtrain.config import ImageConfig, TrainConfig, parse_config
+from hvdtrain.errors import UserError, reported
+from hvdtrain.task import Task
+
+TaskOrFactory = Task | Callable[[TrainConfig], Task]
+Presets = Mapping[str, Callable[[], TrainConfig]]
+
+
+def main(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | None = None,
+         presets: Presets | None = None, after: Callable | None = None) -> None:
+    """Run a job with hvdtrain's flags from ``argv`` (default ``sys.argv[1:]``) and exit with its
+    status: 0, 2 for bad input (one line), 75 or 128+N when a signal stopped it.
+
+    ``task``: the ``Task``, or a function of the parsed config returning it. ``name`` names the
+    job in messages and its default run directory (``runs/NAME``; default: the script's file
+    name). ``presets`` maps ``--preset`` names to
+    functions returning the starting configuration; the default is one preset, ``default``, of
+    plain ``TrainConfig`` (an ``ImageConfig`` when the task reads hvdtrain's image data).
+    ``after(result, runtime)`` runs on every rank once the run finished without a stop.
+    """
+    program = name or _program_name()
+    with reported(program):
+        sys.exit(run(task, argv, name=program, presets=presets, after=after))
+
+
+def run(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | None = None,
+        presets: Presets | None = None, after: Callable | None = None) -> int:
+    """``main`` without the exit: returns the job's exit status, raises ``UserError`` for bad
+    input (for running a job from your own code or a test)."""
+    from hvdtrain import train  # TensorFlow: only once a job runs, not for --help's import
+
+    program = name or _program_name()
+    if presets is None:
+        reads_images = isinstance(task, Task) and task.datasets is None
+        config_class = ImageConfig if reads_images else TrainConfig
+        presets = {"default": lambda: config_class(run_dir=f"runs/{program}")}
+    # 1. configuration: a preset, then command-line overrides, validated
+    config = parse_config(argv, presets, prog=_usage_name(program), description=_description())
+    job_task = task if isinstance(task, Task) else task(config)
+    if not isinstance(job_task, Task):
+        raise UserError(f"{program}: the job must be an hvdtrain.Task (or a function of the "
+                        f"config returning one), got {type(job_task).__name__}")
+    # 2. compute: horovod ranks, a tf.distribute strategy, or one process
+    runtime = train.start_runtime(config)
+    # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)
+    result = train.run(program, config, runtime, job_task)
+    # 4. what the job makes of a finished run, then the summary
+    if after is not None and result.exit_code == 0:
+        after(result, runtime)
+    runtime.print0(train.summary(result))
+    return result.exit_code
+
+
+def _program_name() -> str:
+    """The script's file name without ``.py`` (``train`` for ``python train.py``)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None) or "hvdtrain-job"
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def _usage_name(program: str) -> str:
+    """How --help's usage line names the job: ``python -m MODULE`` for a module run so."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return f"python -m {program}" if spec is not None and spec.name == program else program
+
+
+def _description() -> str | None:
+    main_module = sys.modules.get("__main__")
+    doc = getattr(main_module, "__doc__", None)
+    return doc.strip() if doc else None
