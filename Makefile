@@ -38,7 +38,7 @@ test-mpi: $(STAMP)
 	$(MPIRUN) $(PYTHON) -m pytest tests/ -p no:cacheprovider --color=no $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(MPI_ENV) $(PYTHON) -m hvdtrain.bench all $(ARGS)
+	$(MPI_ENV) $(PYTHON) -m benchmarks all $(ARGS)
 
 slurm-up:
 	bash scripts/slurm-local.sh up

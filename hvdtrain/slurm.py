@@ -15,13 +15,11 @@ import shlex
 import subprocess
 import sys
 from dataclasses import MISSING, dataclass, fields
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from hvdtrain.errors import UserError, reported
 
 PROGRAM = "hvdtrain.slurm"
-REPO_SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
 
 
 # --- reading an allocation -------------------------------------------------------------------------
@@ -307,16 +305,6 @@ def render(job: SbatchJob) -> str:
     return "\n".join(lines)
 
 
-def write_templates(directory: Path = REPO_SLURM_DIR) -> list[Path]:
-    written = []
-    for file_name, job in TEMPLATES.items():
-        path = directory / file_name
-        path.write_text(render(job))
-        path.chmod(0o755)
-        written.append(path)
-    return written
-
-
 def run(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {PROGRAM}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -332,12 +320,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                                    default=None if spec.default is MISSING else spec.default)
     render_parser.add_argument("args", nargs=argparse.REMAINDER,
                                help="training flags baked into the script (after --)")
-    commands.add_parser("write-templates", help="regenerate slurm/*.sh from TEMPLATES")
     options = parser.parse_args(argv)
-    if options.command == "write-templates":
-        for path in write_templates():
-            print(path)
-        return 0
     values = {k: v for k, v in vars(options).items() if k not in ("command", "args")}
     args = tuple(a for a in options.args if a != "--")
     try:

@@ -78,7 +78,7 @@ def test_autoencoder_on_the_strategy_path(tmp_path):
 
 
 def test_matmul_benchmark_times_the_selected_device(tmp_path):
-    result = python_module("hvdtrain.bench", "matmul", "--batch", "8", "--repeats", "3",
+    result = python_module("benchmarks", "matmul", "--batch", "8", "--repeats", "3",
                            "--out", str(tmp_path))
     report = json.loads((tmp_path / "matmul.json").read_text())
     assert report["device_kind"] == "cpu" and len(report["seconds"]) == 3

@@ -16,6 +16,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.launch import (Build, LaunchOptions, build_launch, describe, horovod_tuning_env,
                              judge_exit, parse_options, preflight)
 from hvdtrain.slurm import TEMPLATES, Allocation, SbatchJob, expand_tasks_per_node, render
+from slurm_templates import COMMAND as WRITE_TEMPLATES
 
 GOOD_BUILD = Build(tensorflow=True, mpi=True, gloo=True)
 PY = "/venv/bin/python"
@@ -179,7 +180,7 @@ def test_srun_outside_slurm_and_gloo_with_mpirun_are_refused():
 def test_shipped_templates_are_what_the_renderer_writes(file_name):
     shipped = (REPO / "slurm" / file_name).read_text()
     assert shipped == render(TEMPLATES[file_name]), (
-        f"slurm/{file_name} is out of date: run `python -m hvdtrain.slurm write-templates`")
+        f"slurm/{file_name} is out of date: run `{WRITE_TEMPLATES}`")
 
 
 @pytest.mark.parametrize("file_name", sorted(TEMPLATES))

@@ -1,6 +1,6 @@
 """What horovod's background thread costs the compute around it, without TensorFlow in the way.
 
-Run as 2 ranks (`mpirun -np 2 python -m hvdtrain.bench.overhead MODE --json F`). Each rank does
+Run as 2 ranks (`mpirun -np 2 python -m benchmarks.overhead MODE --json F`). Each rank does
 single-threaded numpy work for a fixed time and counts the steps; the two ranks share the cores
 as the ranks of a training job do. MODE:
 
@@ -30,7 +30,7 @@ MODES = ("none", "horovod", "horovod-busy-poll")
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hvdtrain.bench.overhead",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=MODES)

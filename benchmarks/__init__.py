@@ -1,4 +1,6 @@
-"""Benchmarks: `python -m hvdtrain.bench <name> [options]` (`make bench` runs `all`).
+"""Benchmarks: `python -m benchmarks <name> [options]` from the repository root (`make bench` runs
+`all`). They live beside the package and are not installed with it; they measure hvdtrain as a user
+runs it, and reach horovod only through hvdtrain's runtime.
 
     all         every comparison below, then results.json, results.md and plots in --out
     scaling     weak scaling np=2 vs np=1 (synthetic and embedded data); processes vs threads;
@@ -17,7 +19,7 @@
     matmul      the article's `w @ x + b` device timing on the backend's device
 
 Variants are separate processes, interleaved, repeated (--repeats, default 5), first epochs and a
-warm-up round dropped; see hvdtrain/bench/harness.py and docs/benchmarks.md.
+warm-up round dropped; see benchmarks/harness.py and docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -29,11 +31,11 @@ from typing import Sequence
 from hvdtrain.errors import UserError, first_line, reported
 from hvdtrain.rundir import RunDir
 
-PROGRAM = "hvdtrain.bench"
+PROGRAM = "benchmarks"
 
 
 def _matmul(args) -> int:
-    from hvdtrain.bench.matmul import describe, run_matmul
+    from benchmarks.matmul import describe, run_matmul
     from hvdtrain.runtime import make_runtime
 
     runtime = make_runtime(args.backend)
@@ -52,7 +54,7 @@ def _suite(args) -> int:
     import dataclasses
     import tempfile
 
-    from hvdtrain.bench import report, suite
+    from benchmarks import report, suite
 
     settings = suite.QUICK if args.quick else suite.Settings()
     if args.repeats:
@@ -84,13 +86,13 @@ def _suite(args) -> int:
                 elif name == "workers":
                     speedup = suite.speedup_vs_workers(settings, workdir, log)
                 elif name == "network":
-                    from hvdtrain.bench import network
+                    from benchmarks import network
 
                     result = network.run(settings, out, log)
                     if result is not None:
                         print(network.markdown(result))
                 elif name == "data":
-                    from hvdtrain.bench import datascale
+                    from benchmarks import datascale
 
                     result = datascale.run(settings, out, log, quick=args.quick)
                     print(datascale.markdown(result))

@@ -1,6 +1,6 @@
 """Where each rank's CPU goes: per-thread CPU of every running training process over a window.
 
-    python -m hvdtrain.bench.threads --seconds 10 [--match hvdtrain.cnn]
+    python -m benchmarks.threads --seconds 10 [--match hvdtrain.cnn]
 
 Run it on a node while a job trains (inside an epoch: epoch-end work such as checkpoints is
 not training). It reads each thread's user + system time from /proc twice and prints, per

@@ -1,6 +1,6 @@
 """What the input costs as the data set grows: image folders and TFRecords, 1k to 1.28 M files.
 
-`python -m hvdtrain.bench data`. Each size is a folder of hard links to a small set of distinct
+`python -m benchmarks data`. Each size is a folder of hard links to a small set of distinct
 images (so 1.28 M files cost seconds to make and no disk), in ImageNet's shape: 1000 class folders
 from 10k files up. The same folder converted by `python -m hvdtrain.tfrecords` (1024 shards
 at 1.28 M, like ImageNet's) is the TFRecord source. Every job is `horovodrun -np 2 python -m
@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from hvdtrain.bench.harness import interleave
-from hvdtrain.bench.suite import BIN, BenchmarkFailed, Settings, _run
+from benchmarks.harness import interleave
+from benchmarks.suite import BIN, BenchmarkFailed, Settings, _run
 
 SIZES = (1_000, 10_000, 100_000, 1_281_167)
 QUICK_SIZES = (1_000, 10_000)
@@ -111,7 +111,7 @@ def job(source: list[str], run_dir: Path, *, steps: int, epochs: int,
     and rank 0's resident memory at the end of each epoch."""
     shutil.rmtree(run_dir, ignore_errors=True)
     wall, output = _run([str(BIN / "horovodrun"), "-np", "2", sys.executable, "-m",
-                         "hvdtrain.bench.peakrss", "hvdtrain.cnn", *source,
+                         "benchmarks.peakrss", "hvdtrain.cnn", *source,
                          "--image-size", str(image_size), "--validation-fraction", "0.001",
                          "--batch-size", str(BATCH_SIZE), "--steps-per-epoch", str(steps),
                          "--epochs", str(epochs), "--warmup-epochs", "0",
@@ -299,7 +299,7 @@ def run(s: Settings, out: Path, log: Callable[[str], None], *, quick: bool = Fal
     parent = workdir or Path(tempfile.gettempdir())
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-data-", dir=parent) as scratch:
         result = measure(s, Path(scratch), log, sizes, quick)
-    from hvdtrain.bench.report import machine
+    from benchmarks.report import machine
 
     result["machine"] = machine()
     out.mkdir(parents=True, exist_ok=True)

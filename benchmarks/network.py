@@ -1,6 +1,6 @@
 """Two hosts and a limited link: measured step times, and a step-time model that explains them.
 
-`python -m hvdtrain.bench network` (root: it builds the local cluster of scripts/cluster-local.sh
+`python -m benchmarks network` (root: it builds the local cluster of scripts/cluster-local.sh
 and limits its links with `tc ... tbf`). One rank on each of node1 and node2 trains the CNN on
 synthetic 32x32 images, 64 per rank, one thread each, started by `hvdtrain.launch --hosts
 node1:1,node2:1`, each node on a CPU of its own (`up --pin-cpus`). Variants: fp32 gradients,
@@ -37,11 +37,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from hvdtrain.bench.harness import interleave
-from hvdtrain.bench.suite import (BenchmarkFailed, Settings, _env, _training_args,
-                                  steady_state)
+from benchmarks.harness import interleave
+from benchmarks.suite import (REPO, BenchmarkFailed, Settings, _env, _training_args,
+                              steady_state)
 
-REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "scripts" / "cluster-local.sh"
 #: Link rates in bit/s (None: no limit).
 RATES = {"no limit": None, "1 Gbit/s": 1e9, "100 Mbit/s": 1e8}
@@ -188,6 +187,8 @@ def launch_on_two_nodes(s: Settings, environment: dict[str, str], launcher_flags
     argv = ["exec", "node1", "env", *(f"{k}={v}" for k, v in environment.items()),
             sys.executable, "-m", "hvdtrain.launch", "--hosts", "node1:1,node2:1",
             "--network-interface", "eth0", "--skip-preflight", *launcher_flags, *module_argv]
+    # The node's commands inherit this environment, and horovodrun exports it to both ranks:
+    # its PYTHONPATH lets them import ``benchmarks`` (the nodes share this filesystem).
     completed = subprocess.run(["bash", str(CLUSTER), *argv], capture_output=True, text=True,
                                env=_env(), cwd=REPO, timeout=s.timeout)
     if completed.returncode:
@@ -217,7 +218,7 @@ def isolated_allreduce(s: Settings, workdir: Path, environment: dict[str, str],
     """Seconds of each horovod allreduce of ``size_mb`` between the nodes, nothing else running."""
     out = Path(tempfile.mkdtemp(dir=workdir)) / "allreduce.json"
     launch_on_two_nodes(s, environment, (),
-                        ["hvdtrain.bench.allreduce", "--sizes-mb", f"{size_mb:g}", "--repeats",
+                        ["benchmarks.allreduce", "--sizes-mb", f"{size_mb:g}", "--repeats",
                          str(ISOLATED_REPEATS), "--json", str(out)], "allreduce")
     return json.loads(out.read_text())["sizes"][f"{size_mb:g}"]["horovod"]["seconds"]
 
@@ -304,7 +305,7 @@ def slow_mode_excess(seconds: list[float]) -> tuple[float, int]:
 
 
 def markdown(result: dict) -> str:
-    from hvdtrain.bench.report import measured_on
+    from benchmarks.report import measured_on
 
     where = measured_on(result["machine"])
     lines = [f"CNN gradient: {result['gradient_bytes'] / 2**20:.3f} MiB (float32), the largest "
@@ -356,7 +357,7 @@ def run(s: Settings, out: Path, log: Callable[[str], None]) -> dict | None:
             cluster("up", "--nodes", "2", check=False)
         else:
             cluster("down", check=False)
-    from hvdtrain.bench.report import machine
+    from benchmarks.report import machine
 
     result["machine"] = machine()
     out.mkdir(parents=True, exist_ok=True)

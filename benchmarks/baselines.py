@@ -1,7 +1,7 @@
 """What hvdtrain is compared with: the same CNN and data without hvdtrain.
 
-    python -m hvdtrain.bench.baselines plain --json F      a plain tf_keras model.fit, one process
-    worker_commands(2, [...], env)                          MultiWorkerMirroredStrategy, 2 workers
+    python -m benchmarks.baselines plain --json F    a plain tf_keras model.fit, one process
+    worker_commands(2, [...], env)                    MultiWorkerMirroredStrategy, 2 workers
 
 Both use hvdtrain's model builder, the embedded arrays, the same tf.data steps (cache, shuffle,
 batch, repeat, prefetch), Adam and the same thread counts; throughput is measured with the same
@@ -39,14 +39,14 @@ def worker_commands(num_workers: int, args: list[str], env: dict[str, str]
     Each worker's TF_CONFIG names every worker's address and its own index.
     """
     addresses = [f"localhost:{port}" for port in free_ports(num_workers)]
-    return [([sys.executable, "-m", "hvdtrain.bench.baselines", "mwms", *args],
+    return [([sys.executable, "-m", "benchmarks.baselines", "mwms", *args],
              {**env, "TF_CONFIG": json.dumps({"cluster": {"worker": addresses},
                                               "task": {"type": "worker", "index": index}})})
             for index in range(num_workers)]
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hvdtrain.bench.baselines",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.baselines",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", choices=("plain", "mwms"))

@@ -1,6 +1,6 @@
 """Allreduce bandwidth: horovod's allreduce against mpi4py's Allreduce in the same processes.
 
-Run as ranks: `mpirun -np 2 python -m hvdtrain.bench.allreduce --json out.json` (MPI controller,
+Run as ranks: `mpirun -np 2 python -m benchmarks.allreduce --json out.json` (MPI controller,
 both libraries measured in the same processes, interleaved), or under `horovodrun --gloo -np 2`
 (Gloo controller; mpi4py is then not started, since there is no MPI job). Every timed call starts
 after a barrier, so no rank's timer includes waiting for a late peer, and ends when the reduced
@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hvdtrain.bench.harness import interleave
+from benchmarks.harness import interleave
 from hvdtrain.runtime.horovod import HorovodRuntime
 from hvdtrain.rundir import RunDir
 
@@ -73,7 +73,7 @@ def measure(runtime: HorovodRuntime, sizes_mb: list[float], repeats: int, warmup
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hvdtrain.bench.allreduce",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.allreduce",
                                      description=__doc__)
     parser.add_argument("--sizes-mb", default="1,4,16,64,256",
                         help="comma-separated buffer sizes in MiB (default 1,4,16,64,256)")

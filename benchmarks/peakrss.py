@@ -1,4 +1,4 @@
-"""`python -m hvdtrain.bench.peakrss MODULE ARGS...`: run a module, then print this process's peak
+"""`python -m benchmarks.peakrss MODULE ARGS...`: run a module, then print this process's peak
 resident memory (the benchmarks wrap each rank with it; the launcher prefixes the line)."""
 import atexit
 import resource

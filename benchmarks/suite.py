@@ -1,4 +1,4 @@
-"""The comparisons of `python -m hvdtrain.bench all`, each a set of interleaved real runs.
+"""The comparisons of `python -m benchmarks all`, each a set of interleaved real runs.
 
 Every training variant is a separate process started exactly as a user would start it
 (`horovodrun -np N python -m hvdtrain.cnn ...`, the plain Keras script, two MultiWorkerMirrored
@@ -18,9 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from hvdtrain.bench.harness import Comparison, interleave
+from benchmarks.harness import Comparison, interleave
 
 BIN = Path(sys.executable).parent
+#: The repository root. The benchmarks live beside the package, not in it, so every command they
+#: start finds ``benchmarks`` through PYTHONPATH (``_env``), whatever its working directory.
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,9 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_COMM_", "PMIX_", "HOROVOD_RANK", "HOROVOD_SIZE"))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               TF_CPP_MIN_LOG_LEVEL="3")
+               TF_CPP_MIN_LOG_LEVEL="3",
+               # mpirun hands it to local ranks, horovodrun to every rank on every host.
+               PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH")))))
     return env
 
 
@@ -154,10 +159,10 @@ def independent_pair_run(s: Settings, workdir: Path) -> dict:
 
 
 def overhead_run(s: Settings, workdir: Path, mode: str) -> dict:
-    """Steps/s of plain numpy work in 2 ranks next to an idle horovod (hvdtrain.bench.overhead)."""
+    """Steps/s of plain numpy work in 2 ranks next to an idle horovod (benchmarks.overhead)."""
     prefix = Path(tempfile.mkdtemp(dir=workdir)) / "overhead"
     _run(["mpirun", "-np", "2", "--bind-to", "none", sys.executable, "-m",
-          "hvdtrain.bench.overhead", mode, "--seconds", f"{s.overhead_seconds:g}",
+          "benchmarks.overhead", mode, "--seconds", f"{s.overhead_seconds:g}",
           "--json", str(prefix)], s.timeout)
     ranks = [json.loads(Path(f"{prefix}.{rank}").read_text()) for rank in (0, 1)]
     return {"steps_per_sec": sum(r["steps_per_sec"] for r in ranks),
@@ -172,13 +177,13 @@ def _baseline_args(s: Settings, out: Path, data: str = "synthetic") -> list[str]
 
 def plain_keras_run(s: Settings, workdir: Path) -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir)) / "metrics.json"
-    wall, _ = _run([sys.executable, "-m", "hvdtrain.bench.baselines", "plain",
+    wall, _ = _run([sys.executable, "-m", "benchmarks.baselines", "plain",
                     *_baseline_args(s, out)], s.timeout)
     return steady_state(json.loads(out.read_text()), wall)
 
 
 def mwms_run(s: Settings, workdir: Path, data: str = "synthetic") -> dict:
-    from hvdtrain.bench.baselines import worker_commands
+    from benchmarks.baselines import worker_commands
 
     out = Path(tempfile.mkdtemp(dir=workdir)) / "metrics.json"
     wall = _run_together(worker_commands(2, _baseline_args(s, out, data), _env()), s.timeout,
@@ -369,7 +374,7 @@ def speedup_vs_workers(s: Settings, workdir: Path, log: Callable[[str], None]) -
 def allreduce(s: Settings, workdir: Path, log: Callable[[str], None]) -> dict:
     """hvd.allreduce vs mpi4py in the same mpirun (MPI controller), and horovod over Gloo."""
     sizes = ",".join(f"{size:g}" for size in s.allreduce_sizes_mb)
-    worker = [sys.executable, "-m", "hvdtrain.bench.allreduce", "--sizes-mb", sizes,
+    worker = [sys.executable, "-m", "benchmarks.allreduce", "--sizes-mb", sizes,
               "--repeats", str(s.allreduce_repeats)]
 
     launchers = {"mpi": ["mpirun", "-np", "2", "--bind-to", "none"],

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from hvdtrain.bench.harness import Comparison
+from benchmarks.harness import Comparison
 from hvdtrain.plots import pyplot, save_figure
 from hvdtrain.rundir import RunDir
 

@@ -1,3 +1,0 @@
-from hvdtrain.bench import main
-
-main()
