@@ -49,12 +49,34 @@
 # rank on one node takes CPU from the ranks of another. The last `up` decides (without the flag
 # the daemons get every allowed CPU back).
 #
+# The state directory ($STATE_DIR, default /run/hvdtrain-cluster) holds root's ssh key pair, the
+# authorized_keys every node's sshd accepts and the munge key, so nobody but root may make it or
+# anything in it (a user who could would log into the nodes as root):
+#   - it lives under /run: root's and not writable by anyone else (unlike /var/tmp or /tmp, where
+#     any user can create the name first), the same path for every up/down/exec/status, and gone
+#     after a reboot, as are the namespaces and daemons it describes. Every directory above it must
+#     be root's and not group/world writable, which sshd's StrictModes also demands of the
+#     directories above authorized_keys;
+#   - `up` makes it fresh (mkdir, root, mode 0711) or accepts it only as `up` made it: a directory,
+#     not a symlink, owned by root with mode 0711; anything else is refused in one line, before
+#     anything is installed, created or started, and so are `down`, `exec` and `status`. 0711 and
+#     not 0700: slurmctld (user slurm) and munged (user munge) must reach their subdirectories;
+#     nobody else can list it or create anything in it;
+#   - every subdirectory is made by root with an exact owner and mode (checked the same way when
+#     it exists): ssh/ is root's 0700 and its key pair is generated there by `up`, never taken from
+#     elsewhere. Only slurm/ctld (slurmctld's state) and munge/ belong to those users, and root
+#     writes nothing into them (the munge key is written as user munge);
+#   - nothing is written under a fixed name in /tmp: the lock is this script itself, the apt log
+#     and the new /etc/hosts come from mktemp.
+#
 # Environment knobs:
-#   HVDTRAIN_CLUSTER_DIR      state directory (default /var/tmp/hvdtrain-cluster); removed by down
+#   HVDTRAIN_CLUSTER_DIR      state directory (default /run/hvdtrain-cluster; an absolute path whose
+#                             parent exists and is root's); removed by down
 #   HVDTRAIN_CLUSTER_TIMEOUT  seconds to wait for each daemon / the nodes (default 60)
 set -euo pipefail
 
-STATE_DIR=${HVDTRAIN_CLUSTER_DIR:-/var/tmp/hvdtrain-cluster}
+STATE_DIR=${HVDTRAIN_CLUSTER_DIR:-/run/hvdtrain-cluster}
+STATE_DIR_MODE=711
 TIMEOUT=${HVDTRAIN_CLUSTER_TIMEOUT:-60}
 STATE_MARKER=.hvdtrain-cluster-local
 MARKER="# managed by hvdtrain scripts/cluster-local.sh"
@@ -86,6 +108,14 @@ fail() { # fail MESSAGE LOGFILE...: the message, then the tail of each log
   done
   exit 1
 }
+
+[[ $STATE_DIR == /* ]] || die "HVDTRAIN_CLUSTER_DIR must be an absolute path, got '$STATE_DIR'"
+# The parent without symlinks (/var/run -> /run): the path that state_dir_problem checks is the
+# path that is used.
+if _parent=$(realpath -e -- "$(dirname -- "$STATE_DIR")" 2>/dev/null); then
+  STATE_DIR=${_parent%/}/$(basename -- "$STATE_DIR")
+fi
+unset _parent
 
 netns_of() { printf 'hvdt-%s\n' "$1"; }
 veth_of() { printf 'hvdt-v%s\n' "${1#node}"; }
@@ -193,7 +223,8 @@ have_programs() {
 install_packages() {
   have_programs && return 0
   # The packages' own service starts are suppressed: this script alone runs the daemons.
-  local policy=/usr/sbin/policy-rc.d own_policy=0 rc=0 log=/tmp/hvdtrain-cluster-apt.log
+  local policy=/usr/sbin/policy-rc.d own_policy=0 rc=0 log
+  log=$(mktemp -t hvdtrain-cluster-apt.XXXXXX.log)
   if [[ ! -e $policy ]]; then
     printf '#!/bin/sh\n%s\nexit 101\n' "$MARKER" >"$policy"
     chmod 0755 "$policy"
@@ -211,19 +242,98 @@ install_packages() {
   rm -f "$log"
 }
 
-# --- state directory -----------------------------------------------------------------------------
-prepare_state_dir() {
-  if [[ -d $STATE_DIR && ! -e $STATE_DIR/$STATE_MARKER && -n $(ls -A "$STATE_DIR" 2>/dev/null) ]]; then
-    die "$STATE_DIR exists, is not empty and was not made by this script; set HVDTRAIN_CLUSTER_DIR elsewhere"
+# --- state directory (see the header: root's, made fresh, refused in one line otherwise) ---------
+# state_dir_problem: why $STATE_DIR must not be used, as one line; nothing when it may be (also
+# when it does not exist yet and may be made).
+state_dir_problem() {
+  local dir name uid user mode kind
+  name=$(basename -- "$STATE_DIR")
+  if [[ $name == / || $name == . || $name == .. ]]; then
+    echo "refusing state directory '$STATE_DIR': not a directory name; set HVDTRAIN_CLUSTER_DIR to a path such as /run/hvdtrain-cluster"
+    return
   fi
-  install -d -m 0755 "$STATE_DIR"
-  touch "$STATE_DIR/$STATE_MARKER"
-  install -d -m 0755 "$STATE_DIR/pids" "$STATE_DIR/ns" "$STATE_DIR/fake-gpu" \
-    "$STATE_DIR/slurm" "$STATE_DIR/slurm/spool"
-  install -d -m 0700 "$STATE_DIR/ssh"
-  install -d -o slurm -g slurm -m 0755 "$STATE_DIR/log" "$STATE_DIR/slurm/ctld" "$STATE_DIR/slurm/run"
-  # 0755: slurmctld (user slurm) and every client must reach the socket inside.
-  install -d -o munge -g munge -m 0755 "$STATE_DIR/munge"
+  dir=$(dirname -- "$STATE_DIR")
+  if [[ ! -d $dir ]]; then
+    echo "refusing state directory $STATE_DIR: its parent $dir does not exist; create it (root's, not group/world writable) or set HVDTRAIN_CLUSTER_DIR elsewhere"
+    return
+  fi
+  while :; do
+    # Owner and mode of the path itself (stat without -L does not follow a symlink).
+    if ! read -r uid user mode < <(stat -c '%u %U %a' -- "$dir" 2>/dev/null); then
+      echo "refusing state directory $STATE_DIR: cannot stat its parent $dir"
+      return
+    fi
+    if [[ $uid != 0 ]] || ((8#$mode & 8#022)); then
+      echo "refusing state directory $STATE_DIR: its parent $dir is owned by $user (uid $uid) with mode $mode, not by root without group/world write; set HVDTRAIN_CLUSTER_DIR to a path under a root-only directory such as /run"
+      return
+    fi
+    [[ $dir == / ]] && break
+    dir=$(dirname -- "$dir")
+  done
+  [[ -e $STATE_DIR || -L $STATE_DIR ]] || return 0
+  read -r uid user mode kind < <(stat -c '%u %U %a %F' -- "$STATE_DIR")
+  if [[ $kind != directory ]]; then
+    echo "refusing state directory $STATE_DIR: it is a $kind owned by $user (uid $uid), not a directory made by this script; remove it (rm -- $STATE_DIR) and run up again"
+  elif [[ $uid != 0 || $mode != "$STATE_DIR_MODE" ]]; then
+    echo "refusing state directory $STATE_DIR: owned by $user (uid $uid) with mode $mode, not by root with mode $STATE_DIR_MODE, so not made by this script; remove it (rm -rf -- $STATE_DIR) and run up again"
+  fi
+}
+check_state_dir() {
+  local problem
+  problem=$(state_dir_problem)
+  [[ -z $problem ]] || die "$problem"
+}
+
+# check_dir PATH USER MODE: refuse (one line) PATH unless it is missing or a directory (not a
+# symlink) of USER with exactly MODE.
+check_dir() {
+  local path=$1 user=$2 mode=$3 uid have
+  uid=$(id -u "$user")
+  if [[ -L $path || (-e $path && ! -d $path) ]]; then
+    die "refusing $path: a $(stat -c %F -- "$path"), not a directory made by this script; run: $SCRIPT down, then up"
+  elif [[ -d $path ]]; then
+    have=$(stat -c '%u %a' -- "$path")
+    [[ $have == "$uid $mode" ]] ||
+      die "refusing $path: owner uid ${have% *} with mode ${have#* }, not $user ($uid) with mode $mode; run: $SCRIPT down, then up"
+  fi
+  return 0
+}
+# ensure_dir PATH USER MODE: PATH a directory of USER (and USER's group) with MODE: made when
+# missing, refused in one line when it exists otherwise.
+ensure_dir() {
+  check_dir "$@"
+  [[ -d $1 ]] && return 0
+  mkdir -m 0700 -- "$1"
+  chown -- "$2:$(id -g "$2")" "$1"
+  chmod -- "$3" "$1"
+}
+
+# The state directory's subdirectories: path, owner, mode. ssh/ holds the keys; slurm/ctld is
+# slurmctld's state, written as user slurm (its log and pid file it creates as root, in log/ and
+# slurm/run, before it becomes slurm); munged runs as munge, and munge/ is 0755 because slurmctld
+# (user slurm) and every client must reach the socket.
+STATE_SUBDIRS=(
+  "pids root 755" "ns root 755" "fake-gpu root 755" "log root 755" "tmp root 755"
+  "slurm root 755" "slurm/spool root 755" "slurm/run root 755" "ssh root 700"
+  "slurm/ctld slurm 755" "munge munge 755"
+)
+
+prepare_state_dir() {
+  local entry d user mode
+  # Everything checked before anything is made.
+  check_state_dir
+  for entry in "${STATE_SUBDIRS[@]}"; do
+    read -r d user mode <<<"$entry"
+    check_dir "$STATE_DIR/$d" "$user" "$mode"
+  done
+  # Made fresh: mkdir fails if anything took the name since the check (only root could: the
+  # parent is root's).
+  [[ -d $STATE_DIR ]] || mkdir -m "$STATE_DIR_MODE" -- "$STATE_DIR"
+  [[ -e $STATE_DIR/$STATE_MARKER ]] || : >"$STATE_DIR/$STATE_MARKER"
+  for entry in "${STATE_SUBDIRS[@]}"; do
+    read -r d user mode <<<"$entry"
+    ensure_dir "$STATE_DIR/$d" "$user" "$mode"
+  done
   local i
   for i in 0 1 2 3; do
     [[ -e $STATE_DIR/fake-gpu/nvidia$i ]] || : >"$STATE_DIR/fake-gpu/nvidia$i"
@@ -307,8 +417,9 @@ $MARKER
 # ListenAddress, HostKey and PidFile are given per node on the command line.
 Port 22
 AuthorizedKeysFile $STATE_DIR/ssh/authorized_keys
-# StrictModes would refuse keys under /var/tmp (world-writable, sticky); $STATE_DIR/ssh is root's, 0700.
-StrictModes no
+# authorized_keys and every directory above it are root's and not group/world writable (checked by
+# up before anything starts), as StrictModes demands.
+StrictModes yes
 PermitRootLogin prohibit-password
 PubkeyAuthentication yes
 PasswordAuthentication no
@@ -338,18 +449,39 @@ Host $(node_names "$1" | tr '\n' ' ')
 EOF
 }
 
+# own_key PATH: PATH (a private key) and PATH.pub are plain files of root's in $STATE_DIR/ssh (root's,
+# 0700, checked by prepare_state_dir: so made by an earlier up) and the two belong together; else
+# both are removed, to be generated again.
+own_key() {
+  local key=$1
+  if [[ -f $key && ! -L $key && -f $key.pub && ! -L $key.pub &&
+    $(stat -c %u -- "$key") == 0 && $(stat -c %u -- "$key.pub") == 0 ]] &&
+    [[ $(ssh-keygen -y -f "$key" 2>/dev/null | cut -d' ' -f1-2) == "$(cut -d' ' -f1-2 "$key.pub")" ]]; then
+    chmod 0600 -- "$key"
+    chmod 0600 -- "$key.pub"
+    return 0
+  fi
+  rm -f -- "$key" "$key.pub"
+  return 1
+}
+
 prepare_ssh() { # prepare_ssh N
-  local n=$1 node key
-  [[ -e $STATE_DIR/ssh/id_ed25519 ]] ||
+  local n=$1 node key old_umask
+  old_umask=$(umask)
+  umask 077
+  own_key "$STATE_DIR/ssh/id_ed25519" ||
     ssh-keygen -q -t ed25519 -N '' -C hvdtrain-cluster -f "$STATE_DIR/ssh/id_ed25519"
-  install -m 0600 "$STATE_DIR/ssh/id_ed25519.pub" "$STATE_DIR/ssh/authorized_keys"
+  # Exactly the one key just made or checked; written aside and renamed over, not appended to.
+  install -m 0600 "$STATE_DIR/ssh/id_ed25519.pub" "$STATE_DIR/ssh/authorized_keys.new"
+  mv -f -- "$STATE_DIR/ssh/authorized_keys.new" "$STATE_DIR/ssh/authorized_keys"
   : >"$STATE_DIR/ssh/known_hosts.new"
   while read -r node; do
     key=$STATE_DIR/ssh/host-${node}_ed25519_key
-    [[ -e $key ]] || ssh-keygen -q -t ed25519 -N '' -C "$node" -f "$key"
+    own_key "$key" || ssh-keygen -q -t ed25519 -N '' -C "$node" -f "$key"
     printf '%s,%s %s\n' "$node" "$(addr_of "$node")" "$(cut -d' ' -f1-2 "$key.pub")" \
       >>"$STATE_DIR/ssh/known_hosts.new"
   done < <(node_names "$n")
+  chmod 0644 "$STATE_DIR/ssh/known_hosts.new"
   mv -f "$STATE_DIR/ssh/known_hosts.new" "$STATE_DIR/ssh/known_hosts"
   if ! cmp -s "$STATE_DIR/ssh/sshd_config" <(gen_sshd_config); then
     gen_sshd_config >"$STATE_DIR/ssh/sshd_config"
@@ -364,6 +496,8 @@ prepare_ssh() { # prepare_ssh N
   fi
   install -d -m 0755 "$(dirname "$SSH_CLIENT_CONF")"
   gen_ssh_client_config "$n" >"$SSH_CLIENT_CONF"
+  chmod 0644 "$SSH_CLIENT_CONF"
+  umask "$old_umask"
   # sshd's privilege separation directory (systemd would create it; nothing does here).
   if [[ ! -d /run/sshd ]]; then
     install -d -m 0755 /run/sshd
@@ -391,14 +525,15 @@ munge_works() { timeout 10 munge -S "$MUNGE_SOCKET" -n 2>/dev/null | timeout 10 
 start_munge() {
   munge_works && our_pid munged munged >/dev/null && return 0
   local key=$STATE_DIR/munge/munge.key
-  if [[ ! -s $key ]]; then
-    dd if=/dev/urandom of="$key" bs=1024 count=1 status=none
-    chown munge:munge "$key"
-    chmod 0400 "$key"
+  # munge/ is munge's: what is written in it is written as munge, never by root.
+  local as_munge=(setpriv --reuid=munge --regid=munge --init-groups)
+  if ! "${as_munge[@]}" test -s "$key"; then
+    "${as_munge[@]}" sh -c 'umask 0277 && rm -f -- "$1" && dd if=/dev/urandom of="$1" bs=1024 count=1 status=none' \
+      sh "$key"
   fi
   rm -f "$MUNGE_SOCKET" "$MUNGE_SOCKET.lock"
-  # --force: /var/tmp is world-writable (sticky), which munged otherwise calls insecure.
-  launch munged munged setpriv --reuid=munge --regid=munge --init-groups /usr/sbin/munged -F --force --socket="$MUNGE_SOCKET" \
+  # No --force: munged's own checks of its key and directories (and all above them) must pass.
+  launch munged munged "${as_munge[@]}" /usr/sbin/munged -F --socket="$MUNGE_SOCKET" \
     --key-file="$key" --pid-file="$STATE_DIR/munge/munged.pid" \
     --log-file="$STATE_DIR/munge/munged.log" --seed-file="$STATE_DIR/munge/munged.seed"
   local end=$((SECONDS + TIMEOUT))
@@ -517,8 +652,8 @@ declare -A STARTED_SINCE=()
 start_slurmd() { # start_slurmd NODE
   local node=$1
   our_pid "slurmd-$node" slurmd >/dev/null && return 0
-  install -d -m 0755 "$STATE_DIR/slurm/spool/$node"
-  install -d -m 1777 "$STATE_DIR/tmp/$node"
+  ensure_dir "$STATE_DIR/slurm/spool/$node" root 755
+  ensure_dir "$STATE_DIR/tmp/$node" root 1777
   # The controller may still list the node as idle from before; wait_nodes waits for this start.
   STARTED_SINCE[$node]=$(date +%Y-%m-%dT%H:%M:%S)
   local prefix
@@ -585,6 +720,9 @@ cmd_up() {
   [[ $n =~ ^[0-9]+$ ]] && ((n >= 1 && n <= 200)) || die "--nodes must be 1..200, got '$n'"
   [[ $(id -u) -eq 0 ]] || die "up must run as root (it creates network namespaces and runs sshd/slurmd)"
   take_lock
+  # Before anything is read from, installed, created or started: a state directory not made by up
+  # (someone else's, writable by others, a symlink) is refused in one line.
+  check_state_dir
   local old
   old=$(recorded_nodes)
   if ((old != 0 && old != n)); then
@@ -653,6 +791,14 @@ kill_node_processes() {
   sleep 0.3
 }
 
+# del_link LINK: LINK gone. Deleting a namespace takes its veth pairs with it, a moment later:
+# the link can vanish between `show` and `del` (seen: "Cannot find device" failing down).
+del_link() {
+  ip link show "$1" >/dev/null 2>&1 || return 0
+  ip link del "$1" 2>/dev/null && return 0
+  ! ip link show "$1" >/dev/null 2>&1 || die "could not delete link $1"
+}
+
 down_locked() {
   local n node pid ns uts
   n=$(recorded_nodes)
@@ -680,8 +826,8 @@ down_locked() {
     uts=$(uts_of "$node")
     if grep -qF " $uts " /proc/self/mountinfo 2>/dev/null; then umount "$uts" 2>/dev/null || umount -l "$uts" || true; fi
     [[ -e /var/run/netns/$ns ]] && ip netns del "$ns"
-    ip link show "$(veth_of "$node")" >/dev/null 2>&1 && ip link del "$(veth_of "$node")"
-    ip link show "$(dead_end_of "$node")" >/dev/null 2>&1 && ip link del "$(dead_end_of "$node")"
+    del_link "$(veth_of "$node")"
+    del_link "$(dead_end_of "$node")"
   done
   ip link show "$BRIDGE" >/dev/null 2>&1 && ip link del "$BRIDGE"
   grep -qxF "$HOSTS_BEGIN" /etc/hosts && write_hosts 0
@@ -691,7 +837,7 @@ down_locked() {
   if [[ -e $STATE_DIR/made-run-sshd ]]; then rmdir /run/sshd 2>/dev/null || true; fi
   if [[ -e $STATE_DIR/$STATE_MARKER ]]; then
     case $STATE_DIR in
-      / | /var | /var/tmp | /tmp | /etc | /usr | /root | /home) die "refusing to remove $STATE_DIR" ;;
+      / | /var | /var/tmp | /tmp | /etc | /usr | /root | /home | /run | /var/lib | /var/run) die "refusing to remove $STATE_DIR" ;;
     esac
     rm -rf --one-file-system -- "$STATE_DIR"
   fi
@@ -701,12 +847,19 @@ down_locked() {
 cmd_down() {
   [[ $(id -u) -eq 0 ]] || die "down must run as root"
   take_lock
+  # Its pid files name what down kills: only from a directory up made.
+  check_state_dir
   down_locked
   say "down: no namespace, link, daemon, /etc entry or state of this script is left"
 }
 
 cmd_status() {
-  local n node problems="" pid
+  local n node problems="" pid problem
+  problem=$(state_dir_problem)
+  if [[ -n $problem ]]; then
+    warn "$problem"
+    return 3
+  fi
   n=$(recorded_nodes)
   if ((n == 0)); then
     say "down (no cluster; run: scripts/cluster-local.sh up)"
@@ -743,6 +896,7 @@ cmd_exec() {
   [[ $node =~ ^node[0-9]+$ && -e /var/run/netns/$(netns_of "$node") ]] ||
     die "no node '$node' (nodes: $(node_names "$(recorded_nodes)" | tr '\n' ' '); run: scripts/cluster-local.sh up)"
   [[ $(id -u) -eq 0 ]] || die "exec must run as root (it enters the node's namespaces)"
+  check_state_dir
   local prefix
   mapfile -t prefix < <(node_prefix "$node")
   exec "${prefix[@]}" taskset -c "$(node_cpus "$node")" env SLURM_CONF="$SLURM_CONF_FILE" "$@"

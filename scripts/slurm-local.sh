@@ -42,16 +42,33 @@
 #      state directory), waits (bounded) until the node is idle, resuming it if it came up
 #      drained/down, and exits 0. A healthy cluster is detected and left as it is.
 #
+# The state directory (default /run/hvdtrain-slurm) is root's, as is everything that root's slurmd
+# and this script read from it, so nobody but root may make it or anything in it:
+#   - it lives under /run: root's and not writable by anyone else (unlike /var/tmp or /tmp, where
+#     any user can create the name first), the same path for every up/down/status, and gone after a
+#     reboot, as are the daemons it describes. Every directory above it must be root's and not
+#     group/world writable;
+#   - `up` makes it fresh (mkdir, root, mode 0711) or accepts it only as `up` made it: a directory,
+#     not a symlink, owned by root with mode 0711; anything else is refused in one line before
+#     anything is installed, written or started, and so are `down` and `status`. 0711 and not
+#     0700: slurmctld (user slurm) must reach ctld/ (its state) and the files it writes;
+#   - every subdirectory is made by root with an exact owner and mode (checked the same way when
+#     it exists); only ctld/ is slurm's;
+#   - nothing is written under a fixed name in /tmp: the lock is this script itself and the apt
+#     log comes from mktemp.
+#
 # Environment knobs:
 #   HVDTRAIN_SLURM_DIR      state directory: logs, pid files, StateSaveLocation, slurmd spool,
-#                           fake GPU files (default /var/tmp/hvdtrain-slurm); removed by `down`
+#                           fake GPU files (default /run/hvdtrain-slurm; an absolute path whose
+#                           parent exists and is root's); removed by `down`
 #   HVDTRAIN_SLURM_TIMEOUT  seconds to wait for each daemon / the node (default 60)
 #
 # On failure the tail of the relevant daemon log is printed and the exit status is non-zero.
 set -euo pipefail
 
 MARKER="# managed by hvdtrain scripts/slurm-local.sh"
-STATE_DIR=${HVDTRAIN_SLURM_DIR:-/var/tmp/hvdtrain-slurm}
+STATE_DIR=${HVDTRAIN_SLURM_DIR:-/run/hvdtrain-slurm}
+STATE_DIR_MODE=711
 TIMEOUT=${HVDTRAIN_SLURM_TIMEOUT:-60}
 CONF_DIR=/etc/slurm
 SLURM_CONF_FILE=$CONF_DIR/slurm.conf
@@ -60,11 +77,19 @@ CGROUP_CONF_FILE=$CONF_DIR/cgroup.conf
 STATE_MARKER=.hvdtrain-slurm-local
 PARTITION=debug
 PACKAGES=(slurm-wlm munge)
-LOCK_FILE=/tmp/hvdtrain-slurm-local.lock
+SCRIPT=$(readlink -f "$0")
 
 say() { printf '[slurm-local] %s\n' "$*"; }
 warn() { printf 'slurm-local: %s\n' "$*" >&2; }
 die() { printf 'slurm-local: %s\n' "$*" >&2; exit 1; }
+
+[[ $STATE_DIR == /* ]] || die "HVDTRAIN_SLURM_DIR must be an absolute path, got '$STATE_DIR'"
+# The parent without symlinks (/var/run -> /run): the path that state_dir_problem checks is the
+# path that is used.
+if _parent=$(realpath -e -- "$(dirname -- "$STATE_DIR")" 2>/dev/null); then
+  STATE_DIR=${_parent%/}/$(basename -- "$STATE_DIR")
+fi
+unset _parent
 
 node_name() {
   local n
@@ -153,8 +178,8 @@ install_packages() {
     # shellcheck disable=SC2064 # expand now: remove exactly this file, also when interrupted
     trap "head -n 2 '$policy' 2>/dev/null | grep -qxF '$MARKER' && rm -f '$policy'" EXIT
   fi
-  local rc=0 log=/tmp/hvdtrain-slurm-apt.log attempt
-  : >"$log"
+  local rc=0 log attempt
+  log=$(mktemp -t hvdtrain-slurm-apt.XXXXXX.log)
   for attempt in 1 2; do
     rc=0
     DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=120 update -qq >>"$log" 2>&1 || rc=$?
@@ -172,6 +197,7 @@ install_packages() {
   fi
   ((rc == 0)) || fail "could not install ${PACKAGES[*]} (apt-get exit $rc)" "$log"
   have_programs || fail "installed ${PACKAGES[*]} but Slurm/munge programs are still missing" "$log"
+  rm -f "$log"
 }
 
 # --- 2. munge -----------------------------------------------------------------------------------
@@ -306,14 +332,94 @@ write_if_changed() {
   return 0
 }
 
-prepare_state_dir() {
-  if [[ -d $STATE_DIR && ! -e $STATE_DIR/$STATE_MARKER ]] && [[ -n $(ls -A "$STATE_DIR" 2>/dev/null) ]]; then
-    die "$STATE_DIR exists, is not empty and was not created by this script; set HVDTRAIN_SLURM_DIR elsewhere"
+# --- state directory (see the header: root's, made fresh, refused in one line otherwise) -------
+# state_dir_problem: why $STATE_DIR must not be used, as one line; nothing when it may be (also
+# when it does not exist yet and may be made).
+state_dir_problem() {
+  local dir name uid user mode kind
+  name=$(basename -- "$STATE_DIR")
+  if [[ $name == / || $name == . || $name == .. ]]; then
+    echo "refusing state directory '$STATE_DIR': not a directory name; set HVDTRAIN_SLURM_DIR to a path such as /run/hvdtrain-slurm"
+    return
   fi
-  install -d -m 0755 "$STATE_DIR"
-  touch "$STATE_DIR/$STATE_MARKER"
-  install -d -m 0755 "$STATE_DIR/pids" "$STATE_DIR/slurmd" "$STATE_DIR/fake-gpu"
-  install -d -o slurm -g slurm -m 0755 "$STATE_DIR/ctld" "$STATE_DIR/log" "$STATE_DIR/run"
+  dir=$(dirname -- "$STATE_DIR")
+  if [[ ! -d $dir ]]; then
+    echo "refusing state directory $STATE_DIR: its parent $dir does not exist; create it (root's, not group/world writable) or set HVDTRAIN_SLURM_DIR elsewhere"
+    return
+  fi
+  while :; do
+    # Owner and mode of the path itself (stat without -L does not follow a symlink).
+    if ! read -r uid user mode < <(stat -c '%u %U %a' -- "$dir" 2>/dev/null); then
+      echo "refusing state directory $STATE_DIR: cannot stat its parent $dir"
+      return
+    fi
+    if [[ $uid != 0 ]] || ((8#$mode & 8#022)); then
+      echo "refusing state directory $STATE_DIR: its parent $dir is owned by $user (uid $uid) with mode $mode, not by root without group/world write; set HVDTRAIN_SLURM_DIR to a path under a root-only directory such as /run"
+      return
+    fi
+    [[ $dir == / ]] && break
+    dir=$(dirname -- "$dir")
+  done
+  [[ -e $STATE_DIR || -L $STATE_DIR ]] || return 0
+  read -r uid user mode kind < <(stat -c '%u %U %a %F' -- "$STATE_DIR")
+  if [[ $kind != directory ]]; then
+    echo "refusing state directory $STATE_DIR: it is a $kind owned by $user (uid $uid), not a directory made by this script; remove it (rm -- $STATE_DIR) and run up again"
+  elif [[ $uid != 0 || $mode != "$STATE_DIR_MODE" ]]; then
+    echo "refusing state directory $STATE_DIR: owned by $user (uid $uid) with mode $mode, not by root with mode $STATE_DIR_MODE, so not made by this script; remove it (rm -rf -- $STATE_DIR) and run up again"
+  fi
+}
+check_state_dir() {
+  local problem
+  problem=$(state_dir_problem)
+  [[ -z $problem ]] || die "$problem"
+}
+
+# check_dir PATH USER MODE: refuse (one line) PATH unless it is missing or a directory (not a
+# symlink) of USER with exactly MODE.
+check_dir() {
+  local path=$1 user=$2 mode=$3 uid have
+  uid=$(id -u "$user")
+  if [[ -L $path || (-e $path && ! -d $path) ]]; then
+    die "refusing $path: a $(stat -c %F -- "$path"), not a directory made by this script; run: $SCRIPT down, then up"
+  elif [[ -d $path ]]; then
+    have=$(stat -c '%u %a' -- "$path")
+    [[ $have == "$uid $mode" ]] ||
+      die "refusing $path: owner uid ${have% *} with mode ${have#* }, not $user ($uid) with mode $mode; run: $SCRIPT down, then up"
+  fi
+  return 0
+}
+# ensure_dir PATH USER MODE: PATH a directory of USER (and USER's group) with MODE: made when
+# missing, refused in one line when it exists otherwise.
+ensure_dir() {
+  check_dir "$@"
+  [[ -d $1 ]] && return 0
+  mkdir -m 0700 -- "$1"
+  chown -- "$2:$(id -g "$2")" "$1"
+  chmod -- "$3" "$1"
+}
+
+# The state directory's subdirectories: path, owner, mode. ctld/ is slurmctld's state, written as
+# user slurm; its log and pid file slurmctld creates as root (in log/ and run/) before it becomes
+# slurm.
+STATE_SUBDIRS=("pids root 755" "slurmd root 755" "fake-gpu root 755" "log root 755" "run root 755"
+  "ctld slurm 755")
+
+prepare_state_dir() {
+  local entry d user mode
+  # Everything checked before anything is made.
+  check_state_dir
+  for entry in "${STATE_SUBDIRS[@]}"; do
+    read -r d user mode <<<"$entry"
+    check_dir "$STATE_DIR/$d" "$user" "$mode"
+  done
+  # Made fresh: mkdir fails if anything took the name since the check (only root could: the
+  # parent is root's).
+  [[ -d $STATE_DIR ]] || mkdir -m "$STATE_DIR_MODE" -- "$STATE_DIR"
+  [[ -e $STATE_DIR/$STATE_MARKER ]] || : >"$STATE_DIR/$STATE_MARKER"
+  for entry in "${STATE_SUBDIRS[@]}"; do
+    read -r d user mode <<<"$entry"
+    ensure_dir "$STATE_DIR/$d" "$user" "$mode"
+  done
   local i
   for i in 0 1 2 3; do
     [[ -e $STATE_DIR/fake-gpu/nvidia$i ]] || : >"$STATE_DIR/fake-gpu/nvidia$i"
@@ -391,8 +497,9 @@ wait_node() {
 }
 
 take_lock() {
-  exec 9>"$LOCK_FILE"
-  flock -w 300 9 || die "another slurm-local.sh up/down is still running (lock $LOCK_FILE)"
+  # The lock is this script itself: nothing is left behind, nothing is written in /tmp.
+  exec 9<"$SCRIPT"
+  flock -w 300 9 || die "another slurm-local.sh up/down is still running (lock: $SCRIPT)"
 }
 
 cmd_up() {
@@ -406,6 +513,9 @@ cmd_up() {
   fi
   take_lock
   check_config_ownership
+  # Before anything is read from, installed, written or started: a state directory not made by up
+  # (someone else's, writable by others, a symlink) is refused in one line.
+  check_state_dir
   install_packages
 
   # Fast path: everything that `up` starts is running and the node is usable.
@@ -476,6 +586,8 @@ cancel_jobs() {
 cmd_down() {
   [[ $(id -u) -eq 0 ]] || die "down must run as root"
   take_lock
+  # Its pid files name what down kills: only from a directory up made.
+  check_state_dir
   local pid stopped=0
   if [[ -e $STATE_DIR/$STATE_MARKER ]]; then
     if our_pid slurmctld >/dev/null && command -v squeue >/dev/null 2>&1; then
@@ -512,7 +624,7 @@ cmd_down() {
   done
   if [[ -e $STATE_DIR/$STATE_MARKER ]]; then
     case $STATE_DIR in
-      / | /var | /var/tmp | /tmp | /etc | /usr | /root | /home) die "refusing to remove $STATE_DIR" ;;
+      / | /var | /var/tmp | /tmp | /etc | /usr | /root | /home | /run | /var/lib | /var/run) die "refusing to remove $STATE_DIR" ;;
     esac
     rm -rf --one-file-system -- "$STATE_DIR"
   fi
@@ -524,6 +636,12 @@ cmd_down() {
 }
 
 cmd_status() {
+  local problem
+  problem=$(state_dir_problem)
+  if [[ -n $problem ]]; then
+    warn "$problem"
+    return 3
+  fi
   if ! command -v sinfo >/dev/null 2>&1; then
     say "down (Slurm is not installed)"
     return 3

@@ -90,7 +90,7 @@ def assert_nothing_left() -> None:
     assert not daemons.strip(), daemons
     assert "hvdtrain scripts/cluster-local.sh" not in Path("/etc/hosts").read_text()
     assert not Path("/etc/ssh/ssh_config.d/hvdtrain-cluster.conf").exists()
-    assert not Path("/var/tmp/hvdtrain-cluster").exists()
+    assert not Path("/run/hvdtrain-cluster").exists()
 
 
 @pytest.fixture
