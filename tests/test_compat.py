@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import LAUNCHED_RANKS, VENV_BIN, gather_checked, integration, run_job
+from conftest import LAUNCHED_RANKS, VENV_BIN, gather_checked, integration, multi_rank, run_job
 
 
 def python(code: str) -> subprocess.CompletedProcess:
@@ -37,6 +37,7 @@ def test_importing_tensorflow_first_is_refused_with_a_reason():
     assert "hvdtrain must be imported before tensorflow" in result.stderr
 
 
+@multi_rank  # identical to what? to another rank's
 def test_horovod_keras_fit_leaves_identical_weights(runtime):
     """hvd.DistributedOptimizer + Broadcast/MetricAverage callbacks in a real model.fit."""
     import horovod.tensorflow.keras as hvd
