@@ -51,8 +51,8 @@ def run(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | N
     config = parse_config(argv, presets, prog=_usage_name(program), description=_description())
     job_task = task if isinstance(task, Task) else task(config)
     if not isinstance(job_task, Task):
-        raise UserError(f"{program}: the job must be an hvdtrain.Task (or a function of the "
-                        f"config returning one), got {type(job_task).__name__}")
+        raise UserError(f"the job must be an hvdtrain.Task (or a function of the config "
+                        f"returning one), got {type(job_task).__name__}")
     # 2. compute: horovod ranks, a tf.distribute strategy, or one process
     runtime = train.start_runtime(config)
     # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)

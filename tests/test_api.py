@@ -137,3 +137,12 @@ def test_without_hvdtrain_script_the_horovod_keras_script_fails_on_keras_3(tmp_p
                             cwd=tmp_path, capture_output=True, text=True, timeout=120,
                             env=clean_env())
     assert result.returncode != 0 and "get_value" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_job_that_is_not_a_task_is_refused_before_anything_starts(tmp_path):
+    # A job is a Task or a function of the parsed config returning one (the classifier's
+    # --model); anything else is one line, before a runtime or a run directory exists.
+    with pytest.raises(UserError, match="the job must be an hvdtrain.Task .* got str"):
+        hvdtrain.run(lambda config: "not a task", ["--run-dir", str(tmp_path / "run")],
+                     name="notask")
+    assert not (tmp_path / "run").exists()
