@@ -41,18 +41,18 @@ bench: $(STAMP)
 	$(MPI_ENV) $(PYTHON) -m benchmarks all $(ARGS)
 
 slurm-up:
-	bash scripts/slurm-local.sh up
+	bash tests/cluster/slurm-local.sh up
 
 slurm-down:
-	bash scripts/slurm-local.sh down
+	bash tests/cluster/slurm-local.sh down
 
 # A multi-host cluster on this machine (root): NODES network-namespace nodes with ssh and Slurm.
 NODES ?= 2
 cluster-up:
-	bash scripts/cluster-local.sh up --nodes $(NODES)
+	bash tests/cluster/cluster-local.sh up --nodes $(NODES)
 
 cluster-down:
-	bash scripts/cluster-local.sh down
+	bash tests/cluster/cluster-local.sh down
 
 clean:
 	rm -rf runs .pytest_cache build hvdtrain.egg-info

@@ -1,6 +1,6 @@
 """Two hosts and a limited link: measured step times, and a step-time model that explains them.
 
-`python -m benchmarks network` (root: it builds the local cluster of scripts/cluster-local.sh
+`python -m benchmarks network` (root: it builds the local cluster of tests/cluster/cluster-local.sh
 and limits its links with `tc ... tbf`). One rank on each of node1 and node2 trains the CNN on
 synthetic 32x32 images, 64 per rank, one thread each, started by `hvdtrain.launch --hosts
 node1:1,node2:1`, each node on a CPU of its own (`up --pin-cpus`). Variants: fp32 gradients,
@@ -41,7 +41,7 @@ from benchmarks.harness import interleave
 from benchmarks.suite import (REPO, BenchmarkFailed, Settings, _env, _training_args,
                               steady_state)
 
-CLUSTER = REPO / "scripts" / "cluster-local.sh"
+CLUSTER = REPO / "tests" / "cluster" / "cluster-local.sh"
 #: Link rates in bit/s (None: no limit).
 RATES = {"no limit": None, "1 Gbit/s": 1e9, "100 Mbit/s": 1e8}
 #: Open MPI's TCP transport sends a message above its eager limit (64 KiB) only after a
@@ -346,7 +346,7 @@ def run(s: Settings, out: Path, log: Callable[[str], None]) -> dict | None:
     # thread slowed the other node's computation in a third of the runs (docs/benchmarks.md).
     up = cluster("up", "--nodes", "2", "--pin-cpus", check=False)
     if up.returncode:
-        raise BenchmarkFailed(f"scripts/cluster-local.sh up failed:\n{up.stdout}{up.stderr}")
+        raise BenchmarkFailed(f"tests/cluster/cluster-local.sh up failed:\n{up.stdout}{up.stderr}")
     try:
         with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-network-") as scratch:
             result = measure(s, Path(scratch), log)

@@ -1,14 +1,14 @@
-"""The local clusters refuse a state directory that root did not make (scripts/cluster-local.sh,
-scripts/slurm-local.sh).
+"""The local clusters refuse a state directory that root did not make (tests/cluster/: the checks
+are lib.sh's, used by cluster-local.sh and slurm-local.sh).
 
 The state directory holds root's ssh key pair, the authorized_keys of every node's sshd and the
 munge key. Once it lived in /var/tmp, where any user could create it first, with a key pair of
 their own that `up` then reused and authorized: that user logged into node1 as root. Here a
-directory is planted where the scripts keep their state (the default path, read from the
-scripts), owned by user nobody with nobody's key pair, or root's but group/world writable, or a
-symlink, and `up` must refuse it: a non-zero exit, exactly one line on stderr naming the
-directory, and nothing started or changed (no network namespace, no sshd/slurmd/slurmctld/
-munged, nothing written into the planted directory, /etc/hosts as it was).
+directory is planted where the scripts keep their state (the default path, read from each
+script's `use_knobs` line), owned by user nobody with nobody's key pair, or root's but
+group/world writable, or a symlink, and `up` must refuse it: a non-zero exit, exactly one line on
+stderr naming the directory, and nothing started or changed (no network namespace, no
+sshd/slurmd/slurmctld/munged, nothing written into the planted directory, /etc/hosts as it was).
 
 Root only (it plants in /run and runs `up`); skips when a cluster is up or its state directory
 exists, so that a running cluster is never touched.
@@ -26,16 +26,19 @@ import pytest
 
 from conftest import REPO, integration
 
-CLUSTER = REPO / "scripts" / "cluster-local.sh"
-SLURM_LOCAL = REPO / "scripts" / "slurm-local.sh"
+CLUSTER = REPO / "tests" / "cluster" / "cluster-local.sh"
+SLURM_LOCAL = REPO / "tests" / "cluster" / "slurm-local.sh"
+LIB = REPO / "tests" / "cluster" / "lib.sh"
 DAEMONS = ("sshd", "slurmd", "slurmctld", "munged")
 TIMEOUT = 120
 
 
 def default_state_dir(script: Path, knob: str) -> Path:
-    """The state directory the script uses when ``knob`` is not set."""
-    match = re.search(rf"^STATE_DIR=\$\{{{knob}:-([^}}]+)\}}$", script.read_text(), re.M)
-    assert match, f"no STATE_DIR=${{{knob}:-...}} in {script}"
+    """The state directory the script uses when ``knob`` is not set: its ``use_knobs PREFIX
+    DEFAULT`` line (lib.sh), where the knob is ``PREFIX_DIR``."""
+    prefix = knob.removesuffix("_DIR")
+    match = re.search(rf"^use_knobs {prefix} (\S+)$", script.read_text(), re.M)
+    assert match, f"no 'use_knobs {prefix} DEFAULT' in {script}"
     return Path(match.group(1))
 
 
@@ -44,7 +47,7 @@ SLURM_DIR = default_state_dir(SLURM_LOCAL, "HVDTRAIN_SLURM_DIR")
 
 
 def test_scripts_keep_sshd_strict_and_no_fixed_names_in_tmp():
-    for script in (CLUSTER, SLURM_LOCAL):
+    for script in (CLUSTER, SLURM_LOCAL, LIB):
         text = script.read_text()
         assert not re.search(r"/tmp/hvdtrain", text), f"{script.name} names a fixed path in /tmp"
         assert not re.search(r"(^|[\s=\"'])/var/tmp/", text, re.M), f"{script.name} uses /var/tmp"

@@ -1,4 +1,4 @@
-"""Every launch path across two hosts: 2 nodes x 2 ranks on the local cluster (scripts/cluster-local.sh).
+"""Every launch path across two hosts: 2 nodes x 2 ranks on tests/cluster/cluster-local.sh.
 
 The nodes are network namespaces with their own hostnames, sshd and slurmd, sharing this file
 system; the module fixture brings the cluster up and takes it down again if it started it. Each
@@ -28,7 +28,7 @@ import pytest
 from conftest import REPO, VENV_BIN, clean_env, integration, run_job
 
 pytestmark = [integration, pytest.mark.timeout(600)]
-CLUSTER = REPO / "scripts" / "cluster-local.sh"
+CLUSTER = REPO / "tests" / "cluster" / "cluster-local.sh"
 PROBE = REPO / "tests" / "scripts" / "multinode_probe.py"
 PYTHON = str(VENV_BIN / "python")
 #: The tiny preset's 3 epochs reach ~0.93 on 4 ranks; epochs after the first take 1-2 s.
@@ -57,7 +57,7 @@ def cluster_up() -> None:
     up = subprocess.run(["bash", str(CLUSTER), "up", "--nodes", "2", "--isolated-iface"],
                         capture_output=True, text=True, timeout=900)
     if up.returncode != 0:
-        pytest.fail(f"scripts/cluster-local.sh up failed:\n{(up.stdout + up.stderr)[-3000:]}")
+        pytest.fail(f"tests/cluster/cluster-local.sh up failed:\n{(up.stdout + up.stderr)[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def assert_nothing_left() -> None:
                              text=True).stdout
     assert "hvdt-" not in namespaces + links, namespaces + links
     assert not daemons.strip(), daemons
-    assert "hvdtrain scripts/cluster-local.sh" not in Path("/etc/hosts").read_text()
+    assert "hvdtrain tests/cluster/cluster-local.sh" not in Path("/etc/hosts").read_text()
     assert not Path("/etc/ssh/ssh_config.d/hvdtrain-cluster.conf").exists()
     assert not Path("/run/hvdtrain-cluster").exists()
 

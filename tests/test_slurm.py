@@ -1,4 +1,4 @@
-"""Against a real Slurm (slurmctld + slurmd + munge on this machine, scripts/slurm-local.sh).
+"""Against a real Slurm (slurmctld + slurmd + munge on this machine, tests/cluster/slurm-local.sh).
 
 The session fixture brings the cluster up (installing Slurm when missing and allowed) and takes it
 down again if it started it. Jobs run the shipped templates unedited; each test cancels its jobs.
@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, VENV_BIN, clean_env, integration, run_job
 
 pytestmark = [integration, pytest.mark.timeout(900)]
-SLURM_LOCAL = REPO / "scripts" / "slurm-local.sh"
+SLURM_LOCAL = REPO / "tests" / "cluster" / "slurm-local.sh"
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,18 @@
 # A multi-host cluster on one machine: N "nodes" (network namespaces) for hvdtrain's multi-node
 # integration tests, with ssh between them and a Slurm that sees N nodes.
 #
-#   scripts/cluster-local.sh up [--nodes N] [--isolated-iface] [--pin-cpus]
-#                                      build and start everything (root only); idempotent, exit 0
-#                                      when every node is idle in Slurm and reachable by ssh
-#   scripts/cluster-local.sh down      stop and remove everything `up` made
-#   scripts/cluster-local.sh status    exit 0 when usable, 3 when down or degraded
-#   scripts/cluster-local.sh exec NODE CMD...
-#                                      run CMD on NODE (its network and hostname), with
-#                                      SLURM_CONF set to this cluster's configuration
-#   scripts/cluster-local.sh env       print `export SLURM_CONF=...` for Slurm clients on the host
+#   tests/cluster/cluster-local.sh up [--nodes N] [--isolated-iface] [--pin-cpus]
+#                          build and start everything (root only); idempotent, exit 0 when every
+#                          node is idle in Slurm and reachable by ssh
+#   tests/cluster/cluster-local.sh down    stop and remove everything `up` made
+#   tests/cluster/cluster-local.sh status  exit 0 when usable, 3 when down or degraded
+#   tests/cluster/cluster-local.sh exec NODE CMD...
+#                          run CMD on NODE (its network and hostname), with SLURM_CONF set to
+#                          this cluster's configuration
+#   tests/cluster/cluster-local.sh env     print `export SLURM_CONF=...` for Slurm clients on the host
+#
+# What it shares with tests/cluster/slurm-local.sh (the state directory's checks and layout,
+# munged, Slurm's configuration, start and wait) is in tests/cluster/lib.sh.
 #
 # What a node is (node1 ... nodeN, N default 2):
 #   - a network namespace hvdt-nodeK with loopback and eth0 = 10.77.0.(10+K)/24, the other end of
@@ -29,10 +32,10 @@
 #     mpirun's ssh agent reach every node with no prompt and no flags;
 #   - a slurmd started as `slurmd -N nodeK`, registered with one slurmctld on the host, listening
 #     on 10.77.0.1. Four fake GPUs per node (plain files, enough for gres gpu:4), CPUs=32 trusted
-#     through SlurmdParameters=config_overrides, as scripts/slurm-local.sh does.
+#     through SlurmdParameters=config_overrides (lib.sh's gen_slurm_conf says why).
 #
-# Coexisting with scripts/slurm-local.sh (the single-node Slurm, which uses /etc/slurm): this
-# cluster's Slurm has its own configuration ($STATE_DIR/slurm/slurm.conf, clients need SLURM_CONF,
+# Coexisting with slurm-local.sh (the single-node Slurm, which uses /etc/slurm): this cluster's
+# Slurm has its own configuration ($STATE_DIR/slurm/slurm.conf, clients need SLURM_CONF,
 # `exec` and `env` provide it), its own ports (6917/6918), its own munged (own key and socket)
 # and state; `down` stops only the daemons whose pids it recorded. One limit: slurm-local.sh `up`
 # refuses to start while any slurmd/slurmctld it did not start runs, this cluster's included
@@ -75,54 +78,38 @@
 #   HVDTRAIN_CLUSTER_TIMEOUT  seconds to wait for each daemon / the nodes (default 60)
 set -euo pipefail
 
-STATE_DIR=${HVDTRAIN_CLUSTER_DIR:-/run/hvdtrain-cluster}
-STATE_DIR_MODE=711
-TIMEOUT=${HVDTRAIN_CLUSTER_TIMEOUT:-60}
-STATE_MARKER=.hvdtrain-cluster-local
-MARKER="# managed by hvdtrain scripts/cluster-local.sh"
-HOSTS_BEGIN="# BEGIN hvdtrain scripts/cluster-local.sh"
-HOSTS_END="# END hvdtrain scripts/cluster-local.sh"
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname -- "$(readlink -f "$0")")/lib.sh"
+use_knobs HVDTRAIN_CLUSTER /run/hvdtrain-cluster
+PACKAGES+=(openssh-server openssh-client iproute2)
+PROGRAMS+=(ip nsenter unshare ssh ssh-keygen sshd)
+HOSTS_BEGIN="# BEGIN hvdtrain tests/cluster/cluster-local.sh"
+HOSTS_END="# END hvdtrain tests/cluster/cluster-local.sh"
 SSH_CLIENT_CONF=/etc/ssh/ssh_config.d/hvdtrain-cluster.conf
 BRIDGE=hvdt-br0
 SUBNET=10.77.0
 ISOLATED_SUBNET=10.78.0
 HOST_ADDR=$SUBNET.1
+DEFAULT_NODES=2
+
+# Its Slurm: slurmctld on the host's bridge address, ports of its own, configuration in the state
+# directory (clients need SLURM_CONF), a TmpFS per node.
+CONF_DIR=$STATE_DIR/slurm
+SLURM_CONF_FILE=$CONF_DIR/slurm.conf
+CLUSTER_NAME=hvdtcluster
+CTLD_ADDR=$HOST_ADDR
 CTLD_PORT=6917
 SLURMD_PORT=6918
-PARTITION=debug
-DEFAULT_NODES=2
-PACKAGES=(openssh-server openssh-client slurm-wlm munge iproute2)
-SCRIPT=$(readlink -f "$0")
-
-say() { printf '[cluster-local] %s\n' "$*"; }
-warn() { printf 'cluster-local: %s\n' "$*" >&2; }
-die() { printf 'cluster-local: %s\n' "$*" >&2; exit 1; }
-fail() { # fail MESSAGE LOGFILE...: the message, then the tail of each log
-  local msg=$1 f
-  shift
-  warn "$msg"
-  for f in "$@"; do
-    [[ -s $f ]] || continue
-    printf -- '----- last lines of %s -----\n' "$f" >&2
-    tail -n 30 "$f" >&2 || true
-  done
-  exit 1
-}
-
-[[ $STATE_DIR == /* ]] || die "HVDTRAIN_CLUSTER_DIR must be an absolute path, got '$STATE_DIR'"
-# The parent without symlinks (/var/run -> /run): the path that state_dir_problem checks is the
-# path that is used.
-if _parent=$(realpath -e -- "$(dirname -- "$STATE_DIR")" 2>/dev/null); then
-  STATE_DIR=${_parent%/}/$(basename -- "$STATE_DIR")
-fi
-unset _parent
+NODE_TMPFS=$STATE_DIR/tmp/%n
+# Its own subdirectories, beside lib.sh's: ns/ holds the nodes' UTS namespaces, tmp/NODE their
+# TmpFS, ssh/ the keys.
+OWN_SUBDIRS=("ns root 755" "tmp root 755" "ssh root 700")
 
 netns_of() { printf 'hvdt-%s\n' "$1"; }
 veth_of() { printf 'hvdt-v%s\n' "${1#node}"; }
 dead_end_of() { printf 'hvdt-x%s\n' "${1#node}"; }
 addr_of() { printf '%s.%d\n' "$SUBNET" $((10 + ${1#node})); }
 uts_of() { printf '%s/ns/%s.uts\n' "$STATE_DIR" "$1"; }
-SLURM_CONF_FILE=$STATE_DIR/slurm/slurm.conf
 
 # The node count of the running cluster (0 when there is none).
 recorded_nodes() { cat "$STATE_DIR/nodes" 2>/dev/null || echo 0; }
@@ -166,177 +153,6 @@ pin_node_daemons() {
     if pid=$(our_pid "$name-$1" "$name"); then
       taskset -a -p -c "$(node_cpus "$1")" "$pid" >/dev/null
     fi
-  done
-}
-
-# --- process bookkeeping (pid files in $STATE_DIR/pids) ------------------------------------------
-pid_file() { printf '%s/pids/%s.pid\n' "$STATE_DIR" "$1"; }
-
-# our_pid NAME COMM: the recorded pid of NAME if that process is alive and runs COMM.
-our_pid() {
-  local f pid
-  f=$(pid_file "$1")
-  [[ -r $f ]] || return 1
-  pid=$(tr -dc '0-9' <"$f")
-  [[ -n $pid && $(cat "/proc/$pid/comm" 2>/dev/null || true) == "$2" ]] || return 1
-  [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || true) != Z ]] || return 1
-  printf '%s\n' "$pid"
-}
-
-# stop_pid PID COMM GRACE: SIGTERM, wait up to GRACE seconds, then SIGKILL.
-stop_pid() {
-  local pid=$1 comm=$2 grace=$3 i
-  kill -TERM "$pid" 2>/dev/null || return 0
-  for ((i = 0; i < grace * 5; i++)); do
-    [[ $(cat "/proc/$pid/comm" 2>/dev/null || true) == "$comm" ]] || return 0
-    sleep 0.2
-  done
-  warn "$comm (pid $pid) did not exit after ${grace}s; sending SIGKILL"
-  kill -KILL "$pid" 2>/dev/null || true
-  sleep 0.3
-}
-
-# launch NAME COMM CMD...: start CMD (which becomes COMM) in a session of its own, record its pid.
-launch() {
-  local name=$1 comm=$2 pid i
-  shift 2
-  # 9>&-: the daemon must not keep holding this script's lock.
-  setsid "$@" </dev/null >>"$STATE_DIR/log/$name.stdout" 2>&1 9>&- &
-  pid=$!
-  # Until setsid/nsenter have exec'd the daemon the pid's name is theirs.
-  for ((i = 0; i < 50; i++)); do
-    [[ $(cat "/proc/$pid/comm" 2>/dev/null || true) == "$comm" ]] && break
-    sleep 0.1
-  done
-  printf '%s\n' "$pid" >"$(pid_file "$name")"
-}
-
-# --- packages ------------------------------------------------------------------------------------
-have_programs() {
-  local p
-  for p in ip nsenter unshare ssh ssh-keygen sshd slurmctld slurmd sinfo srun sbatch scontrol \
-    munged munge unmunge; do
-    command -v "$p" >/dev/null 2>&1 || [[ -x /usr/sbin/$p ]] || return 1
-  done
-}
-
-install_packages() {
-  have_programs && return 0
-  # The packages' own service starts are suppressed: this script alone runs the daemons.
-  local policy=/usr/sbin/policy-rc.d own_policy=0 rc=0 log
-  log=$(mktemp -t hvdtrain-cluster-apt.XXXXXX.log)
-  if [[ ! -e $policy ]]; then
-    printf '#!/bin/sh\n%s\nexit 101\n' "$MARKER" >"$policy"
-    chmod 0755 "$policy"
-    own_policy=1
-  fi
-  say "installing ${PACKAGES[*]} (log: $log)"
-  {
-    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=120 update -qq &&
-      DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=120 install -y -qq \
-        --no-install-recommends "${PACKAGES[@]}"
-  } >"$log" 2>&1 || rc=$?
-  ((own_policy)) && rm -f "$policy"
-  ((rc == 0)) || fail "could not install ${PACKAGES[*]} (apt-get exit $rc)" "$log"
-  have_programs || fail "installed ${PACKAGES[*]} but programs are still missing" "$log"
-  rm -f "$log"
-}
-
-# --- state directory (see the header: root's, made fresh, refused in one line otherwise) ---------
-# state_dir_problem: why $STATE_DIR must not be used, as one line; nothing when it may be (also
-# when it does not exist yet and may be made).
-state_dir_problem() {
-  local dir name uid user mode kind
-  name=$(basename -- "$STATE_DIR")
-  if [[ $name == / || $name == . || $name == .. ]]; then
-    echo "refusing state directory '$STATE_DIR': not a directory name; set HVDTRAIN_CLUSTER_DIR to a path such as /run/hvdtrain-cluster"
-    return
-  fi
-  dir=$(dirname -- "$STATE_DIR")
-  if [[ ! -d $dir ]]; then
-    echo "refusing state directory $STATE_DIR: its parent $dir does not exist; create it (root's, not group/world writable) or set HVDTRAIN_CLUSTER_DIR elsewhere"
-    return
-  fi
-  while :; do
-    # Owner and mode of the path itself (stat without -L does not follow a symlink).
-    if ! read -r uid user mode < <(stat -c '%u %U %a' -- "$dir" 2>/dev/null); then
-      echo "refusing state directory $STATE_DIR: cannot stat its parent $dir"
-      return
-    fi
-    if [[ $uid != 0 ]] || ((8#$mode & 8#022)); then
-      echo "refusing state directory $STATE_DIR: its parent $dir is owned by $user (uid $uid) with mode $mode, not by root without group/world write; set HVDTRAIN_CLUSTER_DIR to a path under a root-only directory such as /run"
-      return
-    fi
-    [[ $dir == / ]] && break
-    dir=$(dirname -- "$dir")
-  done
-  [[ -e $STATE_DIR || -L $STATE_DIR ]] || return 0
-  read -r uid user mode kind < <(stat -c '%u %U %a %F' -- "$STATE_DIR")
-  if [[ $kind != directory ]]; then
-    echo "refusing state directory $STATE_DIR: it is a $kind owned by $user (uid $uid), not a directory made by this script; remove it (rm -- $STATE_DIR) and run up again"
-  elif [[ $uid != 0 || $mode != "$STATE_DIR_MODE" ]]; then
-    echo "refusing state directory $STATE_DIR: owned by $user (uid $uid) with mode $mode, not by root with mode $STATE_DIR_MODE, so not made by this script; remove it (rm -rf -- $STATE_DIR) and run up again"
-  fi
-}
-check_state_dir() {
-  local problem
-  problem=$(state_dir_problem)
-  [[ -z $problem ]] || die "$problem"
-}
-
-# check_dir PATH USER MODE: refuse (one line) PATH unless it is missing or a directory (not a
-# symlink) of USER with exactly MODE.
-check_dir() {
-  local path=$1 user=$2 mode=$3 uid have
-  uid=$(id -u "$user")
-  if [[ -L $path || (-e $path && ! -d $path) ]]; then
-    die "refusing $path: a $(stat -c %F -- "$path"), not a directory made by this script; run: $SCRIPT down, then up"
-  elif [[ -d $path ]]; then
-    have=$(stat -c '%u %a' -- "$path")
-    [[ $have == "$uid $mode" ]] ||
-      die "refusing $path: owner uid ${have% *} with mode ${have#* }, not $user ($uid) with mode $mode; run: $SCRIPT down, then up"
-  fi
-  return 0
-}
-# ensure_dir PATH USER MODE: PATH a directory of USER (and USER's group) with MODE: made when
-# missing, refused in one line when it exists otherwise.
-ensure_dir() {
-  check_dir "$@"
-  [[ -d $1 ]] && return 0
-  mkdir -m 0700 -- "$1"
-  chown -- "$2:$(id -g "$2")" "$1"
-  chmod -- "$3" "$1"
-}
-
-# The state directory's subdirectories: path, owner, mode. ssh/ holds the keys; slurm/ctld is
-# slurmctld's state, written as user slurm (its log and pid file it creates as root, in log/ and
-# slurm/run, before it becomes slurm); munged runs as munge, and munge/ is 0755 because slurmctld
-# (user slurm) and every client must reach the socket.
-STATE_SUBDIRS=(
-  "pids root 755" "ns root 755" "fake-gpu root 755" "log root 755" "tmp root 755"
-  "slurm root 755" "slurm/spool root 755" "slurm/run root 755" "ssh root 700"
-  "slurm/ctld slurm 755" "munge munge 755"
-)
-
-prepare_state_dir() {
-  local entry d user mode
-  # Everything checked before anything is made.
-  check_state_dir
-  for entry in "${STATE_SUBDIRS[@]}"; do
-    read -r d user mode <<<"$entry"
-    check_dir "$STATE_DIR/$d" "$user" "$mode"
-  done
-  # Made fresh: mkdir fails if anything took the name since the check (only root could: the
-  # parent is root's).
-  [[ -d $STATE_DIR ]] || mkdir -m "$STATE_DIR_MODE" -- "$STATE_DIR"
-  [[ -e $STATE_DIR/$STATE_MARKER ]] || : >"$STATE_DIR/$STATE_MARKER"
-  for entry in "${STATE_SUBDIRS[@]}"; do
-    read -r d user mode <<<"$entry"
-    ensure_dir "$STATE_DIR/$d" "$user" "$mode"
-  done
-  local i
-  for i in 0 1 2 3; do
-    [[ -e $STATE_DIR/fake-gpu/nvidia$i ]] || : >"$STATE_DIR/fake-gpu/nvidia$i"
   done
 }
 
@@ -437,7 +253,7 @@ EOF
 gen_ssh_client_config() {
   cat <<EOF
 $MARKER
-# Plain \`ssh nodeK\` for the local test cluster; removed by \`scripts/cluster-local.sh down\`.
+# Plain \`ssh nodeK\` for the local test cluster; removed by \`tests/cluster/cluster-local.sh down\`.
 Host $(node_names "$1" | tr '\n' ' ')
     User root
     IdentityFile $STATE_DIR/ssh/id_ed25519
@@ -491,7 +307,7 @@ prepare_ssh() { # prepare_ssh N
       if pid=$(our_pid "sshd-$node" sshd); then stop_pid "$pid" sshd 5; fi
     done
   fi
-  if [[ -e $SSH_CLIENT_CONF ]] && ! head -n 1 "$SSH_CLIENT_CONF" | grep -qxF "$MARKER"; then
+  if [[ -e $SSH_CLIENT_CONF ]] && ! ours "$SSH_CLIENT_CONF"; then
     die "$SSH_CLIENT_CONF exists and was not written by this script"
   fi
   install -d -m 0755 "$(dirname "$SSH_CLIENT_CONF")"
@@ -518,194 +334,7 @@ start_sshd() { # start_sshd NODE
 # ssh_ok FROM TO: FROM reaches TO with plain `ssh TO`.
 ssh_ok() { timeout 20 "$SCRIPT" exec "$1" ssh -o ConnectTimeout=5 "$2" true >/dev/null 2>&1; }
 
-# --- munge (own key and socket, so slurm-local.sh's munged is neither needed nor touched) --------
-MUNGE_SOCKET=$STATE_DIR/munge/munge.socket
-munge_works() { timeout 10 munge -S "$MUNGE_SOCKET" -n 2>/dev/null | timeout 10 unmunge -S "$MUNGE_SOCKET" >/dev/null 2>&1; }
-
-start_munge() {
-  munge_works && our_pid munged munged >/dev/null && return 0
-  local key=$STATE_DIR/munge/munge.key
-  # munge/ is munge's: what is written in it is written as munge, never by root.
-  local as_munge=(setpriv --reuid=munge --regid=munge --init-groups)
-  if ! "${as_munge[@]}" test -s "$key"; then
-    "${as_munge[@]}" sh -c 'umask 0277 && rm -f -- "$1" && dd if=/dev/urandom of="$1" bs=1024 count=1 status=none' \
-      sh "$key"
-  fi
-  rm -f "$MUNGE_SOCKET" "$MUNGE_SOCKET.lock"
-  # No --force: munged's own checks of its key and directories (and all above them) must pass.
-  launch munged munged "${as_munge[@]}" /usr/sbin/munged -F --socket="$MUNGE_SOCKET" \
-    --key-file="$key" --pid-file="$STATE_DIR/munge/munged.pid" \
-    --log-file="$STATE_DIR/munge/munged.log" --seed-file="$STATE_DIR/munge/munged.seed"
-  local end=$((SECONDS + TIMEOUT))
-  until munge_works; do
-    ((SECONDS < end)) || fail "munged did not come up within ${TIMEOUT}s" \
-      "$STATE_DIR/log/munged.stdout" "$STATE_DIR/munge/munged.log"
-    sleep 0.2
-  done
-}
-
-# --- slurm ---------------------------------------------------------------------------------------
-gen_slurm_conf() { # gen_slurm_conf N
-  local n=$1
-  cat <<EOF
-$MARKER
-# The local multi-node test cluster; regenerated by \`scripts/cluster-local.sh up\`, removed by
-# \`down\`. Clients need SLURM_CONF=$SLURM_CONF_FILE.
-ClusterName=hvdtcluster
-SlurmctldHost=$(hostname -s)($HOST_ADDR)
-SlurmctldPort=$CTLD_PORT
-SlurmdPort=$SLURMD_PORT
-AuthType=auth/munge
-CredType=cred/munge
-# Own munged; a requeued job waits cred_expire + 1 s before it starts again (default 120).
-AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
-SlurmUser=slurm
-SlurmdUser=root
-StateSaveLocation=$STATE_DIR/slurm/ctld
-SlurmdSpoolDir=$STATE_DIR/slurm/spool/%n
-# The nodes share /tmp, where srun --mpi=pmix would make the same directory on every node.
-TmpFS=$STATE_DIR/tmp/%n
-SlurmctldPidFile=$STATE_DIR/slurm/run/slurmctld.pid
-SlurmdPidFile=$STATE_DIR/slurm/run/slurmd-%n.pid
-SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
-SlurmdLogFile=$STATE_DIR/log/slurmd-%n.log
-MailProg=/bin/true
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-GresTypes=gpu
-SlurmdParameters=config_overrides
-SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=5,bf_interval=5
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-JobRequeue=1
-MinJobAge=600
-KillWait=10
-ReturnToService=2
-InactiveLimit=0
-Waittime=0
-SlurmctldTimeout=60
-SlurmdTimeout=120
-$(node_names "$n" | while read -r node; do
-    echo "NodeName=$node NodeHostname=$node NodeAddr=$(addr_of "$node") CPUs=32 RealMemory=20000 Gres=gpu:4 State=UNKNOWN"
-  done)
-PartitionName=$PARTITION Nodes=node[1-$n] Default=YES MaxTime=INFINITE OverSubscribe=YES State=UP
-EOF
-}
-
-gen_gres_conf() {
-  local i
-  printf '%s\n# Four fake GPUs per node: plain files, enough for slurmd to register gpu:4.\n' "$MARKER"
-  for i in 0 1 2 3; do
-    printf 'Name=gpu File=%s/fake-gpu/nvidia%d\n' "$STATE_DIR" "$i"
-  done
-}
-
-gen_cgroup_conf() {
-  printf '%s\n# No cgroup plugins are configured (proctrack/linuxproc, task/none).\n' "$MARKER"
-  printf 'CgroupAutomount=no\nConstrainCores=no\nConstrainRAMSpace=no\nConstrainDevices=no\n'
-}
-
-write_slurm_config() { # write_slurm_config N: 0 when a file changed
-  local changed=1 f gen tmp
-  for f in slurm gres cgroup; do
-    gen=gen_${f}_conf
-    tmp=$(mktemp "$STATE_DIR/slurm/$f.conf.XXXXXX")
-    "$gen" "$1" >"$tmp"
-    chmod 0644 "$tmp"
-    if cmp -s "$tmp" "$STATE_DIR/slurm/$f.conf"; then
-      rm -f "$tmp"
-    else
-      mv -f "$tmp" "$STATE_DIR/slurm/$f.conf"
-      changed=0
-    fi
-  done
-  return "$changed"
-}
-
-slurm() { SLURM_CONF=$SLURM_CONF_FILE timeout 15 "$@"; }
-ctld_up() { slurm scontrol ping 2>/dev/null | grep -q 'is UP'; }
-node_state() { slurm sinfo -h -N -n "$1" -o '%T' 2>/dev/null | head -n 1 || true; }
-node_usable() { [[ $(node_state "$1") =~ ^(idle|mixed|allocated|completing)$ ]]; }
-
-start_slurmctld() {
-  our_pid slurmctld slurmctld >/dev/null ||
-    launch slurmctld slurmctld env SLURM_CONF="$SLURM_CONF_FILE" \
-      /usr/sbin/slurmctld -D -i -f "$SLURM_CONF_FILE"
-  local end=$((SECONDS + TIMEOUT))
-  until ctld_up; do
-    our_pid slurmctld slurmctld >/dev/null ||
-      fail "slurmctld exited during startup" "$STATE_DIR/log/slurmctld.stdout" "$STATE_DIR/log/slurmctld.log"
-    ((SECONDS < end)) || fail "slurmctld did not answer within ${TIMEOUT}s" "$STATE_DIR/log/slurmctld.log"
-    sleep 0.5
-  done
-}
-
-declare -A STARTED_SINCE=()
-start_slurmd() { # start_slurmd NODE
-  local node=$1
-  our_pid "slurmd-$node" slurmd >/dev/null && return 0
-  ensure_dir "$STATE_DIR/slurm/spool/$node" root 755
-  ensure_dir "$STATE_DIR/tmp/$node" root 1777
-  # The controller may still list the node as idle from before; wait_nodes waits for this start.
-  STARTED_SINCE[$node]=$(date +%Y-%m-%dT%H:%M:%S)
-  local prefix
-  mapfile -t prefix < <(node_prefix "$node")
-  launch "slurmd-$node" slurmd "${prefix[@]}" env SLURM_CONF="$SLURM_CONF_FILE" \
-    /usr/sbin/slurmd -D -N "$node" -f "$SLURM_CONF_FILE"
-}
-
-wait_nodes() { # wait_nodes N
-  local node state end=$((SECONDS + TIMEOUT)) pending
-  declare -A resumed=()
-  while :; do
-    pending=""
-    while read -r node; do
-      our_pid "slurmd-$node" slurmd >/dev/null ||
-        fail "slurmd on $node exited" "$STATE_DIR/log/slurmd-$node.stdout" "$STATE_DIR/log/slurmd-$node.log"
-      state=$(node_state "$node")
-      if [[ -n ${STARTED_SINCE[$node]:-} ]]; then
-        local started
-        started=$(slurm scontrol show node "$node" 2>/dev/null | grep -o 'SlurmdStartTime=[^ ]*' || true)
-        started=${started#SlurmdStartTime=}
-        if [[ ! $started =~ ^[0-9]{4}- || $started < "${STARTED_SINCE[$node]}" ]]; then
-          pending+=" $node(registering)"
-          continue
-        fi
-      fi
-      case $state in
-        idle | mixed | allocated | completing) continue ;;
-        inval*) fail "$node is INVAL (configuration rejected)" "$STATE_DIR/log/slurmd-$node.log" \
-          "$STATE_DIR/log/slurmctld.log" ;;
-        down* | drain* | fail* | *drain | *drained)
-          if ((${resumed[$node]:-0} < 3)); then
-            slurm scontrol update nodename="$node" state=resume >/dev/null 2>&1 || true
-            resumed[$node]=$((${resumed[$node]:-0} + 1))
-          fi
-          ;;
-      esac
-      pending+=" $node(${state:-unknown})"
-    done < <(node_names "$1")
-    [[ -z $pending ]] && return 0
-    ((SECONDS < end)) || fail "nodes not idle after ${TIMEOUT}s:$pending" "$STATE_DIR/log/slurmctld.log"
-    sleep 0.5
-  done
-}
-
 # --- up / down / status --------------------------------------------------------------------------
-take_lock() {
-  # The lock is this script itself: nothing is left behind.
-  exec 9<"$SCRIPT"
-  flock -w 300 9 || die "another cluster-local.sh up/down is still running"
-}
-
 cmd_up() {
   local n=$DEFAULT_NODES isolated=0 pin=0
   while (($#)); do
@@ -730,10 +359,8 @@ cmd_up() {
     down_locked
   fi
   install_packages
-  id slurm >/dev/null 2>&1 || die "user slurm does not exist (is slurm-wlm installed?)"
-  id munge >/dev/null 2>&1 || die "user munge does not exist (is munge installed?)"
   [[ -e /var/run/netns/$(netns_of node1) ]] || check_subnet_free
-  prepare_state_dir
+  prepare_state_dir "${OWN_SUBDIRS[@]}"
   echo "$n" >"$STATE_DIR/nodes"
   echo "$isolated" >"$STATE_DIR/isolated"
 
@@ -746,19 +373,19 @@ cmd_up() {
   while read -r node; do start_sshd "$node"; done < <(node_names "$n")
 
   start_munge
-  if write_slurm_config "$n"; then
-    # Daemons running with an older configuration start again with the new one.
-    local pid
-    while read -r node; do
-      if pid=$(our_pid "slurmd-$node" slurmd); then stop_pid "$pid" slurmd 15; fi
-    done < <(node_names "$n")
-    if pid=$(our_pid slurmctld slurmctld); then stop_pid "$pid" slurmctld 20; fi
-  fi
+  local nodes=() node_addrs=() prefix
+  mapfile -t nodes < <(node_names "$n")
+  for node in "${nodes[@]}"; do node_addrs+=("$node" "$(addr_of "$node")"); done
+  configure_slurm "${node_addrs[@]}"
   start_slurmctld
-  while read -r node; do start_slurmd "$node"; done < <(node_names "$n")
+  for node in "${nodes[@]}"; do
+    ensure_dir "$STATE_DIR/tmp/$node" root 1777
+    mapfile -t prefix < <(node_prefix "$node")
+    start_slurmd "$node" "${prefix[@]}"
+  done
   echo "$pin" >"$STATE_DIR/pin-cpus"
-  while read -r node; do pin_node_daemons "$node"; done < <(node_names "$n")
-  wait_nodes "$n"
+  for node in "${nodes[@]}"; do pin_node_daemons "$node"; done
+  wait_nodes "${nodes[@]}"
 
   local end=$((SECONDS + TIMEOUT))
   while read -r node; do
@@ -805,22 +432,14 @@ down_locked() {
   # Every node this script could have made, also when the node count was lost.
   local nodes
   nodes=$( (node_names "$n"; ip netns list 2>/dev/null | awk '{print $1}' | sed -n 's/^hvdt-\(node[0-9]\+\)$/\1/p') | sort -u)
-  if [[ -e $STATE_DIR/$STATE_MARKER ]] && our_pid slurmctld slurmctld >/dev/null; then
-    local ids
-    ids=$(slurm squeue -h -o '%A' 2>/dev/null | tr '\n' ' ' || true)
-    if [[ -n ${ids// /} ]]; then
-      say "cancelling jobs: $ids"
-      # shellcheck disable=SC2086
-      slurm scancel $ids 2>/dev/null || true
-    fi
-  fi
+  if [[ -e $STATE_DIR/$STATE_MARKER ]] && our_pid slurmctld >/dev/null; then cancel_jobs; fi
   for node in $nodes; do
     if pid=$(our_pid "slurmd-$node" slurmd); then stop_pid "$pid" slurmd 10; fi
     if pid=$(our_pid "sshd-$node" sshd); then stop_pid "$pid" sshd 5; fi
     kill_node_processes "$node"
   done
-  if pid=$(our_pid slurmctld slurmctld); then stop_pid "$pid" slurmctld 20; fi
-  if pid=$(our_pid munged munged); then stop_pid "$pid" munged 10; fi
+  if pid=$(our_pid slurmctld); then stop_pid "$pid" slurmctld 20; fi
+  if pid=$(our_pid munged); then stop_pid "$pid" munged 10; fi
   for node in $nodes; do
     ns=$(netns_of "$node")
     uts=$(uts_of "$node")
@@ -831,17 +450,9 @@ down_locked() {
   done
   ip link show "$BRIDGE" >/dev/null 2>&1 && ip link del "$BRIDGE"
   grep -qxF "$HOSTS_BEGIN" /etc/hosts && write_hosts 0
-  if [[ -e $SSH_CLIENT_CONF ]] && head -n 1 "$SSH_CLIENT_CONF" | grep -qxF "$MARKER"; then
-    rm -f "$SSH_CLIENT_CONF"
-  fi
+  if ours "$SSH_CLIENT_CONF"; then rm -f "$SSH_CLIENT_CONF"; fi
   if [[ -e $STATE_DIR/made-run-sshd ]]; then rmdir /run/sshd 2>/dev/null || true; fi
-  if [[ -e $STATE_DIR/$STATE_MARKER ]]; then
-    case $STATE_DIR in
-      / | /var | /var/tmp | /tmp | /etc | /usr | /root | /home | /run | /var/lib | /var/run) die "refusing to remove $STATE_DIR" ;;
-    esac
-    rm -rf --one-file-system -- "$STATE_DIR"
-  fi
-  return 0
+  remove_state_dir
 }
 
 cmd_down() {
@@ -862,12 +473,12 @@ cmd_status() {
   fi
   n=$(recorded_nodes)
   if ((n == 0)); then
-    say "down (no cluster; run: scripts/cluster-local.sh up)"
+    say "down (no cluster; run: tests/cluster/cluster-local.sh up)"
     return 3
   fi
   ip link show "$BRIDGE" >/dev/null 2>&1 || problems+=" no bridge $BRIDGE;"
-  our_pid munged munged >/dev/null || problems+=" munged not running;"
-  our_pid slurmctld slurmctld >/dev/null || problems+=" slurmctld not running;"
+  our_pid munged >/dev/null || problems+=" munged not running;"
+  our_pid slurmctld >/dev/null || problems+=" slurmctld not running;"
   while read -r node; do
     [[ -e /var/run/netns/$(netns_of "$node") ]] || { problems+=" $node: no namespace;"; continue; }
     our_pid "sshd-$node" sshd >/dev/null || problems+=" $node: sshd not running;"
@@ -882,7 +493,7 @@ cmd_status() {
     done < <(node_names "$n")
   fi
   if [[ -n $problems ]]; then
-    say "degraded:$problems (run: scripts/cluster-local.sh up)"
+    say "degraded:$problems (run: tests/cluster/cluster-local.sh up)"
     return 3
   fi
   say "up: $n node(s); SLURM_CONF=$SLURM_CONF_FILE"
@@ -894,7 +505,7 @@ cmd_exec() {
   shift
   (($#)) || die "usage: exec NODE CMD..."
   [[ $node =~ ^node[0-9]+$ && -e /var/run/netns/$(netns_of "$node") ]] ||
-    die "no node '$node' (nodes: $(node_names "$(recorded_nodes)" | tr '\n' ' '); run: scripts/cluster-local.sh up)"
+    die "no node '$node' (nodes: $(node_names "$(recorded_nodes)" | tr '\n' ' '); run: tests/cluster/cluster-local.sh up)"
   [[ $(id -u) -eq 0 ]] || die "exec must run as root (it enters the node's namespaces)"
   check_state_dir
   local prefix
@@ -908,8 +519,9 @@ case ${1:-} in
   status) rc=0; cmd_status || rc=$?; exit "$rc" ;;
   exec) shift; cmd_exec "$@" ;;
   env) printf 'export SLURM_CONF=%s\n' "$SLURM_CONF_FILE" ;;
+  -h | --help) print_help ;;
   *)
-    printf 'usage: %s up [--nodes N] [--isolated-iface] [--pin-cpus] | down | status | exec NODE CMD... | env\n' "$0" >&2
+    printf 'usage: %s up [--nodes N] [--isolated-iface] [--pin-cpus] | down | status | exec NODE CMD... | env (--help: what each does)\n' "$0" >&2
     exit 2
     ;;
 esac

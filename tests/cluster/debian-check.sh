@@ -14,14 +14,14 @@
 # validity checks), pip's configuration (files and PIP_* variables) and the CA certificates.
 #
 # Usage, as root (measured on a busy 2-core machine: 15 minutes clean, 5 with --wheel-cache):
-#   scripts/debian-check.sh [--wheel-cache] [--repo DIR]
+#   tests/cluster/debian-check.sh [--wheel-cache] [--repo DIR]
 #     --wheel-cache  copy this machine's compiled horovod wheels (~/.cache/hvdtrain/wheels or
 #                    HVDTRAIN_WHEEL_CACHE) into the root to skip the horovod build. NOT a clean
 #                    run; the output says so. Without it nothing is reused.
 #     --repo DIR     the git repository whose committed HEAD is cloned (default: this one)
 set -euo pipefail
 
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 reuse_wheels=false
 while (($#)); do
   case "$1" in
