@@ -2,8 +2,9 @@
 
 ``hvdtrain/job.py`` runs it for every job with the job's ``Task`` (``hvdtrain/task.py``: how to
 build its model, its loss and metrics, and optionally its own datasets); the built-in jobs
-(``hvdtrain.cnn``, ``hvdtrain.autoencoder``) are tasks on the image data hvdtrain reads itself. The rest (scaling, checkpoints, preemption,
-callbacks, outputs) is the same for every job and every backend.
+(``hvdtrain.cnn``, ``hvdtrain.autoencoder``) are tasks on the image data hvdtrain reads itself.
+The rest (scaling, checkpoints, preemption, callbacks, outputs) is the same for every job and
+every backend.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, 
 from hvdtrain.config import ImageConfig, TrainConfig
 from hvdtrain.data import (ImageDatasets, agreed_batches, build_pipelines, choose_data_cache,
                            load_listing)
-from hvdtrain.errors import UserError, as_one_line, first_line
+from hvdtrain.errors import UserError, as_one_line
 from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch
 from hvdtrain.preemption import (PreemptionCheck, StopRequest, StopSignals, describe_stop,
                                  stop_exit_code)
@@ -403,13 +404,15 @@ def create_variables(model: keras.Model, input_spec) -> None:
     """
     if model.built:
         return
+
     def zeros(spec):
         return tf.zeros([1, *spec.shape[1:]], spec.dtype)  # one sample: the batch size is free
+
     try:
         model(tf.nest.map_structure(zeros, input_spec), training=False)
     except Exception as error:  # noqa: BLE001 - the model's own code
         raise UserError(f"the model could not be built from the data's inputs {input_spec}: "
-                        f"{type(error).__name__}: {first_line(error)}") from None
+                        f"{as_one_line(error)}") from None
 
 
 def with_targets(dataset: tf.data.Dataset, to_pairs: Callable) -> tf.data.Dataset:

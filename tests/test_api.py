@@ -146,3 +146,34 @@ def test_a_job_that_is_not_a_task_is_refused_before_anything_starts(tmp_path):
         hvdtrain.run(lambda config: "not a task", ["--run-dir", str(tmp_path / "run")],
                      name="notask")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_made_at_its_first_call_gets_its_variables_or_one_line():
+    import tf_keras as keras
+
+    from hvdtrain import train
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, inputs, training=False):
+            return self.dense(inputs["features"])
+
+    inputs = {"features": tf.TensorSpec([None, 4], tf.float32)}
+    model = Net()
+    assert not model.weights
+    train.create_variables(model, inputs)  # nested inputs, batch size left free
+    assert [tuple(w.shape) for w in model.weights] == [(4, 3), (3,)]
+
+    class Broken(keras.Model):
+        def call(self, inputs, training=False):
+            raise ValueError("this model expects\nthree features")
+
+    # One line: Keras' wrapped message (it names the layer and its call arguments) joined up.
+    expected = (r"could not be built from the data's inputs .*: "
+                r"ValueError: .*this model expects three features")
+    with pytest.raises(UserError, match=expected) as caught:
+        train.create_variables(Broken(), tf.TensorSpec([None, 4], tf.float32))
+    assert "\n" not in str(caught.value)
