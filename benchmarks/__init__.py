@@ -59,7 +59,12 @@ def _suite(args) -> int:
     settings = suite.QUICK if args.quick else suite.Settings()
     if args.repeats:
         settings = dataclasses.replace(settings, repeats=args.repeats)
-    names = SUITES if args.command == "all" else (args.command,)
+    skipped = set(filter(None, (args.skip or "").split(",")))
+    if skipped - set(SUITES):
+        raise UserError(f"--skip: unknown comparison(s) {', '.join(sorted(skipped - set(SUITES)))}; "
+                        f"choose from {', '.join(SUITES)}")
+    names = tuple(n for n in SUITES if n not in skipped) if args.command == "all" \
+        else (args.command,)
     out = Path(args.out)
     comparisons, speedup, allreduce_rounds = [], None, None
 
@@ -135,6 +140,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         command.add_argument("--repeats", type=int, help="interleaved rounds (default 5)")
         command.add_argument("--quick", action="store_true",
                              help="tiny sizes and 1 round: checks the harness, measures nothing")
+        if name == "all":
+            command.add_argument("--skip", metavar="NAME[,NAME]",
+                                 help="comparisons to leave out, e.g. network,data")
+        else:
+            command.set_defaults(skip=None)
         command.set_defaults(handler=_suite)
     args = parser.parse_args(argv)
     if getattr(args, "batch", 1) < 1 or (getattr(args, "repeats", 1) or 1) < 1:
