@@ -12,6 +12,7 @@ runs it, and reach horovod only through hvdtrain's runtime.
     mwms        hvdtrain np=2 vs MultiWorkerMirroredStrategy with 2 local workers
     input       real vs synthetic data step time; input pipeline alone vs the model
     workers     speedup against the number of workers (1, 2, 4)
+    threads     the cores each thread of 2 horovod ranks, 2 independent jobs and 2 Gloo ranks use
     network     2 nodes of the local cluster, links limited to 1 Gbit/s and 100 Mbit/s: fp32,
                 fp16 allreduce and a larger fusion buffer, against a step-time model (root only)
     data        image folders and TFRecords at 1k, 10k, 100k and 1.28 M files: listing, time to
@@ -46,8 +47,10 @@ def _matmul(args) -> int:
     return 0
 
 
-SUITES = ("scaling", "overhead", "tax", "keras3", "allreduce", "mwms", "input", "workers", "network",
-          "data")
+SUITES = ("scaling", "overhead", "tax", "keras3", "allreduce", "mwms", "input", "workers", "threads",
+          "network", "data")
+#: Suites that write their own .json and .md (their tables are not rows of results.md).
+SELF_WRITING = ("threads", "network", "data")
 
 
 def _suite(args) -> int:
@@ -96,6 +99,10 @@ def _suite(args) -> int:
                     result = network.run(settings, out, log)
                     if result is not None:
                         print(network.markdown(result))
+                elif name == "threads":
+                    from benchmarks import threads
+
+                    print(threads.markdown(threads.run(settings, out, log, quick=args.quick)))
                 elif name == "data":
                     from benchmarks import datascale
 
@@ -107,7 +114,7 @@ def _suite(args) -> int:
             except suite.BenchmarkFailed as error:  # keep what the others measured
                 failed[name] = str(error)
                 log(f"{name} failed: {first_line(error)}")
-    if names in (("network",), ("data",)):  # they write their own .json and .md
+    if len(names) == 1 and names[0] in SELF_WRITING:
         if failed:
             raise UserError(f"the {names[0]} comparison failed: {first_line(failed[names[0]])}")
         return 0

@@ -96,6 +96,14 @@ class Comparison:
         value = self.result.of_medians
         return value <= self.target if self.lower_is_better else value >= self.target
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "Comparison":
+        """The comparison as stored by to_dict, rebuilt from its measurements alone (so every
+        summary and ratio of a stored result is recomputed, never read back)."""
+        return cls(data["name"], data["metric"], data["unit"], data["measurements"],
+                   data["numerator"], data["denominator"], data.get("target"),
+                   data.get("lower_is_better", False), data.get("note", ""))
+
     def to_dict(self) -> dict:
         data = asdict(self)
         data["met"] = self.met

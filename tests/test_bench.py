@@ -74,6 +74,25 @@ def test_quick_run_writes_results_whose_ratios_match_its_measurements(tmp_path):
     assert (out / "allreduce.png").stat().st_size > 0
     sizes = json.loads((out / "results.json").read_text())["allreduce_raw"]["mpi"][0]["sizes"]
     assert set(sizes) == {"0.25", "1.0"}
+    # The per-thread suite finds both training processes of every job, and they compute.
+    run_job([sys.executable, "-m", "benchmarks", "threads", "--quick", "--out", str(out)],
+            timeout=300, env=clean_env())
+    profile = json.loads((out / "threads.json").read_text())
+    assert list(profile["jobs"]) == ["horovodrun -np 2", "2 independent --backend single jobs",
+                                     "horovodrun --gloo -np 2"]
+    for kind, processes in profile["jobs"].items():
+        assert len(processes) == 2, (kind, processes)
+        assert all(row["total"] > 0.2 for row in processes.values()), (kind, processes)
+    assert list(profile["jobs"]["horovodrun -np 2"]) == ["rank 0", "rank 1"]
+
+
+@integration
+@pytest.mark.timeout(300)
+def test_the_input_pipeline_alone_delivers_samples():
+    # The input suite's own measurement, run as the suite runs it (a process of its own).
+    from benchmarks.suite import QUICK, pipeline_run
+
+    assert pipeline_run(QUICK, data="digits")["samples_per_sec"] > 0
 
 
 def test_the_network_models_arithmetic():
@@ -162,10 +181,10 @@ def test_the_thread_profile_finds_a_busy_process_and_its_busy_thread(capsys):
     finally:
         busy.kill()
         busy.wait()
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"rank 3 (pid {busy.pid}): ")
-    main_thread = next(line for line in lines if line.endswith("  main"))
-    assert float(main_thread.split()[0]) >= 0.5  # a spinning main thread, on a core of its own
+    line, = capsys.readouterr().out.splitlines()
+    assert line.startswith("rank 3: ")
+    main_thread = float(line.split("main thread ")[1].split(";")[0])
+    assert main_thread >= 0.5  # a spinning main thread, on a core of its own
     assert threads.main(["--seconds", "0", "--match", marker]) == 1  # nothing left to find
 
 
