@@ -111,5 +111,22 @@ def horovodrun(np: int, module: str, *args: str, timeout: float = 300, check: bo
                     *args], timeout=timeout, check=check, env=env)
 
 
+def mpirun_ranks(np: int) -> list[str]:
+    """What `horovodrun -np N` runs for N ranks on this host (horovod/runner/mpi_run.py), for
+    tests whose subject is the job, not horovodrun: horovodrun first imports TensorFlow in a
+    child process to check its own build, 3-5 s per job on these 2 cores. The tests of the
+    user's commands (tests/test_jobs.py, the examples, the launcher) keep horovodrun."""
+    return ["mpirun", "--allow-run-as-root", "--tag-output", "-np", str(np), "-H",
+            f"localhost:{np}", "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1",
+            "-mca", "btl", "^openib"]
+
+
+def mpirun_job(np: int, module: str, *args: str, timeout: float = 300, check: bool = True,
+          env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m module args`` in N ranks on this host, started as horovodrun would."""
+    return run_job([*mpirun_ranks(np), sys.executable, "-m", module, *args], timeout=timeout,
+                   check=check, env=env)
+
+
 def have_command(name: str) -> bool:
     return shutil.which(name) is not None

@@ -1,5 +1,6 @@
 """Any Keras model trains and exports: subclassed models and unregistered custom layers, on both
-Kerases, under 2 real ranks (integration tier: each test starts its own horovodrun job).
+Kerases, under 2 real ranks (integration tier: each test starts its own jobs of 2 ranks, under
+mpirun as horovodrun starts them).
 
 A subclassed model makes its variables at its first call; hvdtrain builds it from the data before
 the optimizer's slots, the restore and rank 0's broadcast. A model that cannot be rebuilt from its
@@ -12,15 +13,15 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, VENV_BIN, clean_env, integration, run_job
+from conftest import REPO, clean_env, integration, mpirun_ranks, run_job
 
 pytestmark = [integration, pytest.mark.timeout(400)]
 
 KERASES = ["2", "3"]
 
 
-def horovodrun_job(script_args: list[str], keras: str, **env: str) -> subprocess.CompletedProcess:
-    return run_job([str(VENV_BIN / "horovodrun"), "-np", "2", sys.executable, *script_args],
+def ranks_job(script_args: list[str], keras: str, **env: str) -> subprocess.CompletedProcess:
+    return run_job([*mpirun_ranks(2), sys.executable, *script_args],
                    timeout=300, check=False, env=clean_env(HVDTRAIN_KERAS=keras, **env))
 
 
@@ -35,7 +36,7 @@ def test_a_subclassed_model_trains_from_rank_0s_weights_exports_its_weights_and_
     run_dir = tmp_path / "run"
     job = [str(REPO / "tests" / "scripts" / "subclassed_task.py"), "--run-dir", str(run_dir),
            "--epochs", "2", "--steps-per-epoch", "4"]
-    first = horovodrun_job(job, keras, ANY_MODEL_WEIGHTS=str(tmp_path))
+    first = ranks_job(job, keras, ANY_MODEL_WEIGHTS=str(tmp_path))
     assert first.returncode == 0, first.stdout[-4000:]
     assert [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())] == [1, 2]
 
@@ -69,7 +70,7 @@ def test_a_subclassed_model_trains_from_rank_0s_weights_exports_its_weights_and_
 
     # Run again: every epoch is done, so nothing trains and nothing is written again; exit 0.
     exported_at = (run_dir / "model.weights.h5").stat().st_mtime_ns
-    again = horovodrun_job(job, keras)
+    again = ranks_job(job, keras)
     assert again.returncode == 0, again.stdout[-4000:]
     assert "2 of 2 epochs already done; nothing to train" in again.stdout
     assert "model: wrote" not in again.stdout
@@ -128,7 +129,7 @@ def test_an_unregistered_custom_layer_in_a_model_file_trains_and_exports(tmp_pat
     outcomes = {}
     for builder in ("build", "build_unrebuildable"):
         run_dir = tmp_path / builder
-        result = horovodrun_job(["-m", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "1",
+        result = ranks_job(["-m", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "1",
                                  "--model", f"{model_file}:{builder}", "--run-dir", str(run_dir)],
                                 keras)
         assert result.returncode == 0, result.stdout[-4000:]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import clean_env, horovodrun, integration, run_job
+from conftest import clean_env, integration, run_job
 
 pytestmark = [integration, pytest.mark.timeout(600)]
 
@@ -56,16 +56,6 @@ def test_tpu_backend_without_a_tpu_is_one_line_and_writes_nothing(tmp_path):
 
 def reconstruction_images(run_dir) -> list[str]:
     return sorted(p.name for p in run_dir.glob("*.png") if p.name != "curves.png")
-
-
-def test_autoencoder_under_horovodrun_two_ranks(tmp_path):
-    run_dir = tmp_path / "run"
-    result = horovodrun(2, "hvdtrain.autoencoder", "--preset", "tiny", "--run-dir",
-                        str(run_dir))
-    assert "backend horovod | 2 process(es)" in result.stdout
-    history = losses(run_dir)
-    assert history[-1] < history[0], history
-    assert reconstruction_images(run_dir) == ["cpu.png"]  # one picture, from rank 0 only
 
 
 def test_autoencoder_on_the_strategy_path(tmp_path):

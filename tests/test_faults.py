@@ -1,7 +1,7 @@
 """Faults and bad input: never hang, never lose a checkpoint, always say what is wrong.
 
-Integration tier: every test starts its own real jobs (horovodrun, the CLI, the launcher) and
-kills and cleans up everything it starts, within a time limit.
+Integration tier: every test starts its own real jobs (ranks under mpirun as horovodrun starts
+them, the CLI, the launcher) and kills and cleans up everything it starts, within a time limit.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VENV_BIN, clean_env, horovodrun, integration, run_job
+from conftest import clean_env, integration, mpirun_job, mpirun_ranks, run_job
 from images import make_image_folder
 
 pytestmark = [integration, pytest.mark.timeout(600)]
@@ -46,7 +46,7 @@ def rank_pids(marker: str) -> dict[int, int]:
 @pytest.mark.parametrize("np_, victim", [(2, 1), (2, 0), (3, 2)])
 def test_a_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, np_, victim):
     run_dir = tmp_path / "run"
-    command = [str(VENV_BIN / "horovodrun"), "-np", str(np_), sys.executable, "-m",
+    command = [*mpirun_ranks(np_), sys.executable, "-m",
                "hvdtrain.cnn", "--preset", "tiny", "--epochs", "200", "--run-dir", str(run_dir)]
     job = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -82,7 +82,7 @@ def test_a_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, np_, victim):
     assert "placement: " in chief_log and "Epoch 1/200" in chief_log, chief_log[-2000:]
 
     # The same command again resumes from the last checkpoint, losing at most one epoch.
-    rerun = horovodrun(np_, "hvdtrain.cnn", "--preset", "tiny", "--epochs",
+    rerun = mpirun_job(np_, "hvdtrain.cnn", "--preset", "tiny", "--epochs",
                        str(epochs_before + 1), "--run-dir", str(run_dir))
     resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", rerun.stdout)
     # At most one epoch lost: the kill may land between an epoch's metrics and its checkpoint.
@@ -124,7 +124,7 @@ def test_a_rank_that_fails_names_its_log_which_holds_the_failure(tmp_path):
     model_file = tmp_path / "failing.py"
     model_file.write_text(FAILS_ON_RANK_1)
     run_dir = tmp_path / "run"
-    result = horovodrun(2, "hvdtrain.cnn", "--preset", "tiny", "--model", f"{model_file}:build",
+    result = mpirun_job(2, "hvdtrain.cnn", "--preset", "tiny", "--model", f"{model_file}:build",
                         "--run-dir", str(run_dir), check=False, timeout=240)
     assert result.returncode != 0
     log = run_dir / "logs" / "rank-1.log"
@@ -175,7 +175,7 @@ def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_loadable(tmp
 
 @pytest.mark.parametrize("np_", [1, 2, 3])
 def test_every_data_set_size_finishes_or_is_refused_clearly(tmp_path, np_):
-    result = run_job([str(VENV_BIN / "horovodrun"), "-np", str(np_), sys.executable,
+    result = run_job([*mpirun_ranks(np_), sys.executable,
                       str(SCRIPTS / "uneven_sizes.py"), str(tmp_path)], timeout=500)
     line = next(l for l in result.stdout.splitlines() if "OUTCOMES " in l)
     # raw_decode: mpirun may glue the next line's "[1,0]<stdout>:" tag onto this one.
@@ -202,7 +202,7 @@ def test_unwritable_or_full_run_directory_is_found_before_training(tmp_path):
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    result = horovodrun(2, "hvdtrain.cnn", "--preset", "tiny", "--run-dir",
+    result = mpirun_job(2, "hvdtrain.cnn", "--preset", "tiny", "--run-dir",
                         str(blocker / "run"), check=False)
     errors = [l for l in result.stdout.splitlines() if "hvdtrain.cnn: error:" in l]
     assert result.returncode != 0 and len(errors) == 1, result.stdout[-3000:]
@@ -235,7 +235,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize("args, message", BAD_INPUT, ids=[m for _, m in BAD_INPUT])
 def test_bad_input_is_one_line_printed_once_and_writes_nothing(tmp_path, args, message):
     run_dir = tmp_path / "run"
-    result = horovodrun(2, "hvdtrain.cnn", *args, "--run-dir", str(run_dir), check=False)
+    result = mpirun_job(2, "hvdtrain.cnn", *args, "--run-dir", str(run_dir), check=False)
     assert message in one_error(result)
     assert not run_dir.exists()
 
@@ -250,12 +250,12 @@ def test_bad_image_folders_under_two_ranks(tmp_path):
              (single, [], "only one class folder"),
              (corrupt, ["--on-bad-image", "fail"], "not PNG/JPEG/GIF/BMP images")]
     for folder, extra, message in cases:
-        result = horovodrun(2, "hvdtrain.cnn", "--data-dir", str(folder), *extra,
+        result = mpirun_job(2, "hvdtrain.cnn", "--data-dir", str(folder), *extra,
                             "--run-dir", str(tmp_path / "run"), check=False)
         assert message in one_error(result)
     assert not (tmp_path / "run").exists()
     # Skipping is the default: the job trains and says how many files it left out, once.
-    skipped = horovodrun(2, "hvdtrain.cnn", "--data-dir", str(corrupt), "--preset", "tiny",
+    skipped = mpirun_job(2, "hvdtrain.cnn", "--data-dir", str(corrupt), "--preset", "tiny",
                          "--epochs", "1", "--batch-size", "4", "--image-size", "8",
                          "--run-dir", str(tmp_path / "ok"))
     assert skipped.stdout.count("skipped 1 file(s)") == 1
@@ -285,7 +285,7 @@ def test_undecodable_images_are_skipped_and_counted_never_a_hang(tmp_path, np_):
     folder = mixed_bad_folder(tmp_path / "data")
     flags = ["--data-dir", str(folder), "--batch-size", "4", "--image-size", "16",
              "--epochs", "2", "--no-tensorboard", "--no-export"]
-    result = horovodrun(np_, "hvdtrain.cnn", *flags, "--run-dir", str(tmp_path / "run"),
+    result = mpirun_job(np_, "hvdtrain.cnn", *flags, "--run-dir", str(tmp_path / "run"),
                         timeout=240)
     output = result.stdout
     # Text files are found while listing; everything with an image's name while decoding, by
@@ -305,7 +305,7 @@ def test_undecodable_images_are_skipped_and_counted_never_a_hang(tmp_path, np_):
     # --on-bad-image fail refuses files that only decoding finds in one line, on every rank
     # together, before the epoch's metrics or checkpoint are written.
     cut_only = mixed_bad_folder(tmp_path / "cut", unreadable_headers=False)
-    refused = horovodrun(np_, "hvdtrain.cnn", *flags[2:], "--data-dir", str(cut_only),
+    refused = mpirun_job(np_, "hvdtrain.cnn", *flags[2:], "--data-dir", str(cut_only),
                          "--on-bad-image", "fail", "--run-dir", str(tmp_path / "refused"),
                          check=False, timeout=240)
     assert "did not decode in epoch 1" in one_error(refused)
@@ -314,7 +314,7 @@ def test_undecodable_images_are_skipped_and_counted_never_a_hang(tmp_path, np_):
 
 def test_a_stalled_rank_ends_the_job_with_one_line_not_a_hang(tmp_path):
     start = time.monotonic()
-    result = run_job([str(VENV_BIN / "horovodrun"), "-np", "2", sys.executable,
+    result = run_job([*mpirun_ranks(2), sys.executable,
                       str(SCRIPTS / "stalled_rank.py")], timeout=180, check=False,
                      env=clean_env(HOROVOD_STALL_CHECK_TIME_SECONDS="2",
                                    HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="6"))
@@ -331,7 +331,7 @@ def test_more_ranks_than_tfrecord_files(tmp_path):
     images = make_image_folder(tmp_path / "images", classes=2, per_class=10)
     convert(str(images), str(tmp_path / "records"), shards=2, validation_shards=1,
             validation_fraction=0.2, seed=0, image_size=8)
-    result = horovodrun(3, "hvdtrain.cnn", "--tfrecords", str(tmp_path / "records"),
+    result = mpirun_job(3, "hvdtrain.cnn", "--tfrecords", str(tmp_path / "records"),
                         "--batch-size", "2", "--run-dir", str(tmp_path / "run"), check=False)
     assert "3 ranks but only 2 training TFRecord file(s)" in one_error(result)
 
@@ -362,36 +362,3 @@ def test_launcher_as_root_without_the_openmpi_variables(tmp_path):
     assert result.returncode == 2
     assert "OMPI_ALLOW_RUN_AS_ROOT=1" in one_error(result, "hvdtrain.launch")
     assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.parametrize("signum, controller, exit_code", [
-    (signal.SIGUSR1, "mpi", 75), (signal.SIGUSR1, "gloo", 75), (signal.SIGTERM, "mpi", 143)])
-def test_a_stop_signal_to_the_launcher_checkpoints_and_a_rerun_resumes(tmp_path, signum,
-                                                                        controller, exit_code):
-    """What an sbatch script's trap does at the time-limit warning, without Slurm."""
-    run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--controller", controller,
-         "--skip-preflight", "--", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "200",
-         "--run-dir", str(run_dir)], env=clean_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not (run_dir / "metrics.json").exists():
-            if launcher.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("the job ended or never finished an epoch")
-            time.sleep(0.2)
-        time.sleep(0.5)
-        launcher.send_signal(signum)
-        output, _ = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    assert launcher.returncode == exit_code, output[-3000:]
-    stopped = re.search(rf"stopped by {signal.Signals(signum).name} in epoch (\d+)", output)
-    assert stopped, output[-3000:]
-    rerun = horovodrun(2, "hvdtrain.cnn", "--preset", "tiny", "--epochs",
-                       str(int(stopped.group(1)) + 1), "--run-dir", str(run_dir))
-    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", rerun.stdout)
-    assert resumed and int(resumed.group(1)) >= int(stopped.group(1)) - 1, rerun.stdout[-2000:]

@@ -19,19 +19,48 @@ def final_metrics(run_dir) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())[-1]
 
 
-def test_two_ranks_tiny_preset_writes_every_output(tmp_path):
-    run_dir = tmp_path / "run"
-    result = horovodrun(2, "hvdtrain.cnn", "--preset", "tiny", "--run-dir", str(run_dir))
-    assert "backend horovod | 2 process(es), 2 worker(s)" in result.stdout
-    assert "32 per worker x 2 workers = 64 global" in result.stdout
-    assert result.stdout.count("Epoch 3/3") == 1  # progress from rank 0 only
+# A line TensorFlow, Keras, absl or Python's warnings would print: "WARNING:tensorflow:...",
+# "W0000 00:00:..." (absl/C++), "...UserWarning: ...", under horovodrun's "[1,0]<stderr>:" tag.
+WARNING_LINE = re.compile(r"warn|^(\[\d+,\d+\]<std\w+>:)?[WEF]\d{4} ", re.IGNORECASE)
+
+
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory) -> dict:
+    """The classifier's default preset at 1 rank, 2 ranks (the README's `make train`, as it is)
+    and 2 ranks on Keras 3: {(ranks, keras): (run dir, stdout)}. Shared by the tests below."""
+    root = tmp_path_factory.mktemp("default-runs")
+    runs = {}
+    for np_, keras in ((1, "2"), (2, "2"), (2, "3")):
+        run_dir = root / f"np{np_}-keras{keras}"
+        if (np_, keras) == (2, "2"):
+            venv = pathlib.Path(sys.executable).parent.parent
+            result = run_job(["make", "-C", str(REPO), "-o", str(venv / ".hvdtrain-installed"),
+                              "train", f"VENV={venv}", f"ARGS=--run-dir {run_dir}"], timeout=300)
+        else:
+            result = horovodrun(np_, "hvdtrain.cnn", "--keras", keras, "--run-dir", str(run_dir),
+                                "--no-tensorboard")
+        runs[np_, keras] = run_dir, result.stdout
+    return runs
+
+
+def test_make_train_prints_no_warning_and_writes_every_output(default_runs):
+    run_dir, stdout = default_runs[2, "2"]
+    # The README's first command, default preset with TensorBoard on: it prints no warning
+    # (tf_keras warned that the callbacks were slow, see callbacks.TensorBoardLog).
+    warnings = [line for line in stdout.splitlines() if WARNING_LINE.search(line)]
+    assert not warnings, "\n".join(warnings)
+    assert "backend horovod | 2 process(es), 2 worker(s)" in stdout
+    assert "32 per worker x 2 workers = 64 global" in stdout
+    config = json.loads((run_dir / "config.json").read_text())
+    epochs = config["config"]["epochs"]
+    assert stdout.count(f"Epoch {epochs}/{epochs}") == 1  # progress from rank 0 only
     for name in ("config.json", "metrics.csv", "metrics.json", "curves.png", "model.keras",
                  "checkpoints/checkpoint"):
         assert (run_dir / name).is_file(), name
-    config = json.loads((run_dir / "config.json").read_text())
+    assert (run_dir / "tensorboard" / "train").is_dir()
     assert config["world"]["size"] == 2 and config["plan"]["global_batch_size"] == 64
     rows = json.loads((run_dir / "metrics.json").read_text())
-    assert [row["epoch"] for row in rows] == [1, 2, 3]
+    assert [row["epoch"] for row in rows] == list(range(1, epochs + 1))
     assert all(row["samples_per_sec"] > 0 and row["epoch_seconds"] > 0 for row in rows)
     # The exported model loads on its own and predicts one row of logits per image.
     check = subprocess.run(
@@ -42,28 +71,9 @@ def test_two_ranks_tiny_preset_writes_every_output(tmp_path):
     assert "(3, 10)" in check.stdout, check.stderr[-2000:]
 
 
-# A line TensorFlow, Keras, absl or Python's warnings would print: "WARNING:tensorflow:...",
-# "W0000 00:00:..." (absl/C++), "...UserWarning: ...", under horovodrun's "[1,0]<stderr>:" tag.
-WARNING_LINE = re.compile(r"warn|^(\[\d+,\d+\]<std\w+>:)?[WEF]\d{4} ", re.IGNORECASE)
-
-
-def test_one_and_two_ranks_and_both_kerases_converge_to_the_same_accuracy(tmp_path):
-    accuracy = {}
-    for np_, keras in ((1, "2"), (2, "2"), (2, "3")):
-        run_dir = tmp_path / f"np{np_}-keras{keras}"
-        if (np_, keras) == (2, "2"):
-            # The README's first command as it is, default preset with TensorBoard on: it prints
-            # no warning (tf_keras warned that the callbacks were slow, see callbacks.TensorBoardLog).
-            venv = pathlib.Path(sys.executable).parent.parent
-            result = run_job(["make", "-C", str(REPO), "-o", str(venv / ".hvdtrain-installed"),
-                              "train", f"VENV={venv}", f"ARGS=--run-dir {run_dir}"], timeout=300)
-            warnings = [line for line in result.stdout.splitlines() if WARNING_LINE.search(line)]
-            assert not warnings, "\n".join(warnings)
-            assert (run_dir / "tensorboard" / "train").is_dir()
-        else:
-            horovodrun(np_, "hvdtrain.cnn", "--keras", keras, "--run-dir", str(run_dir),
-                       "--no-tensorboard")
-        accuracy[np_, keras] = final_metrics(run_dir)["val_accuracy"]
+def test_one_and_two_ranks_and_both_kerases_converge_to_the_same_accuracy(default_runs):
+    accuracy = {key: final_metrics(run_dir)["val_accuracy"]
+                for key, (run_dir, _) in default_runs.items()}
     assert all(value >= 0.95 for value in accuracy.values()), accuracy
     assert abs(accuracy[1, "2"] - accuracy[2, "2"]) <= 0.02, accuracy
     # Keras 3 through hvdtrain's own integration, against horovod's Keras 2 API.
@@ -106,18 +116,34 @@ def test_image_folder_then_tfrecords(tmp_path):
 
 
 
+@pytest.fixture(scope="module")
+def autoencoder_runs(tmp_path_factory) -> dict:
+    """The autoencoder (batch norm) with its default preset at 1 and 2 ranks: {ranks: (run dir,
+    stdout)}."""
+    root = tmp_path_factory.mktemp("autoencoder")
+    return {np_: (root / f"np{np_}", horovodrun(np_, "hvdtrain.autoencoder", "--no-tensorboard",
+                                                  "--run-dir", str(root / f"np{np_}"),
+                                                  timeout=400).stdout)
+            for np_ in (1, 2)}
+
+
 @pytest.mark.timeout(900)
-def test_batch_norm_two_ranks_match_one_at_equal_epochs(tmp_path):
-    """The autoencoder (batch norm) with its default preset: val_loss at np=2 within 20% of np=1.
+def test_batch_norm_two_ranks_match_one_at_equal_epochs(autoencoder_runs):
+    """The autoencoder's val_loss at np=2 within 20% of np=1.
 
     Without the end-of-epoch recomputation two ranks ended at ~7x the loss of one (0.046 against
     0.0068): their moving averages trailed the weights."""
-    horovodrun(1, "hvdtrain.autoencoder", "--no-tensorboard", "--run-dir", str(tmp_path / "np1"),
-               timeout=400)
-    horovodrun(2, "hvdtrain.autoencoder", "--no-tensorboard", "--run-dir", str(tmp_path / "np2"),
-               timeout=400)
-    one, two = (final_metrics(tmp_path / name)["val_loss"] for name in ("np1", "np2"))
+    one, two = (final_metrics(autoencoder_runs[np_][0])["val_loss"] for np_ in (1, 2))
     assert two <= 1.2 * one, (one, two)
+
+
+def test_the_autoencoder_under_horovodrun_two_ranks(autoencoder_runs):
+    run_dir, stdout = autoencoder_runs[2]
+    assert "backend horovod | 2 process(es)" in stdout
+    losses = [row["loss"] for row in json.loads((run_dir / "metrics.json").read_text())]
+    assert losses[-1] < losses[0], losses
+    pictures = sorted(p.name for p in run_dir.glob("*.png") if p.name != "curves.png")
+    assert pictures == ["cpu.png"]  # one reconstruction picture, from rank 0 only
 
 
 @pytest.mark.timeout(900)

@@ -186,7 +186,7 @@ def wait_for_job(env: dict[str, str], job_id: str, log: Path) -> str:
             state = (re.search(r"\bJobState=(\S+)", shown) or [None, ""])[1]
             if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", ""):
                 break
-            time.sleep(2)
+            time.sleep(0.5)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30, env=env)
     output = log.read_text() if log.exists() else ""
@@ -350,20 +350,77 @@ def wait_for_epoch(log: Path, epoch: int, timeout: float = 240) -> None:
                f"epoch {epoch} in {log}:\n{log.read_text()[-3000:]}")
 
 
-def resumes(run_dir: Path, env: dict[str, str]) -> None:
-    """The same job again, for 2 more epochs, resumes from the last checkpoint."""
-    done = len(json.loads((run_dir / "metrics.json").read_text()))
-    result = run_job(on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:2,node2:2",
-                              *LONG_JOB[:3], "--epochs", str(done + 2), "--no-tensorboard",
-                              "--run-dir", str(run_dir)), timeout=JOB_TIMEOUT, env=env)
-    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", result.stdout)
-    assert resumed and int(resumed.group(1)) >= done - 1, result.stdout[-3000:]
-    assert f"done: {done + 2} epoch(s)" in result.stdout, result.stdout[-3000:]
+def epochs_done(run_dir: Path) -> int:
+    return len(json.loads((run_dir / "metrics.json").read_text()))
+
+
+def resumed_from(output: str) -> int | None:
+    found = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", output)
+    return int(found.group(1)) if found else None
+
+
+class FaultedRun:
+    """One run directory that the fault tests below share, in file order: each fault's job
+    starts by resuming from the checkpoint the previous fault left (its proof that the ranks
+    stopped with one), and whatever fault comes last is resumed by the fixture. Four faults thus
+    need five jobs, not eight; `-k` one of them still ends with its resume."""
+
+    def __init__(self, path: Path, env: dict[str, str]):
+        self.path, self.env = path, env
+        self.done_at_fault: int | None = None
+        """Epochs in metrics.json when the last fault hit; None: no fault to resume from."""
+
+    def start(self, log: Path, *launcher_args: str) -> subprocess.Popen:
+        return start_job(launch_on_node1(self.path, *launcher_args), log, self.env)
+
+    def wait_for_training(self, log: Path) -> None:
+        """Until the job has trained 3 epochs of its own (after a resume, when one was due)."""
+        first = 0
+        if self.done_at_fault is not None:
+            wait_until(lambda: resumed_from(log.read_text()) is not None, 240,
+                       f"the resume in {log}:\n{log.read_text()[-3000:]}")
+            first = resumed_from(log.read_text())
+            # The fault may cost the epoch it interrupted, never more.
+            assert first >= self.done_at_fault - 1, (first, self.done_at_fault)
+            self.done_at_fault = None
+        wait_for_epoch(log, first + 3)
+
+    def faulted(self) -> None:
+        """The fault hit and the job is gone: the next job must resume from its checkpoint."""
+        self.done_at_fault = epochs_done(self.path)
+
+    def resume(self) -> None:
+        """The same job again, for 2 more epochs, resumes from the last checkpoint."""
+        done = epochs_done(self.path)
+        result = run_job(on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:2,node2:2",
+                                  *LONG_JOB[:3], "--epochs", str(done + 2), "--no-tensorboard",
+                                  "--run-dir", str(self.path)), timeout=JOB_TIMEOUT, env=self.env)
+        resumed = resumed_from(result.stdout)
+        assert resumed is not None and resumed >= self.done_at_fault - 1, result.stdout[-3000:]
+        assert f"done: {done + 2} epoch(s)" in result.stdout, result.stdout[-3000:]
+        self.done_at_fault = None
+
+
+@pytest.fixture(scope="module")
+def shared_faulted_run(cluster_env, tmp_path_factory):
+    run = FaultedRun(tmp_path_factory.mktemp("faults") / "run", cluster_env)
+    yield run
+    if run.done_at_fault is not None:  # the last fault's checkpoint, resumed
+        cluster_up()  # a failed test may have left a node down
+        run.resume()
+
+
+@pytest.fixture
+def faulted_run(shared_faulted_run):
+    """The shared run; whatever of a test's job is left (a failure) is killed after the test."""
+    yield shared_faulted_run
+    kill_processes_mentioning(shared_faulted_run.path)
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "ssh connection lost"])
-def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, run_dir, tmp_path, how):
+def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, faulted_run, tmp_path, how):
     log = tmp_path / "job.out"
+    run_dir = faulted_run.path
     command = launch_on_node1(run_dir)
     if how == "ssh connection lost":
         # A user's terminal on node1: ssh with a terminal, the launcher in the foreground.
@@ -373,7 +430,7 @@ def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, run_dir, tm
                    + " ".join(command[command.index(PYTHON):])]
     job = start_job(command, log, cluster_env)
     try:
-        wait_for_epoch(log, 3)
+        faulted_run.wait_for_training(log)
         assert len(job_processes(run_dir)) >= 4
         if how == "SIGKILL":
             launcher = next(int(line.split(":")[0]) for line in job_processes(run_dir)
@@ -389,15 +446,15 @@ def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, run_dir, tm
     if how == "SIGKILL":
         assert "the launcher (pid" in log.read_text() and "died; stopping its job" in \
             log.read_text(), log.read_text()[-3000:]
-    # The ranks stopped on the SIGTERM the launcher's watcher sent: a checkpoint to resume from.
-    resumes(run_dir, cluster_env)
+    # The ranks stopped on the SIGTERM the launcher's watcher sent: the next job resumes.
+    faulted_run.faulted()
 
 
-def test_a_crashed_node_ends_the_job_naming_it(cluster_env, run_dir, tmp_path):
+def test_a_crashed_node_ends_the_job_naming_it(cluster_env, faulted_run, tmp_path):
     log = tmp_path / "job.out"
-    job = start_job(launch_on_node1(run_dir), log, cluster_env)
+    job = faulted_run.start(log)
     try:
-        wait_for_epoch(log, 3)
+        faulted_run.wait_for_training(log)
         # node2 crashes: every process in its namespace (ranks, orted, sshd, slurmd) dies.
         node2 = subprocess.run(["ip", "netns", "pids", "hvdt-node2"], capture_output=True,
                                text=True, check=True).stdout.split()
@@ -413,21 +470,22 @@ def test_a_crashed_node_ends_the_job_naming_it(cluster_env, run_dir, tmp_path):
     assert job.returncode not in (0, None), output[-3000:]
     assert re.search(r"(Peer host|host): +node2|Connection to node2 closed", output), \
         output[-3000:]
-    wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
+    wait_until(lambda: not job_processes(faulted_run.path), 30,
+               f"orphans: {job_processes(faulted_run.path)}")
     print(f"node2 crashed: the job ended {seconds:.0f} s later")
     cluster_up()  # node2 "reboots": its sshd and slurmd start again
-    resumes(run_dir, cluster_env)
+    faulted_run.faulted()
 
 
-def test_a_link_down_ends_the_job_instead_of_hanging(cluster_env, run_dir, tmp_path):
+def test_a_link_down_ends_the_job_instead_of_hanging(cluster_env, faulted_run, tmp_path):
     # Linux retries the allreduce's TCP segments for ~15 minutes; horovod's stall check is stuck
-    # behind them. The ranks' stall watchdog (limit below) and the launcher end the job.
-    limit = 30
+    # behind them. The ranks' stall watchdog (limit below) and the launcher end the job. The
+    # tiny preset's steps take milliseconds and its epoch ends about a second: 15 s is no step.
+    limit = 15
     log = tmp_path / "job.out"
-    job = start_job(launch_on_node1(run_dir, "--stall-check-shutdown-seconds", str(limit)), log,
-                    cluster_env)
+    job = faulted_run.start(log, "--stall-check-shutdown-seconds", str(limit))
     try:
-        wait_for_epoch(log, 3)
+        faulted_run.wait_for_training(log)
         subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "down"], check=True)
         budget = limit + launch_module().ORPHANED_COMMAND_SECONDS + 30
         seconds = wait_until(lambda: job.poll() is not None, budget, "the job to end")
@@ -441,8 +499,25 @@ def test_a_link_down_ends_the_job_instead_of_hanging(cluster_env, run_dir, tmp_p
     print(f"link down: the job ended {seconds:.0f} s later (limit {limit} s)")
     # With the link back, node2's leftovers (its ranks ended by their own watchdogs; orted's
     # connection resets) go too.
-    wait_until(lambda: not job_processes(run_dir), 90, f"orphans: {job_processes(run_dir)}")
-    resumes(run_dir, cluster_env)
+    wait_until(lambda: not job_processes(faulted_run.path), 90,
+               f"orphans: {job_processes(faulted_run.path)}")
+    faulted_run.faulted()
+
+
+def release_when_pending(job_id: str, env: dict[str, str], timeout: float = 60) -> None:
+    """Start the requeued job as soon as it is pending rather than at its BeginTime, ~14 s
+    later (tests/cluster/lib.sh); that the template requeued it is what the test checks."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                               text=True, timeout=30, env=env).stdout
+        if "JobState=PENDING" in shown:
+            subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"],
+                           capture_output=True, timeout=30, env=env)
+            return
+        if "JobState=RUNNING" in shown:
+            return
+        time.sleep(0.5)
 
 
 def launch_module():
@@ -465,6 +540,7 @@ def test_usr1_preemption_of_a_two_node_job_requeues_and_resumes(cluster_env, run
         wait_until(lambda: "Restarts=1" in subprocess.run(
             ["scontrol", "show", "job", job_id], capture_output=True, text=True,
             env=env).stdout, 120, "the requeue")
+        release_when_pending(job_id, env)
     except BaseException:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30, env=env)
         raise
