@@ -252,6 +252,19 @@ HEADER_CHECK_THREADS = 32
 to the metadata server, so many in flight hide the latency (threads: the work is I/O)."""
 
 
+def _printable(path: str) -> str:
+    """A path whose bytes are not all UTF-8, with those bytes shown as \\xNN."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a surrogate escape: bytes that are not UTF-8
+        return False
+    return True
+
+
 def list_image_folder(data_dir: str, *, image_size: int | None, validation_fraction: float,
                       seed: int, on_bad_image: str, channels: int = 3,
                       check_images: bool = False) -> Listing:
@@ -266,6 +279,11 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
         raise UserError(f"--data-dir {data_dir}: no such directory")
     class_names = sorted(entry.name for entry in os.scandir(data_dir)
                          if entry.is_dir() and not entry.name.startswith("."))
+    unnamed_classes = [name for name in class_names if not _is_utf8(name)]
+    if unnamed_classes:
+        # A class name is printed, and stored in dataset.json and config.json.
+        raise UserError(f"class folder {_printable(unnamed_classes[0])} in {data_dir} is not a "
+                        "valid UTF-8 name; rename it")
     if not class_names:
         raise UserError(f"--data-dir {data_dir} has no class sub-folders "
                         f"(expected {data_dir}/<class>/<image files>)")
@@ -274,6 +292,19 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
                         "classification needs at least 2")
     files_per_class = [sorted(entry.name for entry in os.scandir(os.path.join(data_dir, name))
                               if entry.is_file()) for name in class_names]
+    # Names that are not UTF-8 (os.scandir gives them surrogate escapes) cannot go into the name
+    # table, messages or JSON: skipped and counted like files that are not images.
+    unnamed = [os.path.join(data_dir, class_name, name)
+               for class_name, files in zip(class_names, files_per_class) for name in files
+               if not _is_utf8(name)]
+    unnamed_note = ""
+    if unnamed:
+        unnamed_note = (f"{len(unnamed)} file(s) in {data_dir} have names that are not valid "
+                        f"UTF-8 (first: {_printable(unnamed[0])})")
+        if on_bad_image == "fail":
+            raise UserError(unnamed_note + "; rename them or pass --on-bad-image skip")
+        files_per_class = [[name for name in files if _is_utf8(name)]
+                           for files in files_per_class]
     suspects = [os.path.join(data_dir, class_name, name)
                 for class_name, files in zip(class_names, files_per_class) for name in files
                 if check_images or os.path.splitext(name)[1].lower() not in IMAGE_EXTENSIONS]
@@ -289,7 +320,7 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
         prefix = class_name + "/"
         names += [(prefix + name).encode() for name in good]
         labels.append(np.full(len(good), label, dtype=np.int64))
-    notes = []
+    notes = ["skipped " + unnamed_note] if unnamed_note else []
     if bad:
         message = (f"{len(bad)} file(s) in {data_dir} are not PNG/JPEG/GIF/BMP images "
                    f"(first: {bad[0]})")

@@ -141,6 +141,7 @@ def task_data(config: TrainConfig, runtime: Runtime, task: Task
     if not isinstance(datasets, Datasets):
         raise UserError(f"the task's datasets builder must return hvdtrain.Datasets, got "
                         f"{type(datasets).__name__}")
+    check_elements(datasets)
     steps, validation_steps = agreed_batches(runtime, datasets, config.steps_per_epoch)
     global_batch = per_worker * world.num_replicas
     plan = plan_for(config, runtime, steps * global_batch,
@@ -150,6 +151,31 @@ def task_data(config: TrainConfig, runtime: Runtime, task: Task
         else datasets.train.repeat()
     validation = datasets.validation if validation_steps else None
     return plan, dataclasses.replace(datasets, train=train, validation=validation), ()
+
+
+def check_elements(datasets: Datasets) -> None:
+    """Keras trains on (inputs, targets) or (inputs, targets, sample_weights) elements; anything
+    else would end in a traceback inside fit. Every rank builds the same structure, so every rank
+    refuses alike (before the first collective)."""
+    for split, dataset in (("training", datasets.train), ("validation", datasets.validation)):
+        if dataset is None:
+            continue
+        spec = dataset.element_spec
+        if isinstance(spec, tuple) and len(spec) in (2, 3):
+            continue
+        raise UserError(f"the task's {split} dataset must yield (inputs, targets) or (inputs, "
+                        f"targets, sample_weights) tuples; its elements are "
+                        f"{_describe_element(spec)}")
+
+
+def _describe_element(spec) -> str:
+    if isinstance(spec, tf.TensorSpec):
+        return f"single tensors of shape {spec.shape} ({spec.dtype.name})"
+    if isinstance(spec, dict):
+        return f"dicts with keys {', '.join(map(str, spec))}"
+    if isinstance(spec, tuple):
+        return f"tuples of {len(spec)}"
+    return type(spec).__name__
 
 
 def plan_for(config: TrainConfig, runtime: Runtime, num_train_samples: int,

@@ -177,3 +177,23 @@ def test_a_model_made_at_its_first_call_gets_its_variables_or_one_line():
     with pytest.raises(UserError, match=expected) as caught:
         train.create_variables(Broken(), tf.TensorSpec([None, 4], tf.float32))
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("elements, described", [
+    (lambda: tf.data.Dataset.from_tensor_slices(tf.zeros((8, 4))), "single tensors of shape"),
+    (lambda: tf.data.Dataset.from_tensor_slices({"x": tf.zeros((8, 4)), "y": tf.zeros(8)}),
+     "dicts with keys x, y"),
+    (lambda: tf.data.Dataset.from_tensor_slices((tf.zeros((8, 4)),) * 4), "tuples of 4"),
+])
+def test_a_task_dataset_of_the_wrong_elements_is_one_line(elements, described):
+    from hvdtrain.train import check_elements
+
+    with pytest.raises(UserError, match="must yield \\(inputs, targets\\) or") as refused:
+        check_elements(hvdtrain.Datasets(elements().batch(2)))
+    assert described in str(refused.value) and "\n" not in str(refused.value)
+    # The validation split is checked too; (inputs, targets[, weights]) pass.
+    pairs = tf.data.Dataset.from_tensor_slices((tf.zeros((8, 4)), tf.zeros(8))).batch(2)
+    with pytest.raises(UserError, match="validation dataset"):
+        check_elements(hvdtrain.Datasets(pairs, elements().batch(2)))
+    triples = tf.data.Dataset.from_tensor_slices((tf.zeros((8, 4)), tf.zeros(8), tf.ones(8)))
+    check_elements(hvdtrain.Datasets(pairs, triples.batch(2)))

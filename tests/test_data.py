@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,6 +98,45 @@ def test_unusable_folders_are_one_line_errors(tmp_path, make_bad, message):
         list_image_folder(str(root), image_size=None, validation_fraction=0.2, seed=0,
                           on_bad_image="skip")
     assert "\n" not in str(error.value)
+
+
+def _write_raw_name(directory: Path, raw_name: bytes, data: bytes = b"") -> bool:
+    """A file or folder whose name is raw bytes; False where the file system refuses them."""
+    try:
+        path = os.path.join(os.fsencode(directory), raw_name)
+        if data is None:
+            os.mkdir(path)
+        else:
+            with open(path, "wb") as output:
+                output.write(data)
+    except OSError:
+        return False
+    return True
+
+
+def test_file_names_that_are_not_utf8_are_skipped_and_counted_or_refused(tmp_path):
+    root = make_image_folder(tmp_path / "images", classes=2, per_class=4)
+    some_png = next(root.glob("*/*.png")).read_bytes()
+    if not _write_raw_name(root / "zero", b"bad-\xff.png", some_png):
+        pytest.skip("this file system refuses names that are not UTF-8")
+    listing = list_image_folder(str(root), image_size=8, validation_fraction=0.25, seed=0,
+                                on_bad_image="skip")
+    assert listing.train.num_samples + listing.validation.num_samples == 8  # well named
+    assert any("1 file(s)" in note and "not valid UTF-8" in note and "\\xff" in note
+               for note in listing.notes), listing.notes
+    with pytest.raises(UserError, match=r"not valid UTF-8 .*--on-bad-image skip") as refused:
+        list_image_folder(str(root), image_size=8, validation_fraction=0.25, seed=0,
+                          on_bad_image="fail")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_class_folder_that_is_not_utf8_is_one_line(tmp_path):
+    root = make_image_folder(tmp_path / "images", classes=2, per_class=4)
+    if not _write_raw_name(root, b"class-\xfe", None):
+        pytest.skip("this file system refuses names that are not UTF-8")
+    with pytest.raises(UserError, match=r"class folder .*xfe.* is not a valid UTF-8 name"):
+        list_image_folder(str(root), image_size=8, validation_fraction=0.25, seed=0,
+                          on_bad_image="skip")
 
 
 def test_listing_opens_only_files_without_an_image_extension(tmp_path):
