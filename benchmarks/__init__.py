@@ -53,6 +53,50 @@ SUITES = ("scaling", "overhead", "tax", "keras3", "allreduce", "mwms", "input", 
 SELF_WRITING = ("threads", "network", "data")
 
 
+def _runners(quick: bool) -> dict:
+    """name -> run(settings, workdir, out, log): what a suite adds to the report (its rows, the
+    speedup curve, the allreduce calls); the SELF_WRITING suites write their own files."""
+    from benchmarks import suite
+
+    def rows(measure):
+        return lambda settings, workdir, out, log: {"comparisons": measure(settings, workdir, log)}
+
+    def allreduce(settings, workdir, out, log):
+        rounds = suite.allreduce(settings, workdir, log)
+        return {"allreduce_rounds": rounds, "comparisons": suite.allreduce_comparisons(rounds)}
+
+    def workers(settings, workdir, out, log):
+        return {"speedup": suite.speedup_vs_workers(settings, workdir, log)}
+
+    def threads(settings, workdir, out, log):
+        from benchmarks import threads as profile
+
+        print(profile.markdown(profile.run(settings, out, log, quick=quick)))
+        return {}
+
+    def network(settings, workdir, out, log):
+        from benchmarks import network as two_hosts
+
+        result = two_hosts.run(settings, out, log)
+        if result is not None:
+            print(two_hosts.markdown(result))
+        return {}
+
+    def data(settings, workdir, out, log):
+        from benchmarks import datascale
+
+        print(datascale.markdown(datascale.run(settings, out, log, quick=quick)))
+        return {}
+
+    runners = {"scaling": rows(suite.weak_scaling), "overhead": rows(suite.horovod_overhead),
+               "tax": rows(suite.framework_tax), "keras3": rows(suite.keras_3_path),
+               "allreduce": allreduce, "mwms": rows(suite.against_tf_distribute),
+               "input": rows(suite.input_pipeline), "workers": workers, "threads": threads,
+               "network": network, "data": data}
+    assert tuple(runners) == SUITES
+    return runners
+
+
 def _suite(args) -> int:
     import dataclasses
     import tempfile
@@ -74,46 +118,20 @@ def _suite(args) -> int:
     def log(line: str) -> None:
         print(line, flush=True)
 
+    runners = _runners(args.quick)
     failed = {}
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as scratch:
         workdir = Path(scratch)
         for name in names:
             try:
-                if name == "scaling":
-                    comparisons += suite.weak_scaling(settings, workdir, log)
-                elif name == "overhead":
-                    comparisons += suite.horovod_overhead(settings, workdir, log)
-                elif name == "tax":
-                    comparisons += suite.framework_tax(settings, workdir, log)
-                elif name == "keras3":
-                    comparisons += suite.keras_3_path(settings, workdir, log)
-                elif name == "mwms":
-                    comparisons += suite.against_tf_distribute(settings, workdir, log)
-                elif name == "input":
-                    comparisons += suite.input_pipeline(settings, workdir, log)
-                elif name == "workers":
-                    speedup = suite.speedup_vs_workers(settings, workdir, log)
-                elif name == "network":
-                    from benchmarks import network
-
-                    result = network.run(settings, out, log)
-                    if result is not None:
-                        print(network.markdown(result))
-                elif name == "threads":
-                    from benchmarks import threads
-
-                    print(threads.markdown(threads.run(settings, out, log, quick=args.quick)))
-                elif name == "data":
-                    from benchmarks import datascale
-
-                    result = datascale.run(settings, out, log, quick=args.quick)
-                    print(datascale.markdown(result))
-                elif name == "allreduce":
-                    allreduce_rounds = suite.allreduce(settings, workdir, log)
-                    comparisons += suite.allreduce_comparisons(allreduce_rounds)
+                found = runners[name](settings, workdir, out, log)
             except suite.BenchmarkFailed as error:  # keep what the others measured
                 failed[name] = str(error)
                 log(f"{name} failed: {first_line(error)}")
+                continue
+            comparisons += found.get("comparisons", [])
+            speedup = found.get("speedup", speedup)
+            allreduce_rounds = found.get("allreduce_rounds", allreduce_rounds)
     if len(names) == 1 and names[0] in SELF_WRITING:
         if failed:
             raise UserError(f"the {names[0]} comparison failed: {first_line(failed[names[0]])}")
