@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from hvdtrain.datacache import (CacheChoice, choose_cache, default_disk_dir, free_bytes,
-                                make_process_cache_dir, node_memory_budget, parse_cache_flag)
+                                make_process_cache_dir, memory_budget, parse_cache_flag)
 from hvdtrain.errors import UserError, first_line
 from hvdtrain.runtime import World
 from hvdtrain.task import Datasets
@@ -650,10 +650,12 @@ def choose_data_cache(listing: Listing, world: World, flag: str, *, budget_gb: f
         return CacheChoice("off", "the embedded data is in memory already")
     _, directory = parse_cache_flag(flag)
     disk_dir = directory or default_disk_dir()
+    budget, budget_source = memory_budget(budget_gb)
     return choose_cache(flag, bytes_per_rank=decoded_bytes_per_rank(listing, world,
                                                                     validation_samples),
-                        local_size=world.local_size, memory_budget=node_memory_budget(budget_gb),
-                        disk_free=free_bytes(disk_dir), disk_dir=disk_dir)
+                        local_size=world.local_size, memory_budget=budget,
+                        budget_source=budget_source, disk_free=free_bytes(disk_dir),
+                        disk_dir=disk_dir)
 
 
 def build_pipelines(listing: Listing, world: World, *, batch_size: int,

@@ -4,12 +4,14 @@ Decoding is most of an image pipeline's cost, so a second epoch that reads decod
 much cheaper than the first. But a cache in memory grows by the whole decoded data set of the
 rank (ImageNet at 128x128 is 63 GB per job), so ``--cache auto`` (the default) sizes it first:
 
-    decoded bytes of this rank's samples x local ranks  <=  the node's memory budget  -> memory
+    decoded bytes of this rank's samples x local ranks  <=  the job's memory budget   -> memory
     otherwise, if the node's local disk has room                                      -> disk
     otherwise                                                                         -> off
 
-The budget is per node because the local ranks share one node's memory. ``choose_cache`` is pure
-(numbers in, decision out) so the decision is tested without filling any memory.
+The budget is half of the least of what Slurm gave the job on this node, the memory cgroup the
+rank runs in and the node's available memory (hvdtrain.jobmemory): the local ranks share it.
+``choose_cache`` is pure (numbers in, decision out) so the decision is tested without filling
+any memory.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from typing import Literal
 
 CacheKind = Literal["memory", "disk", "off"]
 DEFAULT_MEMORY_FRACTION = 0.5
-"""Share of the node's available memory (at start) caching may use when no budget is given:
-the rest is for the model, TensorFlow, the shuffle buffers and whatever else runs there."""
+"""Share of the job's memory (at start) caching may use when no budget is given: the rest is
+for the model, TensorFlow, the shuffle buffers and whatever else runs there."""
 DISK_HEADROOM = 1.1
 """A disk cache needs this much more free space than it will write (file system overhead)."""
 CACHE_DIR_PREFIX = "hvdtrain-cache-"
@@ -52,10 +54,12 @@ def parse_cache_flag(value: str) -> tuple[str, str | None]:
 
 
 def choose_cache(flag: str, *, bytes_per_rank: int, local_size: int, memory_budget: int,
-                 disk_free: int | None, disk_dir: str) -> CacheChoice:
+                 disk_free: int | None, disk_dir: str,
+                 budget_source: str = "the memory budget") -> CacheChoice:
     """The cache for one rank. ``bytes_per_rank``: decoded size of what this rank caches;
-    ``memory_budget``: bytes the whole node may cache in memory; ``disk_free``: free bytes in
-    ``disk_dir`` (None: unknown, e.g. it does not exist)."""
+    ``memory_budget``: bytes the job's ranks on this node may cache in memory, ``budget_source``
+    where that number came from (for the banner); ``disk_free``: free bytes in ``disk_dir``
+    (None: unknown, e.g. it does not exist)."""
     mode, directory = parse_cache_flag(flag)
     disk_dir = directory or disk_dir
     node_bytes = bytes_per_rank * local_size
@@ -66,34 +70,26 @@ def choose_cache(flag: str, *, bytes_per_rank: int, local_size: int, memory_budg
         return CacheChoice("memory", f"--cache memory; {need}")
     if mode == "disk":
         return CacheChoice("disk", f"--cache disk; {need}", disk_dir)
+    budget = f"{_size(memory_budget)} budget: {budget_source} for {local_size} local rank(s)"
     if node_bytes <= memory_budget:
-        return CacheChoice("memory", f"auto: {need} fits the node's memory budget of "
-                                     f"{_size(memory_budget)}")
-    over = f"auto: {need} exceeds the node's memory budget of {_size(memory_budget)}"
+        return CacheChoice("memory", f"auto: {_size(node_bytes)} decoded <= {budget}")
+    over = f"auto: {_size(node_bytes)} decoded > {budget}"
     if disk_free is not None and node_bytes * DISK_HEADROOM <= disk_free:
         return CacheChoice("disk", f"{over}; {disk_dir} has {_size(disk_free)} free", disk_dir)
-    return CacheChoice("off", f"{over} and {disk_dir} has "
+    return CacheChoice("off", f"{over}; {disk_dir} has "
                               f"{_size(disk_free) if disk_free is not None else 'no'} room; "
                               "every epoch decodes again")
 
 
-def node_memory_budget(budget_gb: float | None) -> int:
-    """Bytes of the node's memory caching may use: ``budget_gb`` or a share of MemAvailable."""
+def memory_budget(budget_gb: float | None) -> tuple[int, str]:
+    """(bytes, where they come from) the job's ranks on this node may cache in memory:
+    ``--cache-budget-gb``, or a share of the job's memory limit (hvdtrain.jobmemory)."""
     if budget_gb is not None:
-        return int(budget_gb * 1e9)
-    return int(available_memory() * DEFAULT_MEMORY_FRACTION)
+        return int(budget_gb * 1e9), f"--cache-budget-gb {budget_gb:g}"
+    from hvdtrain.jobmemory import job_memory_limit
 
-
-def available_memory() -> int:
-    """MemAvailable of this node (Linux), else total physical memory."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = job_memory_limit()
+    return int(limit.bytes * DEFAULT_MEMORY_FRACTION), f"half of {limit.source}"
 
 
 def default_disk_dir() -> str:

@@ -410,12 +410,12 @@ def test_auto_cache_never_holds_more_than_the_memory_budget():
     common = dict(local_size=4, disk_dir="/scratch")
     fits = choose_cache("auto", bytes_per_rank=2 * GB, memory_budget=8 * GB, disk_free=0,
                         **common)
-    assert fits.kind == "memory" and "fits" in fits.reason
+    assert fits.kind == "memory" and "8.0 GB decoded <= 8.0 GB budget" in fits.reason
     # 4 local ranks x 2.1 GB > 8 GB: never memory, whatever the disk.
     for disk_free, kind in ((100 * GB, "disk"), (9 * GB, "off"), (None, "off")):
         choice = choose_cache("auto", bytes_per_rank=int(2.1 * GB), memory_budget=8 * GB,
                               disk_free=disk_free, **common)
-        assert choice.kind == kind and "exceeds" in choice.reason, choice
+        assert choice.kind == kind and "8.4 GB decoded > 8.0 GB budget" in choice.reason, choice
     assert choose_cache("auto", bytes_per_rank=3 * GB, memory_budget=8 * GB,
                         disk_free=100 * GB, **common).directory == "/scratch"
     # What the user asks for is what they get, with the size in the reason.
@@ -425,6 +425,17 @@ def test_auto_cache_never_holds_more_than_the_memory_budget():
                         **common).directory == "/fast"
     assert choose_cache("off", bytes_per_rank=1, memory_budget=GB, disk_free=0,
                         **common).kind == "off"
+
+
+def test_the_banner_names_the_limit_that_decided():
+    from hvdtrain.datacache import choose_cache
+
+    choice = choose_cache("auto", bytes_per_rank=448 * 10**6, local_size=2,
+                          memory_budget=300 * 10**6, disk_free=80 * GB, disk_dir="/tmp",
+                          budget_source="half of Slurm --mem 600M")
+    assert choice.describe() == (
+        "cache: disk in /tmp (auto: 896.0 MB decoded > 300.0 MB budget: half of Slurm --mem "
+        "600M for 2 local rank(s); /tmp has 80.0 GB free)")
 
 
 @pytest.mark.parametrize("flag", ["ram", "disk:", "memory:/x", "auto:/x", ""])

@@ -170,6 +170,35 @@ def test_launcher_inside_an_allocation_via_mpirun_and_srun(submit, tmp_path, via
     assert "done: 1 epoch(s)" in log
 
 
+@pytest.mark.parametrize("memory", [["--mem=600M"], ["-c", "2", "--mem-per-cpu=150M"]])
+def test_the_auto_cache_budgets_against_the_jobs_slurm_memory(submit, tmp_path, memory):
+    """A job given 600M on this 24 GB node: --cache auto budgets half of 600M, not of the node.
+    The decision for 2 local ranks on a real folder of 2,400 files at 224x224 (361 MB decoded
+    for the node), made inside the job."""
+    from images import make_image_folder
+
+    one = next(make_image_folder(tmp_path / "seed", classes=2, per_class=1).glob("*/*"))
+    folder = tmp_path / "images"
+    for name in ("a", "b"):
+        (folder / name).mkdir(parents=True)
+        for index in range(1200):
+            os.link(one, folder / name / f"{index}{one.suffix}")
+    code = ("import hvdtrain; from hvdtrain.data import choose_data_cache, list_image_folder; "
+            "from hvdtrain.runtime import World; "
+            f"listing = list_image_folder({str(folder)!r}, image_size=224, "
+            "validation_fraction=0.0, seed=0, on_bad_image='skip'); "
+            "print(choose_data_cache(listing, World(rank=0, size=2, local_size=2), 'auto', "
+            "budget_gb=None, validation_samples=0).describe())")
+    job = submit(*memory, f"--chdir={REPO}", "--wrap", f"{VENV_BIN / 'python'} -c \"{code}\"")
+    job.wait()
+    # 2 x 1,200 files x 224 x 224 x 3 bytes; half of 600 MiB, or of 2 x 150 MiB.
+    source, budget = (("Slurm --mem 600M", "314.6 MB") if memory == ["--mem=600M"] else
+                      ("Slurm --mem-per-cpu 150M x 2 CPUs", "157.3 MB"))
+    expected = (f"(auto: 361.3 MB decoded > {budget} budget: half of {source} for 2 local "
+                "rank(s);")
+    assert expected in job.text() and "cache: disk in " in job.text(), job.text()[-3000:]
+
+
 def test_dry_run_for_a_simulated_two_node_allocation(slurm_cluster):
     env = clean_env(SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="node[07-08]",
                     SLURM_TASKS_PER_NODE="4(x2)", SLURM_GPUS_ON_NODE="4")
