@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Literal
 
+from hvdtrain.jobmemory import job_memory_limit
+
 CacheKind = Literal["memory", "disk", "off"]
 DEFAULT_MEMORY_FRACTION = 0.5
 """Share of the job's memory (at start) caching may use when no budget is given: the rest is
@@ -86,8 +88,6 @@ def memory_budget(budget_gb: float | None) -> tuple[int, str]:
     ``--cache-budget-gb``, or a share of the job's memory limit (hvdtrain.jobmemory)."""
     if budget_gb is not None:
         return int(budget_gb * 1e9), f"--cache-budget-gb {budget_gb:g}"
-    from hvdtrain.jobmemory import job_memory_limit
-
     limit = job_memory_limit()
     return int(limit.bytes * DEFAULT_MEMORY_FRACTION), f"half of {limit.source}"
 
