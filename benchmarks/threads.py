@@ -137,6 +137,13 @@ def profile(s, workdir: Path, log: Callable[[str], None], *, seconds: float = 10
                 except ProcessLookupError:
                     pass
                 process.wait()
+            # A launcher may start its ranks in a session of their own: end them by name too,
+            # before the scratch directory they write into goes.
+            for pid in training_processes(marker):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     return result
 
 

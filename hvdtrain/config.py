@@ -194,7 +194,8 @@ class ImageConfig(TrainConfig):
     --cache-budget-gb, else local disk when it has room, else off."""
     cache_budget_gb: float | None = None
     """Memory (GB) per node that in-memory caching may use, shared by the node's ranks. Default:
-    half the node's available memory at start."""
+    half of the job's memory on the node at start: the least of Slurm's --mem (or --mem-per-cpu
+    x CPUs, --mem-per-gpu x GPUs), the memory cgroup and the node's available memory."""
 
 
     def __post_init__(self) -> None:

@@ -650,7 +650,9 @@ def choose_data_cache(listing: Listing, world: World, flag: str, *, budget_gb: f
         return CacheChoice("off", "the embedded data is in memory already")
     _, directory = parse_cache_flag(flag)
     disk_dir = directory or default_disk_dir()
-    budget, budget_source = memory_budget(budget_gb)
+    mode, _ = parse_cache_flag(flag)
+    # Only auto needs the budget (it reads Slurm's variables, the cgroup files and /proc).
+    budget, budget_source = memory_budget(budget_gb) if mode == "auto" else (0, "")
     return choose_cache(flag, bytes_per_rank=decoded_bytes_per_rank(listing, world,
                                                                     validation_samples),
                         local_size=world.local_size, memory_budget=budget,

@@ -1,5 +1,7 @@
 """How much memory this job may use on this node: the least of Slurm's request, the memory
 cgroup this process runs in (v1 or v2, its ancestors included), and the node's available memory.
+The first two are totals: what the ranks already hold (TensorFlow, the model) is not taken off,
+which is why the cache gets only a share of the least (datacache.DEFAULT_MEMORY_FRACTION).
 
 A Slurm job given ``--mem=32G`` on a 512 GB node is killed by its cgroup at 32 GB, whatever the
 node has free; a cache sized against the node would be OOM-killed mid-epoch. Everything here is
@@ -122,11 +124,14 @@ def cgroup_directory(proc: str = "/proc") -> tuple[str, str] | None:
     if "v1" in paths:
         for fstype, root, point, options in mounts:
             if fstype == "cgroup" and "memory" in options.split(","):
-                return "v1", _inside(point, root, paths["v1"])
+                directory = _inside(point, root, paths["v1"])
+                return ("v1", directory) if directory else None
     if "v2" in paths:
         for fstype, root, point, _ in mounts:
             if fstype == "cgroup2":
                 directory = _inside(point, root, paths["v2"])
+                if directory is None:
+                    return None
                 try:
                     with open(os.path.join(point, "cgroup.controllers")) as controllers:
                         if "memory" not in controllers.read().split():
@@ -137,11 +142,14 @@ def cgroup_directory(proc: str = "/proc") -> tuple[str, str] | None:
     return None
 
 
-def _inside(mount_point: str, mount_root: str, path: str) -> str:
-    # A container without its own cgroup namespace sees the host's path in /proc/self/cgroup
-    # but has only a sub-tree (mount root) mounted.
-    relative = os.path.relpath(path, mount_root) if path.startswith(mount_root) else path
-    relative = "" if relative == "." else relative.lstrip("/")
+def _inside(mount_point: str, mount_root: str, path: str) -> str | None:
+    """Where cgroup ``path`` is in a mount of ``mount_root`` at ``mount_point``; None when it is
+    not in that sub-tree. A container without its own cgroup namespace sees the host's path in
+    /proc/self/cgroup but has only a sub-tree (the mount root) mounted."""
+    if os.path.commonpath([path, mount_root]) != mount_root:
+        return None
+    relative = os.path.relpath(path, mount_root)
+    relative = "" if relative == "." else relative
     return os.path.normpath(os.path.join(mount_point, relative))
 
 
@@ -152,9 +160,11 @@ def cgroup_limit(proc: str = "/proc") -> MemoryLimit | None:
     if found is None:
         return None
     version, directory = found
-    mount_point = next(point for fstype, _, point, options in _mounts(proc)
-                       if directory.startswith(point)
-                       and (fstype == "cgroup2") == (version == "v2"))
+    mount_point = next((point for fstype, _, point, options in _mounts(proc)
+                        if os.path.commonpath([directory, point]) == point
+                        and (fstype == "cgroup2") == (version == "v2")), None)
+    if mount_point is None:
+        return None
     files = ("memory.max", "memory.high") if version == "v2" else ("memory.limit_in_bytes",)
     best: MemoryLimit | None = None
     current = directory
@@ -185,6 +195,10 @@ def node_available(proc: str = "/proc") -> MemoryLimit:
 def job_memory_limit(environ: Mapping[str, str] | None = None,
                      proc: str = "/proc") -> MemoryLimit:
     """The least of Slurm's request, the cgroup limit and the node's available memory."""
+    try:
+        cgroup = cgroup_limit(proc)
+    except (OSError, ValueError):  # an unusual mount layout: no cgroup limit found, not a crash
+        cgroup = None
     limits = [limit for limit in (slurm_limit(os.environ if environ is None else environ),
-                                  cgroup_limit(proc), node_available(proc)) if limit is not None]
+                                  cgroup, node_available(proc)) if limit is not None]
     return min(limits, key=lambda limit: limit.bytes)

@@ -87,6 +87,22 @@ def test_cgroup_v1_on_a_hybrid_host_and_a_containers_mount_root(tmp_path):
     assert cgroup_limit(proc) == MemoryLimit(2 * GIB, "cgroup v1 memory.limit_in_bytes 2.1 GB")
 
 
+def test_a_sibling_cgroup_sharing_a_name_prefix_is_not_inside_the_mount(tmp_path):
+    # Mount root /docker/abc, own cgroup /docker/abcdef/x: not in the mounted sub-tree (a prefix
+    # of a name is not a parent directory), so this process's cgroup is unknown: no limit is
+    # read from a cgroup that is not its own, and nothing raises.
+    proc = write_tree(tmp_path, {
+        "proc/self/cgroup": "4:memory:/docker/abcdef/x\n",
+        "proc/self/mountinfo": mountinfo(tmp_path, ("cgroup", "/docker/abc",
+                                                    "/sys/fs/cgroup/memory", "rw,memory")),
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes": f"{GIB}\n",
+        "proc/meminfo": "MemAvailable: 4000000 kB\n",
+    })
+    assert cgroup_directory(proc) is None
+    assert cgroup_limit(proc) is None
+    assert job_memory_limit({}, proc).source == "the node's available memory 4.1 GB"
+
+
 def test_no_limit_is_none_and_the_least_limit_names_itself(tmp_path):
     proc = write_tree(tmp_path, {
         "proc/self/cgroup": "4:memory:/\n",

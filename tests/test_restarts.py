@@ -38,7 +38,8 @@ def ranks_of(run_dir: Path) -> dict[int, int]:
         if str(run_dir).encode() not in command or b"hvdtrain.cnn" not in command:
             continue
         for variable in environ:
-            if variable.startswith(b"OMPI_COMM_WORLD_RANK="):
+            # An MPI rank has OMPI_COMM_WORLD_RANK; a Gloo rank (horovodrun --gloo) HOROVOD_RANK.
+            if variable.startswith((b"OMPI_COMM_WORLD_RANK=", b"HOROVOD_RANK=")):
                 found[int(variable.split(b"=")[1])] = int(entry.name)
     return found
 
