@@ -106,7 +106,7 @@ def submit(slurm_cluster, tmp_path):
 #: The USR1 arrives after the first epoch and is acted on within 10 steps (11 per epoch at 4
 #: ranks): the job must still be running then. The risk is a fast machine finishing the other
 #: 7 tiny epochs before the signal goes through scancel, slurmd, the trap and the launcher
-#: (on this one an epoch after the first takes ~1 s at 4 ranks, the signal under 1 s).
+#: (on this one an epoch after the first took under a second at 4 ranks).
 PREEMPTED_EPOCHS = 8
 
 
