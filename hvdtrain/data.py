@@ -648,9 +648,8 @@ def choose_data_cache(listing: Listing, world: World, flag: str, *, budget_gb: f
     """The cache this rank uses for ``listing`` (see hvdtrain.datacache)."""
     if listing.kind == "memory":
         return CacheChoice("off", "the embedded data is in memory already")
-    _, directory = parse_cache_flag(flag)
+    mode, directory = parse_cache_flag(flag)
     disk_dir = directory or default_disk_dir()
-    mode, _ = parse_cache_flag(flag)
     # Only auto needs the budget (it reads Slurm's variables, the cgroup files and /proc).
     budget, budget_source = memory_budget(budget_gb) if mode == "auto" else (0, "")
     return choose_cache(flag, bytes_per_rank=decoded_bytes_per_rank(listing, world,
