@@ -66,7 +66,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     import tf_keras as keras
 
     from hvdtrain.callbacks import Throughput
-    from hvdtrain.data import load_embedded
+    from hvdtrain.data.embedded import load_embedded
     from hvdtrain.models.cnn import build_cnn
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)

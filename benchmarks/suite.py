@@ -198,7 +198,7 @@ def pipeline_run(s: Settings, *, data: str = "digits", data_dir: str | None = No
         "import json, sys, time, hvdtrain\n"
         "from hvdtrain.config import ImageConfig\n"
         "from hvdtrain.data import list_data, build_pipelines\n"
-        "from hvdtrain.datacache import CacheChoice\n"
+        "from hvdtrain.data.cache import CacheChoice\n"
         "from hvdtrain.runtime import World, configure_devices\n"
         "configure_devices(World(), 1)\n"
         f"config = ImageConfig(data={data!r}, data_dir={data_dir!r}, "
@@ -223,7 +223,7 @@ def make_image_folder(root: Path, image_size: int) -> Path:
     import numpy as np
     import tensorflow as tf
 
-    from hvdtrain.data import load_embedded
+    from hvdtrain.data.embedded import load_embedded
 
     arrays = load_embedded("digits", image_size=image_size)
     for index, (image, label) in enumerate(zip(arrays.images, arrays.labels)):

@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
 
-from hvdtrain.datacache import parse_cache_flag
+from hvdtrain.data.cache import parse_cache_flag
 from hvdtrain.errors import UserError
 
 Backend = Literal["auto", "horovod", "tpu", "mirrored", "single"]

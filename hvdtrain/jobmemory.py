@@ -1,7 +1,7 @@
 """How much memory this job may use on this node: the least of Slurm's request, the memory
 cgroup this process runs in (v1 or v2, its ancestors included), and the node's available memory.
 The first two are totals: what the ranks already hold (TensorFlow, the model) is not taken off,
-which is why the cache gets only a share of the least (datacache.DEFAULT_MEMORY_FRACTION).
+which is why the cache gets only a share of the least (data.cache.DEFAULT_MEMORY_FRACTION).
 
 A Slurm job given ``--mem=32G`` on a 512 GB node is killed by its cgroup at 32 GB, whatever the
 node has free; a cache sized against the node would be OOM-killed mid-epoch. Everything here is

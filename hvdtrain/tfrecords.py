@@ -1,7 +1,8 @@
 """Write TFRecord shards from an image folder: `python -m hvdtrain.tfrecords --data-dir D --out O`.
 
 Each record holds the file's encoded bytes unchanged under ``image`` (PNG/JPEG/GIF/BMP; decoding
-happens in the training pipeline, after sharding) and its class index under ``label`` (int64).
+happens in the training pipeline, after sharding) and its class index under ``label`` (int64);
+``hvdtrain.data.records`` owns the format and reads it.
 The train/validation split is the same one ``--data-dir`` training uses (same seed, same
 fraction), and sample i of a split goes to shard i mod N, so what a shard holds does not depend
 on how many workers wrote it. Output::
@@ -44,8 +45,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TextIO
 
-from hvdtrain.data import (DEFAULT_FILE_IMAGE_SIZE, TFRECORD_METADATA, Listing,
-                           image_format_of_bytes, list_image_folder)
+from hvdtrain.data.folder import FolderListing, list_image_folder
+from hvdtrain.data.images import image_format_of_bytes
+from hvdtrain.data.listing import DEFAULT_FILE_IMAGE_SIZE
+from hvdtrain.data.records import METADATA, TRAIN, VALIDATION, serialize_example, shard_name
 from hvdtrain.errors import UserError, first_line, reported
 from hvdtrain.rundir import current_umask
 
@@ -189,16 +192,16 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
                       seconds=time.monotonic() - started)
 
 
-def _shard_tasks(listing: Listing, shards: int, validation_shards: int) -> list[ShardTask]:
+def _shard_tasks(listing: FolderListing, shards: int, validation_shards: int) -> list[ShardTask]:
     """Every shard of the output, in name order: sample i of a split goes to shard i mod N."""
     tasks = []
-    for prefix, split, requested in (("train", listing.train, shards),
-                                     ("validation", listing.validation, validation_shards)):
+    for prefix, split, requested in ((TRAIN, listing.train, shards),
+                                     (VALIDATION, listing.validation, validation_shards)):
         if not split.num_samples:
             continue
         paths, labels = [listing.path(source) for source in split.sources], split.labels.tolist()
         count = max(1, min(requested, len(paths)))
-        tasks += [ShardTask(f"{prefix}-{shard:05d}-of-{count:05d}.tfrecord", paths[shard::count],
+        tasks += [ShardTask(shard_name(prefix, shard, count), paths[shard::count],
                             labels[shard::count]) for shard in range(count)]
     return tasks
 
@@ -295,7 +298,7 @@ def _not_an_image(path: str) -> str:
 
 
 def _finish(staging: str, out_dir: str, metadata: dict) -> None:
-    with open(os.path.join(staging, TFRECORD_METADATA), "w") as file:
+    with open(os.path.join(staging, METADATA), "w") as file:
         json.dump(metadata, file, indent=2)
     if os.path.isdir(out_dir):
         os.rmdir(out_dir)  # empty, checked at the start
@@ -450,11 +453,7 @@ def write_shard(task: ShardTask, staging: str, *, on_bad_image: str,
             for path, label in zip(task.paths, task.labels):
                 encoded = _read_image(path)
                 if encoded is not None:
-                    example = tf.train.Example(features=tf.train.Features(feature={
-                        "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[encoded])),
-                        "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
-                    }))
-                    writer.write(example.SerializeToString())
+                    writer.write(serialize_example(encoded, label))
                     records += 1
                 elif on_bad_image == "fail":
                     raise BadImageError(_not_an_image(path))

@@ -28,8 +28,7 @@ from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, Learni
 from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, training_state,
                                  variables_bytes)
 from hvdtrain.config import ImageConfig, TrainConfig
-from hvdtrain.data import (ImageDatasets, agreed_batches, build_pipelines, choose_data_cache,
-                           load_listing)
+from hvdtrain.data import ImageDatasets, build_pipelines, choose_data_cache, load_listing
 from hvdtrain.errors import UserError, as_one_line
 from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch
 from hvdtrain.preemption import (PreemptionCheck, StopRequest, StopSignals, describe_stop,
@@ -121,8 +120,7 @@ def image_data(config: TrainConfig, runtime: Runtime
         batch_size=plan.per_worker_batch_size * per_process,
         validation_batch_size=validation_batch_size,
         validation_steps=plan.validation_steps, seed=config.seed, cache=cache,
-        tfrecord_sharding=config.tfrecord_sharding, on_bad_image=config.on_bad_image,
-        threads=runtime.devices.threads)
+        tfrecord_sharding=config.tfrecord_sharding, threads=runtime.devices.threads)
     return plan, datasets, (*listing.notes, cache.describe())
 
 
@@ -176,6 +174,57 @@ def _describe_element(spec) -> str:
     if isinstance(spec, tuple):
         return f"tuples of {len(spec)}"
     return type(spec).__name__
+
+
+def agreed_batches(runtime: Runtime, datasets: Datasets, steps_per_epoch: int | None
+                   ) -> tuple[int, int]:
+    """(training batches per epoch, validation batches) that every rank feeds; ``UserError`` on
+    every rank when the ranks' pipelines disagree or cannot be counted.
+
+    A collective. A rank with fewer batches would finish its epoch (or its validation) first and
+    leave the others waiting in an allreduce forever, so unequal counts are refused before the
+    first step. ``steps_per_epoch`` (the flag) replaces the training count: hvdtrain then repeats
+    the training data and every rank takes exactly that many batches.
+    """
+    mine = (_cardinality(datasets.train),
+            _cardinality(datasets.validation) if datasets.validation is not None else 0)
+    everyone = runtime.allgather_object(mine)
+    infinite, unknown = int(tf.data.INFINITE_CARDINALITY), int(tf.data.UNKNOWN_CARDINALITY)
+    train_counts, validation_counts = [c[0] for c in everyone], [c[1] for c in everyone]
+    if steps_per_epoch is None:
+        if infinite in train_counts:
+            raise UserError("the training dataset repeats forever; pass --steps-per-epoch, or "
+                            "return one epoch of batches (hvdtrain repeats it)")
+        _require_equal("training", train_counts, unknown)
+        if train_counts[0] == 0:
+            raise UserError("the training dataset has no batches (fewer samples than one batch "
+                            "per rank?)")
+        steps_per_epoch = train_counts[0]
+    if infinite in validation_counts:
+        raise UserError("the validation dataset repeats forever; it must end (it runs in full "
+                        "every epoch)")
+    _require_equal("validation", validation_counts, unknown)
+    return steps_per_epoch, validation_counts[0]
+
+
+def _cardinality(dataset: tf.data.Dataset) -> int:
+    return int(dataset.cardinality())
+
+
+def _require_equal(split: str, counts: list[int], unknown: int) -> None:
+    if unknown in counts:
+        rank = counts.index(unknown)
+        raise UserError(
+            f"cannot count the {split} batches of rank {rank} (a filter or a generator hides the "
+            "count); declare it with dataset.apply(tf.data.experimental.assert_cardinality(N))"
+            + (" or pass --steps-per-epoch" if split == "training" else ""))
+    if len(set(counts)) > 1:
+        per_rank = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
+        raise UserError(
+            f"the ranks' {split} datasets have different numbers of batches ({per_rank}); every "
+            "rank must feed the same number (shard, then batch with drop_remainder=True and take() "
+            "the smallest rank's count)"
+            + (", or pass --steps-per-epoch" if split == "training" else ""))
 
 
 def plan_for(config: TrainConfig, runtime: Runtime, num_train_samples: int,
@@ -407,7 +456,7 @@ def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, dataset
             optimizer,
             fp16_allreduce=config.fp16_allreduce, grad_accum_steps=config.grad_accum_steps)
         # Samples read from files carry a weight (0 for one that did not decode, see
-        # data.DecodeFailures): the metrics must honour it as the loss does.
+        # data.pipeline.DecodeFailures): the metrics must honour it as the loss does.
         weighted = len(datasets.train.element_spec) == 3
         model.compile(optimizer=optimizer, loss=task.loss(),
                       metrics=None if weighted else task.metrics(),

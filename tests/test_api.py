@@ -14,7 +14,7 @@ import tensorflow as tf
 import hvdtrain
 from conftest import LAUNCHED_RANKS, REPO, VENV_BIN, clean_env, gather_checked, integration, \
     run_job
-from hvdtrain.data import agreed_batches
+from hvdtrain.train import agreed_batches
 from hvdtrain.errors import UserError
 
 pytestmark = pytest.mark.timeout(300)

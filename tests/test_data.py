@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hvdtrain.config import ImageConfig
-from hvdtrain.data import (build_pipelines, list_data, list_image_folder, list_tfrecords,
-                           shard_records, split_indices, tfrecord_file_order,
-                           tfrecord_files_for_rank)
+from hvdtrain.data import build_pipelines, list_data, split_indices
+from hvdtrain.data.folder import list_image_folder
+from hvdtrain.data.records import file_order, files_for_rank, list_tfrecords
 from hvdtrain.errors import UserError
 from hvdtrain.runtime import World
 from hvdtrain.tfrecords import convert
@@ -44,7 +44,7 @@ def test_split_is_deterministic_disjoint_and_complete():
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_shards_are_disjoint_and_cover_the_split(size):
     listing = list_data(ImageConfig())
-    shards = [ids_of(shard_records(listing.train, World(rank=r, size=size), seed=0,
+    shards = [ids_of(listing.shard_records(listing.train, World(rank=r, size=size), seed=0,
                                    by_file=False)) for r in range(size)]
     flat = [i for shard in shards for i in shard]
     assert len(flat) == len(set(flat)), "a sample is in two shards"
@@ -248,7 +248,8 @@ def test_tfrecords_round_trip_and_file_sharding(tmp_path):
     # File sharding: 3 ranks, one whole shard each, all records read exactly once.
     seen = []
     for rank in range(3):
-        records = shard_records(listing.train, World(rank=rank, size=3), seed=0, by_file=True)
+        records = listing.shard_records(listing.train, World(rank=rank, size=3), seed=0,
+                                        by_file=True)
         seen.append(sum(1 for _ in records))
     assert seen == [8, 8, 8]
     pipelines = build_pipelines(listing, World(rank=1, size=3), batch_size=4,
@@ -266,13 +267,13 @@ def test_file_sharding_reads_what_the_check_counted(tmp_path):
     convert(str(root), str(tmp_path / "records"), shards=6, validation_shards=1,
             validation_fraction=0.0, seed=0, image_size=8)
     listing = list_tfrecords(str(tmp_path / "records"), image_size=None)
-    order = tfrecord_file_order(listing.train, seed=3)
+    order = file_order(listing.train, seed=3)
     tf.random.set_seed(11)  # a global seed (set by training) must not change the assignment
     for size in (1, 2, 3, 4):
-        counted = [tfrecord_files_for_rank(listing.train, World(rank=r, size=size), order)
+        counted = [files_for_rank(listing.train, World(rank=r, size=size), order)
                    for r in range(size)]
-        read = [sum(1 for _ in shard_records(listing.train, World(rank=r, size=size), seed=3,
-                                             by_file=True)) for r in range(size)]
+        read = [sum(1 for _ in listing.shard_records(listing.train, World(rank=r, size=size),
+                                                     seed=3, by_file=True)) for r in range(size)]
         assert read == [records for _, records in counted]
         files = [path for paths, _ in counted for path in paths]
         assert sorted(files) == sorted(map(str, listing.train.sources))  # disjoint, complete
@@ -355,12 +356,13 @@ def write_numbered_shards(directory, num_shards: int, per_shard: int) -> None:
                 })).SerializeToString())
 
 
-def record_ids(split, world, *, by_file: bool) -> list[int]:
+def record_ids(listing, split, world, *, by_file: bool) -> list[int]:
     import tensorflow as tf
 
     parse = lambda record: tf.io.parse_single_example(  # noqa: E731
         record, {"id": tf.io.FixedLenFeature([], tf.int64)})["id"]
-    return [int(i) for i in shard_records(split, world, seed=5, by_file=by_file).map(parse)]
+    return [int(i) for i in
+            listing.shard_records(split, world, seed=5, by_file=by_file).map(parse)]
 
 
 @pytest.mark.parametrize("num_shards, fraction, whole", [(10, 0.2, True), (4, 0.2, False),
@@ -374,15 +376,16 @@ def test_tfrecords_without_validation_shards_hold_out_the_fraction(tmp_path, num
     assert listing.validation.num_samples == round(total * fraction)
     assert listing.train.num_samples + listing.validation.num_samples == total
     assert ("shard(s) held out" if whole else "records held out") in listing.description
-    validation = record_ids(listing.validation, World(), by_file=False)
+    validation = record_ids(listing, listing.validation, World(), by_file=False)
     assert len(validation) == listing.validation.num_samples
     # Training, read by file over 2 ranks and by example: each rank reads what was counted for
     # it, the ranks are disjoint, and nothing validates that also trains.
-    order = tfrecord_file_order(listing.train, seed=5)
-    by_file = [record_ids(listing.train, World(rank=r, size=2), by_file=True) for r in range(2)]
+    order = file_order(listing.train, seed=5)
+    by_file = [record_ids(listing, listing.train, World(rank=r, size=2), by_file=True)
+               for r in range(2)]
     assert [len(ids) for ids in by_file] == [
-        tfrecord_files_for_rank(listing.train, World(rank=r, size=2), order)[1] for r in range(2)]
-    by_example = [record_ids(listing.train, World(rank=r, size=2), by_file=False)
+        files_for_rank(listing.train, World(rank=r, size=2), order)[1] for r in range(2)]
+    by_example = [record_ids(listing, listing.train, World(rank=r, size=2), by_file=False)
                   for r in range(2)]
     for ids in (by_file, by_example):
         train = ids[0] + ids[1]
@@ -390,7 +393,7 @@ def test_tfrecords_without_validation_shards_hold_out_the_fraction(tmp_path, num
     # The same split on every call (every rank lists the same shards with the same seed).
     again = list_tfrecords(str(tmp_path / "*.tfrecord"), image_size=8,
                            validation_fraction=fraction, seed=3)
-    assert record_ids(again.validation, World(), by_file=False) == validation
+    assert record_ids(again, again.validation, World(), by_file=False) == validation
 
 
 def test_tfrecords_validation_fraction_zero_keeps_none(tmp_path):
@@ -405,7 +408,7 @@ GB = 10**9
 
 
 def test_auto_cache_never_holds_more_than_the_memory_budget():
-    from hvdtrain.datacache import choose_cache
+    from hvdtrain.data.cache import choose_cache
 
     common = dict(local_size=4, disk_dir="/scratch")
     fits = choose_cache("auto", bytes_per_rank=2 * GB, memory_budget=8 * GB, disk_free=0,
@@ -428,7 +431,7 @@ def test_auto_cache_never_holds_more_than_the_memory_budget():
 
 
 def test_the_banner_names_the_limit_that_decided():
-    from hvdtrain.datacache import choose_cache
+    from hvdtrain.data.cache import choose_cache
 
     choice = choose_cache("auto", bytes_per_rank=448 * 10**6, local_size=2,
                           memory_budget=300 * 10**6, disk_free=80 * GB, disk_dir="/tmp",
@@ -463,7 +466,7 @@ def test_the_budget_decides_for_a_real_listing(tmp_path):
 
 
 def test_a_disk_cache_is_written_per_process_and_stale_ones_are_removed(tmp_path):
-    from hvdtrain.datacache import CacheChoice
+    from hvdtrain.data.cache import CacheChoice
 
     stale = tmp_path / f"hvdtrain-cache-{socket.gethostname()}-999999999"
     stale.mkdir()

@@ -21,7 +21,7 @@ from hvdtrain import checkpoint, train
 from hvdtrain.cnn import CLASSIFIER
 from hvdtrain.cnn import tiny
 from hvdtrain.config import ImageConfig
-from hvdtrain.data import build_pipelines, list_data, shard_records
+from hvdtrain.data import build_pipelines, list_data
 from hvdtrain.models.cnn import build_cnn
 from hvdtrain.plan import make_plan
 
@@ -53,7 +53,7 @@ def test_shards_are_disjoint_and_cover_the_training_set(runtime):
     listing = list_data(ImageConfig())
 
     def my_ids():
-        records = shard_records(listing.train, runtime.world, seed=0, by_file=False)
+        records = listing.shard_records(listing.train, runtime.world, seed=0, by_file=False)
         return [int(index) for index, _ in records.as_numpy_iterator()]
 
     shards = gather_checked(runtime, my_ids)

@@ -145,7 +145,7 @@ def test_a_job_in_a_child_memory_cgroup_budgets_against_it(tmp_path):
         except OSError as error:
             pytest.skip(f"cannot set {limit_file} in {child}: {error.strerror}")
         # A shell moves itself into the cgroup, then becomes the job (no preexec_fn in pytest).
-        code = ("from hvdtrain.datacache import memory_budget; "
+        code = ("from hvdtrain.data.cache import memory_budget; "
                 "print(memory_budget(None))")
         result = subprocess.run(
             ["sh", "-c", f'echo $$ > "{child}/cgroup.procs" && exec "$0" -c "$1"',

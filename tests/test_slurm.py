@@ -185,7 +185,8 @@ def test_the_auto_cache_budgets_against_the_jobs_slurm_memory(submit, tmp_path, 
         (folder / name).mkdir(parents=True)
         for index in range(1200):
             os.link(one, folder / name / f"{index}{one.suffix}")
-    code = ("import hvdtrain; from hvdtrain.data import choose_data_cache, list_image_folder; "
+    code = ("import hvdtrain; from hvdtrain.data import choose_data_cache; "
+            "from hvdtrain.data.folder import list_image_folder; "
             "from hvdtrain.runtime import World; "
             f"listing = list_image_folder({str(folder)!r}, image_size=224, "
             "validation_fraction=0.0, seed=0, on_bad_image='skip'); "

@@ -56,10 +56,10 @@ def records_of(out: Path) -> list[tuple[int, bytes]]:
     """(label, image bytes) of every record of every shard."""
     import tensorflow as tf
 
-    from hvdtrain.data import _parse_example
+    from hvdtrain.data.records import parse_example
 
     records = tf.data.TFRecordDataset(sorted(map(str, out.glob("*.tfrecord")))).map(
-        _parse_example)
+        parse_example)
     return [(int(label), bytes(image)) for image, label in records.as_numpy_iterator()]
 
 

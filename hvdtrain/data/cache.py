@@ -15,14 +15,21 @@ any memory.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import socket
 import tempfile
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from hvdtrain.data.shares import samples_for_rank
+from hvdtrain.errors import UserError
 from hvdtrain.jobmemory import job_memory_limit
+from hvdtrain.runtime.base import World
+
+if TYPE_CHECKING:
+    from hvdtrain.data.listing import Listing
 
 CacheKind = Literal["memory", "disk", "off"]
 DEFAULT_MEMORY_FRACTION = 0.5
@@ -44,6 +51,30 @@ class CacheChoice:
     def describe(self) -> str:
         where = f" in {self.directory}" if self.directory else ""
         return f"cache: {self.kind}{where} ({self.reason})"
+
+
+def choose_data_cache(listing: Listing, world: World, flag: str, *, budget_gb: float | None,
+                      validation_samples: int) -> CacheChoice:
+    """The cache this rank uses for ``listing``: the flag's, with ``auto`` decided by
+    ``choose_cache`` against this node's numbers."""
+    if listing.in_memory:
+        return CacheChoice("off", listing.in_memory)
+    mode, directory = parse_cache_flag(flag)
+    disk_dir = directory or default_disk_dir()
+    # Only auto needs the budget (it reads Slurm's variables, the cgroup files and /proc).
+    budget, budget_source = memory_budget(budget_gb) if mode == "auto" else (0, "")
+    return choose_cache(flag, bytes_per_rank=decoded_bytes_per_rank(listing, world,
+                                                                    validation_samples),
+                        local_size=world.local_size, memory_budget=budget,
+                        budget_source=budget_source, disk_free=free_bytes(disk_dir),
+                        disk_dir=disk_dir)
+
+
+def decoded_bytes_per_rank(listing: Listing, world: World, validation_samples: int) -> int:
+    """What caching this rank's training share and its validation samples holds, decoded."""
+    height, width, channels = listing.image_shape
+    training = samples_for_rank(listing.train.num_samples, world)
+    return (training + validation_samples) * height * width * channels
 
 
 def parse_cache_flag(value: str) -> tuple[str, str | None]:
@@ -102,6 +133,19 @@ def free_bytes(directory: str) -> int | None:
         return shutil.disk_usage(directory).free
     except OSError:
         return None
+
+
+def process_cache_dir(cache: CacheChoice) -> str | None:
+    """This process's directory for a disk cache, removed when the process ends."""
+    if cache.kind != "disk":
+        return None
+    try:
+        directory = make_process_cache_dir(cache.directory or default_disk_dir())
+    except OSError as error:
+        raise UserError(f"--cache disk: cannot create a cache directory in "
+                        f"{cache.directory}: {error.strerror or error}") from None
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
 
 
 def make_process_cache_dir(parent: str) -> str:

@@ -1,0 +1,106 @@
+"""The embedded sets: scikit-learn's handwritten digits, or synthetic noise for tests and timing.
+
+Both are small, deterministic and in memory, so every rank loads its own copy instead of
+receiving one, and "decoding" a sample is a row lookup.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+import numpy as np
+
+from hvdtrain.data.listing import Listing, Split, positions_each_pass, split_indices
+from hvdtrain.data.shares import rank_share
+from hvdtrain.errors import UserError
+from hvdtrain.runtime.base import World
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+
+@dataclass(frozen=True)
+class EmbeddedArrays:
+    name: str
+    images: np.ndarray  # (N, H, W, C) uint8
+    labels: np.ndarray  # (N,) int64
+    class_names: tuple[str, ...]
+
+
+def load_embedded(name: str, *, image_size: int | None = None, synthetic_samples: int = 1797,
+                  seed: int = 0) -> EmbeddedArrays:
+    if name == "digits":
+        # scikit-learn ships this set inside its wheel (load_digits reads a local file): real
+        # handwritten digits with no download. 8x8 pixels, values 0..16.
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)[..., None]
+        labels = digits.target.astype(np.int64)
+        if image_size and image_size != images.shape[1]:
+            images = _resize_uint8(images, image_size)
+        return EmbeddedArrays("digits", images, labels, tuple(str(d) for d in range(10)))
+    if name == "synthetic":
+        size = image_size or 8
+        rng = np.random.default_rng(seed)
+        images = rng.integers(0, 256, size=(synthetic_samples, size, size, 1), dtype=np.uint8)
+        labels = rng.integers(0, 10, size=synthetic_samples).astype(np.int64)
+        return EmbeddedArrays("synthetic", images, labels, tuple(str(d) for d in range(10)))
+    raise UserError(f"unknown embedded data set {name!r} (digits or synthetic)")
+
+
+def _resize_uint8(images: np.ndarray, size: int) -> np.ndarray:
+    import tensorflow as tf
+
+    resized = tf.image.resize(images, [size, size])
+    return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8).numpy()
+
+
+@dataclass(frozen=True)
+class EmbeddedListing(Listing):
+    """An embedded set: ``Split.sources`` are row indices into ``images``."""
+
+    images: np.ndarray | None = None
+    """The pixels (each rank loads its own copy; never broadcast)."""
+
+    in_memory: ClassVar[str | None] = "the embedded data is in memory already"
+
+    def shard_records(self, split: Split, world: World, *, seed: int,
+                      by_file: bool = False) -> tf.data.Dataset:
+        import tensorflow as tf
+
+        # The split is already shuffled with the shared seed (split_indices).
+        return tf.data.Dataset.from_tensor_slices((rank_share(split.sources, world),
+                                                   rank_share(split.labels, world)))
+
+    def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
+                     by_file: bool, state: list) -> tf.data.Dataset:
+        import tensorflow as tf
+
+        rows, labels = (tf.constant(rank_share(values, world))
+                        for values in (split.sources, split.labels))
+        positions = positions_each_pass(int(rows.shape[0]), shuffle=shuffle,
+                                        seed=seed + world.rank, state=state)
+        return positions.map(lambda position: (
+            position, (tf.gather(rows, position), tf.gather(labels, position))))
+
+    def decoder(self) -> Callable:
+        import tensorflow as tf
+
+        images = tf.constant(self.images)
+        return lambda row, label: (tf.gather(images, row), label)
+
+
+def embedded_listing(arrays: EmbeddedArrays, validation_fraction: float, seed: int
+                     ) -> EmbeddedListing:
+    train, validation = split_indices(len(arrays.labels), validation_fraction, seed)
+    return EmbeddedListing(
+        description=f"{arrays.name}: {len(arrays.labels)} images "
+                    f"{'x'.join(map(str, arrays.images.shape[1:]))}, "
+                    f"{len(arrays.class_names)} classes (embedded)",
+        class_names=arrays.class_names,
+        image_shape=tuple(int(d) for d in arrays.images.shape[1:]),
+        train=Split(train, arrays.labels[train]),
+        validation=Split(validation, arrays.labels[validation]),
+        images=arrays.images,
+    )

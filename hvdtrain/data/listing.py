@@ -1,0 +1,147 @@
+"""What a source found, and the few questions every source answers for the pipeline.
+
+A ``Listing`` is made by rank 0 and sent to every rank (so it is picklable and holds no
+TensorFlow objects). Each source is a subclass (``embedded``, ``folder``, ``records``) that
+answers, for a split and a rank: which records it owns, in what order this pass, how a record
+becomes ``(image, label)``, and what to call a sample in a message. ``pipeline`` asks those
+questions and never needs to know which source it reads.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+import numpy as np
+
+from hvdtrain.data.shares import samples_for_rank
+from hvdtrain.runtime.base import World
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+DEFAULT_FILE_IMAGE_SIZE = 64
+
+
+@dataclass(frozen=True)
+class Split:
+    """One side of the train/validation split, before decoding: what each sample is read from."""
+
+    sources: np.ndarray
+    """Row indices into an in-memory array, file paths relative to the folder (bytes), or
+    (TFRecords) shard paths."""
+    labels: np.ndarray | None
+    """Class per sample (None for TFRecords, where labels live inside the records)."""
+    counts: np.ndarray | None = None
+    """Records per shard file that belong to this split (TFRecords only)."""
+    held_out: HeldOutRecords | None = None
+    """Set when this split is a record-level part of TFRecord shards it shares with the other."""
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.counts.sum()) if self.counts is not None else len(self.sources)
+
+
+@dataclass(frozen=True)
+class HeldOutRecords:
+    """Validation records held out of TFRecord shards too few to hold out whole ones.
+
+    Record ``i`` (counting through the shards in name order) is held out when
+    ``floor((i + 1) * fraction) > floor(i * fraction)``: evenly spread, exactly ``fraction`` of
+    them, and each shard's share computable from its first index and length alone (the sum
+    telescopes), so counting needs no read.
+    """
+
+    fraction: float
+    keep: str
+    """'train' keeps the records not held out, 'validation' the ones held out."""
+    offsets: np.ndarray
+    """Index of each shard's first record in the whole sequence."""
+
+
+def held_out_counts(offsets: np.ndarray, counts: np.ndarray, fraction: float) -> np.ndarray:
+    """Records of each shard that HeldOutRecords holds out (same float64 arithmetic as the
+    pipeline's per-record test)."""
+    return (np.floor((offsets + counts) * fraction) - np.floor(offsets * fraction)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Listing(abc.ABC):
+    """The samples of one source, split into training and validation."""
+
+    description: str
+    class_names: tuple[str, ...]
+    image_shape: tuple[int, int, int]
+    train: Split
+    validation: Split
+    notes: tuple[str, ...] = ()
+
+    in_memory: ClassVar[str | None] = None
+    """Why this source needs no cache and never fails to decode (its pixels are in memory), or
+    None for a source read from files."""
+
+    @abc.abstractmethod
+    def shard_records(self, split: Split, world: World, *, seed: int,
+                      by_file: bool = False) -> tf.data.Dataset:
+        """The records of ``split`` this rank owns, undecoded and in list order: what the rank
+        reads. ``by_file``: TFRecord shards shared out as whole files, not record by record."""
+
+    @abc.abstractmethod
+    def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
+                     by_file: bool, state: list) -> tf.data.Dataset:
+        """``(position, record)`` of this rank's records of ``split``, in a new random order every
+        pass when ``shuffle``; ``position`` says which sample it is for ``sample_namer``. Any
+        TensorFlow variable the order needs goes into ``state`` (it must live as long as the
+        pipeline)."""
+
+    @abc.abstractmethod
+    def decoder(self) -> Callable:
+        """``record -> (uint8 image of image_shape, int64 label)``, for ``Dataset.map``."""
+
+    def sample_namer(self, split: Split, world: World, *, by_file: bool
+                     ) -> Callable[[int], str]:
+        """Position (from ``rank_records``) -> what to call that sample in a message."""
+        return lambda position: f"sample {position} of this rank's share"
+
+    def samples_for_rank(self, split: Split, world: World, *, seed: int, by_file: bool) -> int:
+        """How many records ``rank_records`` gives this rank each pass."""
+        return samples_for_rank(split.num_samples, world)
+
+    def check_sharding(self, world: World, batch_size: int, *, seed: int, by_file: bool) -> None:
+        """Raise UserError when some rank could not fill one training batch from its share."""
+
+
+def split_indices(num_samples: int, validation_fraction: float, seed: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic shuffled split: (train indices, validation indices), the same on every rank."""
+    order = np.random.default_rng(seed).permutation(num_samples)
+    num_validation = int(round(num_samples * validation_fraction))
+    if validation_fraction > 0 and num_samples > 1:
+        num_validation = max(1, min(num_validation, num_samples - 1))
+    return order[num_validation:], order[:num_validation]
+
+
+def positions_each_pass(count: int, *, shuffle: bool, seed: int, state: list) -> tf.data.Dataset:
+    """Positions ``0 .. count-1``: in order, or in a new random permutation on every pass.
+
+    A permutation of int64 positions costs milliseconds, not a buffer of records to fill, so the
+    first step never waits for it whatever the data's size; and unlike a shuffle buffer it is a
+    fresh, complete order every pass.
+    """
+    import tensorflow as tf
+
+    if not shuffle:
+        return tf.data.Dataset.range(count)
+    with tf.device("/cpu:0"):  # updated from inside tf.data, which runs on the host
+        passes = tf.Variable(0, dtype=tf.int64, trainable=False)
+    state.append(passes)
+
+    def one_pass(_):
+        # Stateless with (seed, pass): reproducible, and a new order on every pass.
+        pass_seed = tf.stack([tf.constant(seed, tf.int64), passes.assign_add(1)])
+        order = tf.random.experimental.stateless_shuffle(tf.range(count, dtype=tf.int64),
+                                                         seed=pass_seed)
+        return tf.data.Dataset.from_tensor_slices(order)
+
+    # One element whose flat_map draws the order: re-run each time the pass is iterated again.
+    return tf.data.Dataset.from_tensors(0).flat_map(one_pass)

@@ -1,0 +1,205 @@
+"""From a listing to this rank's training and validation ``tf.data`` pipelines.
+
+    this rank's records (shares.py) -> a new order every pass (positions or encoded records)
+    -> decode/resize in parallel -> cache (memory, disk or off: cache.py) -> batch -> repeat
+    -> prefetch
+
+Shuffling comes before decoding so the first step never waits for a buffer of decoded images,
+whatever the data's size. The pipeline asks the listing (listing.py) what to read and how to
+decode it; it does not know which source that is.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from hvdtrain.data.cache import CacheChoice, process_cache_dir
+from hvdtrain.data.listing import Listing, Split
+from hvdtrain.runtime.base import World
+from hvdtrain.task import Datasets
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+POST_CACHE_SHUFFLE = 1_024
+"""Decoded samples shuffled after a cache: the first pass is already in random order (shuffled
+before decoding), later passes replay it from the cache and this buffer varies their batches."""
+POSITION_RING = 1 << 16
+"""Positions remembered for naming a sample that failed to decode; far more than the samples in
+flight between the sequential numbering and the decode (the parallel map's buffer)."""
+
+
+@dataclass
+class ImageDatasets(Datasets):
+    """The per-rank training and validation datasets of image data, batched, ready for ``fit``.
+
+    Batches are ``(images, labels)``, or ``(images, labels, weights)`` for data read from files,
+    where a sample that did not decode is a blank image of weight 0 (see ``DecodeFailures``).
+    """
+
+    image_shape: tuple[int, int, int] = (0, 0, 0)
+    """(height, width, channels) of every image."""
+    class_names: tuple[str, ...] = ()
+    decode_failures: tuple[DecodeFailures, ...] = ()
+    """One counter per split read from files (none for in-memory data, which always decodes)."""
+    cache: CacheChoice | None = None
+    """Where decoded images are cached, and why."""
+    pipeline_state: tuple = ()
+    """TensorFlow variables the pipelines update (held here so they live as long as them)."""
+
+
+class DecodeFailures:
+    """Samples of one split that this rank could not decode, counted as the pipeline meets them.
+
+    A file can have an image's name and still fail to decode (a JPEG cut short, a text file
+    called .png). Dropping it would leave this rank with fewer samples than the plan and its
+    peers (a rank short of a validation batch then reports other metrics, and the ranks' metric
+    allreduces no longer match: a hang). So the pipeline drops it with ``ignore_errors``, notices
+    the gap in the numbering of the samples, counts it here, and puts a blank sample of weight 0
+    in its place: every rank keeps exactly the planned number of samples, and the failure costs
+    no gradient and no metric. The numbering comes after the shuffle, so each number's position
+    in this rank's list is remembered (a ring of the latest ones) to name the sample.
+    """
+
+    def __init__(self, split_name: str, name_of: Callable[[int], str]):
+        import tensorflow as tf
+
+        self.split_name = split_name
+        self.name_of = name_of
+        """Position in this rank's list of the split -> what to call that sample in a message."""
+        with tf.device("/cpu:0"):  # updated from inside tf.data, which runs on the host
+            self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.last_position = tf.Variable(-1, dtype=tf.int64, trainable=False)
+            self.positions = tf.Variable(tf.fill([POSITION_RING], tf.constant(-1, tf.int64)),
+                                         trainable=False)
+        self._reported = 0
+
+    def take_new(self) -> tuple[int, str | None]:
+        """(failures since the last call, a name of the latest one)."""
+        total = int(self.count.numpy())
+        new, self._reported = total - self._reported, total
+        return new, self.name_of(int(self.last_position.numpy())) if new else None
+
+    def remember(self, number, position):
+        """tf.data step (sequential): sample ``number`` of this pass is ``position`` in the list."""
+        return self.positions.scatter_nd_update([[number % POSITION_RING]], [position])
+
+    def note(self, last_good, number):
+        """tf.data step: record the samples numbered between two decoded ones as failures."""
+        import tensorflow as tf
+
+        missing = number - last_good - 1
+        latest = self.positions[(number - 1) % POSITION_RING]
+        return tf.group(self.count.assign_add(missing),
+                        self.last_position.assign(tf.where(missing > 0, latest,
+                                                           self.last_position)))
+
+
+def build_pipelines(listing: Listing, world: World, *, batch_size: int,
+                    validation_batch_size: int, validation_steps: int, seed: int,
+                    cache: CacheChoice = CacheChoice("memory", "default"),
+                    tfrecord_sharding: str = "file", threads: int | None = None) -> ImageDatasets:
+    """``batch_size`` and ``validation_batch_size`` are what this process feeds per step: a
+    worker's batch for a horovod rank, all of its replicas' batches under a tf.distribute
+    strategy (Keras splits them).
+
+    Training data is shuffled *before* decoding (positions in the file list, or encoded records),
+    so the first step waits for one batch of decodes, not a decoded shuffle buffer, whatever the
+    data set's size; after a cache, a small decoded buffer varies the replayed passes.
+    """
+    import tensorflow as tf
+
+    by_file = tfrecord_sharding == "file"  # only TFRecords can be shared out by file
+    listing.check_sharding(world, batch_size, seed=seed, by_file=by_file)
+    decode = listing.decoder()
+    failures, state = [], []
+    cache_dir = process_cache_dir(cache)
+
+    def decoded(split: Split, *, shuffle: bool, limit: int | None, split_name: str,
+                by_file: bool) -> tf.data.Dataset:
+        """This rank's share of ``split``, decoded, in a new order every pass when ``shuffle``."""
+        records = listing.rank_records(split, world, shuffle=shuffle, seed=seed,
+                                       by_file=by_file, state=state)
+        num_samples = listing.samples_for_rank(split, world, seed=seed, by_file=by_file)
+        if limit is not None:
+            # Exactly the same number of validation samples on every rank (see plan.py).
+            records = records.take(limit)
+            num_samples = min(num_samples, limit)
+        if listing.in_memory:
+            return records.map(lambda position, record: decode(*_as_tuple(record)),
+                               num_parallel_calls=tf.data.AUTOTUNE)
+        counter = DecodeFailures(split_name, listing.sample_namer(split, world, by_file=by_file))
+        failures.append(counter)
+        samples = _decode_or_blank(records, decode, counter, num_samples, listing.image_shape)
+        if cache.kind == "memory":
+            return samples.cache()
+        if cache.kind == "disk":
+            return samples.cache(os.path.join(cache_dir, split_name))
+        return samples
+
+    train = decoded(listing.train, shuffle=True, limit=None, split_name="training",
+                    by_file=by_file)
+    if cache.kind != "off" and not listing.in_memory:
+        records_per_rank = listing.samples_for_rank(listing.train, world, seed=seed,
+                                                    by_file=by_file)
+        train = train.shuffle(max(1, min(records_per_rank, POST_CACHE_SHUFFLE)),
+                              seed=seed + world.rank, reshuffle_each_iteration=True)
+    train = (train.batch(batch_size, drop_remainder=True)
+             .repeat()  # endless: Keras stops each epoch after steps_per_epoch (plan.py)
+             .prefetch(tf.data.AUTOTUNE))
+
+    validation = None
+    if validation_steps:
+        validation = decoded(listing.validation, shuffle=False,
+                             limit=validation_steps * validation_batch_size,
+                             split_name="validation", by_file=False)
+        validation = (validation.batch(validation_batch_size, drop_remainder=True)
+                      .prefetch(tf.data.AUTOTUNE))
+    options = tf.data.Options()
+    if threads:
+        # The input pipeline gets this rank's share of the cores, like the model does.
+        options.threading.private_threadpool_size = max(2, threads)
+    train = train.with_options(options)
+    validation = validation.with_options(options) if validation is not None else None
+    return ImageDatasets(train, validation, listing.description, image_shape=listing.image_shape,
+                         class_names=listing.class_names, decode_failures=tuple(failures),
+                         cache=cache, pipeline_state=tuple(state))
+
+
+def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: DecodeFailures,
+                     num_samples: int, image_shape: tuple[int, int, int]) -> tf.data.Dataset:
+    """Decoded ``(image, label, 1.0)`` of ``(position, record)``, with ``(blank, 0, 0.0)``
+    wherever a sample did not decode. Always exactly ``num_samples`` elements (see
+    ``DecodeFailures`` for why)."""
+    import tensorflow as tf
+
+    def number(count, element):
+        position, record = element
+        with tf.control_dependencies([failures.remember(count, position)]):
+            return tf.identity(count), record
+
+    decoded = (records.enumerate()
+               .map(number)  # sequential: every number's position is stored before decoding
+               .map(lambda count, record: (count, *decode(*_as_tuple(record))),
+                    num_parallel_calls=tf.data.AUTOTUNE)  # keeps order (deterministic)
+               .ignore_errors())
+    blank = (tf.zeros(image_shape, tf.uint8), tf.constant(0, tf.int64))
+    # A sentinel number past the end makes a gap after the last good sample visible too.
+    end = tf.data.Dataset.from_tensors((tf.constant(num_samples, tf.int64), *blank))
+
+    def count_gaps(last_good, element):
+        count = element[0]
+        with tf.control_dependencies([failures.note(last_good, count)]):
+            return tf.identity(count), element
+
+    samples = (decoded.concatenate(end)
+               .scan(tf.constant(-1, tf.int64), count_gaps)
+               .filter(lambda count, image, label: count < num_samples)
+               .map(lambda count, image, label: (image, label, tf.constant(1.0))))
+    blanks = tf.data.Dataset.from_tensors((*blank, tf.constant(0.0))).repeat(num_samples)
+    return samples.concatenate(blanks).take(num_samples)
+
+
+def _as_tuple(record) -> tuple:
+    return record if isinstance(record, tuple) else (record,)
