@@ -188,6 +188,12 @@ class ImageConfig(TrainConfig):
     """Open every file of an image folder while listing to check its header (in parallel). Off by
     default: files with an image extension are trusted and a bad one is found, skipped and counted
     when decoded; on a shared file system each open costs a metadata round trip."""
+    augment: bool = False
+    """Train on random-resized crops (8-100% of the area, aspect 3/4 to 4/3) flipped at random,
+    new for every sample on every rank in every epoch, and validate on center crops; images are
+    then stored at image-size / 0.875 to crop from. For photos (image folders, TFRecords). Off by
+    default: flips and crops change what a class looks like for digits, text or anything with a
+    left and a right, so they are a choice about your data, as in Keras."""
     cache: str = "auto"
     """Where decoded images are kept after the first epoch: 'memory', 'disk' (node-local
     $TMPDIR), 'disk:DIR', 'off', or 'auto': memory when every local rank's decoded share fits
@@ -206,6 +212,9 @@ class ImageConfig(TrainConfig):
         if self.channels not in (None, 1, 3):
             raise ValueError(f"--channels must be 1 or 3, got {self.channels}")
         parse_cache_flag(self.cache)
+        if self.augment and not (self.data_dir or self.tfrecords):
+            raise ValueError("--augment is for images read from files (--data-dir or "
+                             "--tfrecords), not the embedded data")
         if self.cache_budget_gb is not None and self.cache_budget_gb < 0:
             raise ValueError(f"--cache-budget-gb must be >= 0, got {self.cache_budget_gb}")
         if not 0 <= self.validation_fraction < 1:

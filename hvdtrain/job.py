@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Sequence
 
 from hvdtrain.config import ImageConfig, TrainConfig, parse_config
 from hvdtrain.errors import UserError, reported
+from hvdtrain.scratch import use_rank_scratch
 from hvdtrain.task import Task
 
 TaskOrFactory = Task | Callable[[TrainConfig], Task]
@@ -33,6 +34,9 @@ def main(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | 
     """
     program = name or _program_name()
     with reported(program):
+        # This process is the job's: what it writes to temporary storage (a disk cache,
+        # TensorFlow's autograph files) goes where it is removed however the process ends.
+        use_rank_scratch()
         sys.exit(run(task, argv, name=program, presets=presets, after=after))
 
 

@@ -114,13 +114,15 @@ def image_data(config: TrainConfig, runtime: Runtime
     # waits for another to decide. The banner shows rank 0's choice.
     cache = choose_data_cache(listing, runtime.world, config.cache,
                               budget_gb=config.cache_budget_gb,
-                              validation_samples=plan.validation_steps * validation_batch_size)
+                              validation_samples=plan.validation_steps * validation_batch_size,
+                              augment=config.augment)
     datasets = build_pipelines(
         listing, runtime.world,
         batch_size=plan.per_worker_batch_size * per_process,
         validation_batch_size=validation_batch_size,
         validation_steps=plan.validation_steps, seed=config.seed, cache=cache,
-        tfrecord_sharding=config.tfrecord_sharding, threads=runtime.devices.threads)
+        tfrecord_sharding=config.tfrecord_sharding, augment=config.augment,
+        threads=runtime.devices.threads)
     return plan, datasets, (*listing.notes, cache.describe())
 
 

@@ -485,3 +485,84 @@ def test_a_disk_cache_is_written_per_process_and_stale_ones_are_removed(tmp_path
     # Later passes read the cache: the same samples, in another order.
     later = [batch[1].tolist() for batch in pipelines.train.skip(3).take(3).as_numpy_iterator()]
     assert sorted(sum(first, [])) == sorted(sum(later, []))
+
+
+@pytest.mark.parametrize("source", ["folder", "tfrecords"])
+@pytest.mark.parametrize("cache", ["memory", "disk"])
+def test_a_full_store_serves_new_orders_without_the_files(tmp_path, source, cache):
+    """Once a rank's share is stored, passes are new permutations of it read from the store: the
+    source's files can be gone. A second iterator at any moment reads alongside."""
+    import shutil
+
+    from hvdtrain.data.cache import CacheChoice
+
+    root = make_image_folder(tmp_path / "data", classes=2, per_class=24)
+    if source == "folder":
+        listing = list_image_folder(str(root), image_size=8, validation_fraction=0.25, seed=0,
+                                    on_bad_image="skip")
+    else:
+        convert(str(root), str(tmp_path / "records"), shards=3, validation_shards=1,
+                validation_fraction=0.25, seed=0, image_size=8)
+        listing = list_tfrecords(str(tmp_path / "records"), image_size=8)
+    pipelines = build_pipelines(listing, World(), batch_size=4, validation_batch_size=4,
+                                validation_steps=3, seed=0,
+                                cache=CacheChoice(cache, "test", str(tmp_path)))
+    per_pass = listing.train.num_samples // 4
+    batches = pipelines.train.as_numpy_iterator()
+    # Pixels name a sample here: each pass's samples, summed pixel by pixel per image.
+    first = [image.sum() for _ in range(per_pass) for image in next(batches)[0]]
+    second_reader = pipelines.train.as_numpy_iterator()
+    next(second_reader)
+    validation = [batch[0].sum() for batch in pipelines.validation.as_numpy_iterator()]
+    shutil.rmtree(root)
+    shutil.rmtree(tmp_path / "records", ignore_errors=True)
+    passes = [[image.sum() for _ in range(per_pass) for image in next(batches)[0]]
+              for _ in range(2)]
+    assert all(sorted(seen) == sorted(first) for seen in passes)
+    assert first != passes[0] != passes[1]
+    assert [batch[0].sum() for batch in pipelines.validation.as_numpy_iterator()] == validation
+
+
+def test_augmentation_crops_anew_every_epoch_and_rank_and_validation_never_changes(tmp_path):
+    """Every image of this folder is the same picture: what differs between samples, passes and
+    ranks is the augmentation alone."""
+    import tensorflow as tf
+
+    from hvdtrain.data.augment import stored_shape
+    from hvdtrain.data.cache import CacheChoice
+
+    picture = tf.cast(tf.random.stateless_uniform([40, 40, 3], seed=[1, 2], maxval=256,
+                                                  dtype=tf.int32), tf.uint8)
+    encoded = tf.io.encode_png(picture).numpy()
+    for label in ("a", "b"):
+        (tmp_path / "data" / label).mkdir(parents=True)
+        for index in range(8):
+            (tmp_path / "data" / label / f"{index}.png").write_bytes(encoded)
+    listing = list_image_folder(str(tmp_path / "data"), image_size=16, validation_fraction=0.25,
+                                seed=0, on_bad_image="skip")
+    assert stored_shape(listing.image_shape) == (18, 18, 3)
+
+    def passes(rank: int, cache: str) -> tuple[list, list]:
+        pipelines = build_pipelines(listing, World(rank=rank, size=2), batch_size=6,
+                                    validation_batch_size=2, validation_steps=1, seed=0,
+                                    cache=CacheChoice(cache, "test", str(tmp_path)),
+                                    augment=True)
+        batches = pipelines.train.as_numpy_iterator()
+        train = [next(batches)[0] for _ in range(2)]  # a pass of 6 per rank, twice
+        validation = [batch[0] for batch in pipelines.validation.as_numpy_iterator()]
+        assert train[0].shape == (6, 16, 16, 3) and validation[0].shape == (2, 16, 16, 3)
+        return train, validation
+
+    train, validation = passes(0, "memory")
+    other_rank, _ = passes(1, "memory")
+    # Samples, passes and ranks all see different crops of the same picture.
+    assert len({image.tobytes() for image in train[0]}) == 6
+    assert not np.array_equal(train[0], train[1])
+    assert not np.array_equal(train[0], other_rank[0])
+    # Validation is the same center crop, run after run and with any cache.
+    center = tf.image.resize_with_crop_or_pad(
+        tf.cast(tf.clip_by_value(tf.round(tf.image.resize(picture, [18, 18])), 0, 255),
+                tf.uint8), 16, 16).numpy()
+    for _, again in (passes(0, "memory"), passes(0, "off"), passes(0, "disk")):
+        assert all(np.array_equal(image, center) for batch in again for image in batch)
+    assert all(np.array_equal(image, center) for batch in validation for image in batch)

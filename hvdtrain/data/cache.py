@@ -15,18 +15,17 @@ any memory.
 """
 from __future__ import annotations
 
-import atexit
-import os
 import shutil
-import socket
 import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from hvdtrain.data.augment import stored_shape
 from hvdtrain.data.shares import samples_for_rank
 from hvdtrain.errors import UserError
 from hvdtrain.jobmemory import job_memory_limit
 from hvdtrain.runtime.base import World
+from hvdtrain.scratch import own_directory
 
 if TYPE_CHECKING:
     from hvdtrain.data.listing import Listing
@@ -54,7 +53,7 @@ class CacheChoice:
 
 
 def choose_data_cache(listing: Listing, world: World, flag: str, *, budget_gb: float | None,
-                      validation_samples: int) -> CacheChoice:
+                      validation_samples: int, augment: bool = False) -> CacheChoice:
     """The cache this rank uses for ``listing``: the flag's, with ``auto`` decided by
     ``choose_cache`` against this node's numbers."""
     if listing.in_memory:
@@ -64,15 +63,17 @@ def choose_data_cache(listing: Listing, world: World, flag: str, *, budget_gb: f
     # Only auto needs the budget (it reads Slurm's variables, the cgroup files and /proc).
     budget, budget_source = memory_budget(budget_gb) if mode == "auto" else (0, "")
     return choose_cache(flag, bytes_per_rank=decoded_bytes_per_rank(listing, world,
-                                                                    validation_samples),
+                                                                    validation_samples, augment),
                         local_size=world.local_size, memory_budget=budget,
                         budget_source=budget_source, disk_free=free_bytes(disk_dir),
                         disk_dir=disk_dir)
 
 
-def decoded_bytes_per_rank(listing: Listing, world: World, validation_samples: int) -> int:
-    """What caching this rank's training share and its validation samples holds, decoded."""
-    height, width, channels = listing.image_shape
+def decoded_bytes_per_rank(listing: Listing, world: World, validation_samples: int,
+                           augment: bool = False) -> int:
+    """What caching this rank's training share and its validation samples holds, decoded (with
+    augmentation: at the larger size the crops are cut from)."""
+    height, width, channels = stored_shape(listing.image_shape) if augment else listing.image_shape
     training = samples_for_rank(listing.train.num_samples, world)
     return (training + validation_samples) * height * width * channels
 
@@ -124,7 +125,8 @@ def memory_budget(budget_gb: float | None) -> tuple[int, str]:
 
 
 def default_disk_dir() -> str:
-    """Node-local scratch: $TMPDIR (Slurm sites point it at the job's local disk), else /tmp."""
+    """Node-local scratch: $TMPDIR (Slurm sites point it at the job's local disk), else /tmp;
+    in a job, the rank's scratch directory there (hvdtrain.scratch)."""
     return tempfile.gettempdir()
 
 
@@ -136,52 +138,15 @@ def free_bytes(directory: str) -> int | None:
 
 
 def process_cache_dir(cache: CacheChoice) -> str | None:
-    """This process's directory for a disk cache, removed when the process ends."""
+    """This process's directory for a disk cache, removed when the process ends, however it
+    ends (hvdtrain.scratch)."""
     if cache.kind != "disk":
         return None
     try:
-        directory = make_process_cache_dir(cache.directory or default_disk_dir())
+        return own_directory(cache.directory or default_disk_dir(), CACHE_DIR_PREFIX)
     except OSError as error:
         raise UserError(f"--cache disk: cannot create a cache directory in "
                         f"{cache.directory}: {error.strerror or error}") from None
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    return directory
-
-
-def make_process_cache_dir(parent: str) -> str:
-    """A directory of this process's own under ``parent``, named by host and pid.
-
-    tf.data's file cache refuses to reuse files a killed process left half-written (it finds
-    their lock files), so each process writes fresh files; directories of processes on this host
-    that no longer exist are removed first, so a crashed run's cache does not fill the disk.
-    """
-    host = socket.gethostname()
-    remove_stale_cache_dirs(parent, host)
-    directory = os.path.join(parent, f"{CACHE_DIR_PREFIX}{host}-{os.getpid()}")
-    os.makedirs(directory, exist_ok=True)
-    return directory
-
-
-def remove_stale_cache_dirs(parent: str, host: str) -> None:
-    prefix = f"{CACHE_DIR_PREFIX}{host}-"
-    try:
-        entries = os.listdir(parent)
-    except OSError:
-        return
-    for name in entries:
-        pid = name[len(prefix):]
-        if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _size(num_bytes: int | float) -> str:

@@ -84,9 +84,10 @@ class EmbeddedListing(Listing):
         return positions.map(lambda position: (
             position, (tf.gather(rows, position), tf.gather(labels, position))))
 
-    def decoder(self) -> Callable:
+    def decoder(self, image_shape: tuple[int, int, int]) -> Callable:
         import tensorflow as tf
 
+        # The arrays were resized to image_shape when loaded (load_embedded).
         images = tf.constant(self.images)
         return lambda row, label: (tf.gather(images, row), label)
 

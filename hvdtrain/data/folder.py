@@ -67,10 +67,10 @@ class FolderListing(Listing):
             tf.strings.join([prefix, tf.gather(sources, position)]),
             tf.gather(labels, position))))
 
-    def decoder(self) -> Callable:
+    def decoder(self, image_shape: tuple[int, int, int]) -> Callable:
         import tensorflow as tf
 
-        return lambda path, label: (decode_image(tf.io.read_file(path), self.image_shape), label)
+        return lambda path, label: (decode_image(tf.io.read_file(path), image_shape), label)
 
     def sample_namer(self, split: Split, world: World, *, by_file: bool
                      ) -> Callable[[int], str]:

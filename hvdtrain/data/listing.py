@@ -95,7 +95,7 @@ class Listing(abc.ABC):
         pipeline)."""
 
     @abc.abstractmethod
-    def decoder(self) -> Callable:
+    def decoder(self, image_shape: tuple[int, int, int]) -> Callable:
         """``record -> (uint8 image of image_shape, int64 label)``, for ``Dataset.map``."""
 
     def sample_namer(self, split: Split, world: World, *, by_file: bool

@@ -1,8 +1,11 @@
 """From a listing to this rank's training and validation ``tf.data`` pipelines.
 
     this rank's records (shares.py) -> a new order every pass (positions or encoded records)
-    -> decode/resize in parallel -> cache (memory, disk or off: cache.py) -> batch -> repeat
-    -> prefetch
+    -> decode/resize in parallel -> store (memory, disk or off: cache.py, store.py) -> batch
+    -> repeat -> prefetch
+
+Once the store holds a rank's whole share, a pass is a new permutation of it read from the
+store (store.py says why not tf.data's ``cache()``).
 
 Shuffling comes before decoding so the first step never waits for a buffer of decoded images,
 whatever the data's size. The pipeline asks the listing (listing.py) what to read and how to
@@ -14,17 +17,16 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from hvdtrain.data.augment import augmented, center_cropped, stored_shape
 from hvdtrain.data.cache import CacheChoice, process_cache_dir
 from hvdtrain.data.listing import Listing, Split
+from hvdtrain.data.store import SampleStore, stored_passes
 from hvdtrain.runtime.base import World
 from hvdtrain.task import Datasets
 
 if TYPE_CHECKING:
     import tensorflow as tf
 
-POST_CACHE_SHUFFLE = 1_024
-"""Decoded samples shuffled after a cache: the first pass is already in random order (shuffled
-before decoding), later passes replay it from the cache and this buffer varies their batches."""
 POSITION_RING = 1 << 16
 """Positions remembered for naming a sample that failed to decode; far more than the samples in
 flight between the sequential numbering and the decode (the parallel map's buffer)."""
@@ -85,6 +87,12 @@ class DecodeFailures:
         """tf.data step (sequential): sample ``number`` of this pass is ``position`` in the list."""
         return self.positions.scatter_nd_update([[number % POSITION_RING]], [position])
 
+    def positions_between(self, last_good, number):
+        """tf.data step: the positions of the samples numbered between two decoded ones."""
+        import tensorflow as tf
+
+        return tf.gather(self.positions, tf.range(last_good + 1, number) % POSITION_RING)
+
     def note(self, last_good, number):
         """tf.data step: record the samples numbered between two decoded ones as failures."""
         import tensorflow as tf
@@ -99,21 +107,28 @@ class DecodeFailures:
 def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                     validation_batch_size: int, validation_steps: int, seed: int,
                     cache: CacheChoice = CacheChoice("memory", "default"),
-                    tfrecord_sharding: str = "file", threads: int | None = None) -> ImageDatasets:
+                    tfrecord_sharding: str = "file", augment: bool = False,
+                    threads: int | None = None) -> ImageDatasets:
     """``batch_size`` and ``validation_batch_size`` are what this process feeds per step: a
     worker's batch for a horovod rank, all of its replicas' batches under a tf.distribute
     strategy (Keras splits them).
 
     Training data is shuffled *before* decoding (positions in the file list, or encoded records),
     so the first step waits for one batch of decodes, not a decoded shuffle buffer, whatever the
-    data set's size; after a cache, a small decoded buffer varies the replayed passes.
+    data set's size; once stored, every pass is a new permutation of the store. ``augment``:
+    random-resized crops and flips after the store (augment.py).
     """
     import tensorflow as tf
 
+    if augment and listing.in_memory:
+        raise ValueError("augmentation needs images read from files")
+    # With augmentation, images are stored with a margin the crops choose from.
+    shape = stored_shape(listing.image_shape) if augment else listing.image_shape
+
     by_file = tfrecord_sharding == "file"  # only TFRecords can be shared out by file
     listing.check_sharding(world, batch_size, seed=seed, by_file=by_file)
-    decode = listing.decoder()
-    failures, state = [], []
+    decode = listing.decoder(shape)
+    failures, state, stores = [], [], []
     cache_dir = process_cache_dir(cache)
 
     def decoded(split: Split, *, shuffle: bool, limit: int | None, split_name: str,
@@ -131,20 +146,19 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                                num_parallel_calls=tf.data.AUTOTUNE)
         counter = DecodeFailures(split_name, listing.sample_namer(split, world, by_file=by_file))
         failures.append(counter)
-        samples = _decode_or_blank(records, decode, counter, num_samples, listing.image_shape)
-        if cache.kind == "memory":
-            return samples.cache()
-        if cache.kind == "disk":
-            return samples.cache(os.path.join(cache_dir, split_name))
-        return samples
+        if cache.kind == "off":
+            return _decode_or_blank(records, decode, counter, num_samples, shape)
+        store = SampleStore(shape, os.path.join(cache_dir, split_name)
+                            if cache.kind == "disk" else None)
+        stores.append(store)
+        from_source = _decode_or_blank(records, decode, counter, num_samples, shape, store)
+        return stored_passes(from_source, store, num_samples, shuffle=shuffle,
+                             seed=seed + world.rank, state=state)
 
     train = decoded(listing.train, shuffle=True, limit=None, split_name="training",
                     by_file=by_file)
-    if cache.kind != "off" and not listing.in_memory:
-        records_per_rank = listing.samples_for_rank(listing.train, world, seed=seed,
-                                                    by_file=by_file)
-        train = train.shuffle(max(1, min(records_per_rank, POST_CACHE_SHUFFLE)),
-                              seed=seed + world.rank, reshuffle_each_iteration=True)
+    if augment:
+        train = augmented(train, listing.image_shape, seed=seed + world.rank)
     train = (train.batch(batch_size, drop_remainder=True)
              .repeat()  # endless: Keras stops each epoch after steps_per_epoch (plan.py)
              .prefetch(tf.data.AUTOTUNE))
@@ -154,6 +168,8 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         validation = decoded(listing.validation, shuffle=False,
                              limit=validation_steps * validation_batch_size,
                              split_name="validation", by_file=False)
+        if augment:
+            validation = center_cropped(validation, listing.image_shape)
         validation = (validation.batch(validation_batch_size, drop_remainder=True)
                       .prefetch(tf.data.AUTOTUNE))
     options = tf.data.Options()
@@ -164,25 +180,42 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     validation = validation.with_options(options) if validation is not None else None
     return ImageDatasets(train, validation, listing.description, image_shape=listing.image_shape,
                          class_names=listing.class_names, decode_failures=tuple(failures),
-                         cache=cache, pipeline_state=tuple(state))
+                         cache=cache, pipeline_state=(*state, *stores))
 
 
 def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: DecodeFailures,
-                     num_samples: int, image_shape: tuple[int, int, int]) -> tf.data.Dataset:
+                     num_samples: int, image_shape: tuple[int, int, int],
+                     store: SampleStore | None = None) -> tf.data.Dataset:
     """Decoded ``(image, label, 1.0)`` of ``(position, record)``, with ``(blank, 0, 0.0)``
     wherever a sample did not decode. Always exactly ``num_samples`` elements (see
-    ``DecodeFailures`` for why)."""
+    ``DecodeFailures`` for why). With a ``store``, what decodes is stored, what did not is
+    marked, and what the store holds already is read from it instead of decoded."""
     import tensorflow as tf
 
     def number(count, element):
         position, record = element
         with tf.control_dependencies([failures.remember(count, position)]):
-            return tf.identity(count), record
+            return tf.identity(count), position, record
+
+    def decode_one(count, position, record):
+        if store is None:
+            return (count, *decode(*_as_tuple(record)))
+
+        def decode_and_store():
+            image, label = decode(*_as_tuple(record))
+            with tf.control_dependencies([store.put(position, image, label)]):
+                return tf.identity(image), tf.identity(label)
+
+        def from_store():
+            return store.read(position), store.labels.lookup(position)
+
+        image, label = tf.cond(store.holds(position), from_store, decode_and_store)
+        # Shapes a lookup table cannot know, which Keras needs to build its metrics.
+        return count, tf.ensure_shape(image, image_shape), tf.ensure_shape(label, [])
 
     decoded = (records.enumerate()
                .map(number)  # sequential: every number's position is stored before decoding
-               .map(lambda count, record: (count, *decode(*_as_tuple(record))),
-                    num_parallel_calls=tf.data.AUTOTUNE)  # keeps order (deterministic)
+               .map(decode_one, num_parallel_calls=tf.data.AUTOTUNE)  # keeps order
                .ignore_errors())
     blank = (tf.zeros(image_shape, tf.uint8), tf.constant(0, tf.int64))
     # A sentinel number past the end makes a gap after the last good sample visible too.
@@ -190,7 +223,10 @@ def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: Decod
 
     def count_gaps(last_good, element):
         count = element[0]
-        with tf.control_dependencies([failures.note(last_good, count)]):
+        noted = [failures.note(last_good, count)]
+        if store is not None:
+            noted.append(store.mark_failed(failures.positions_between(last_good, count)))
+        with tf.control_dependencies(noted):
             return tf.identity(count), element
 
     samples = (decoded.concatenate(end)

@@ -87,17 +87,20 @@ class TFRecordListing(Listing):
 
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
                      by_file: bool, state: list) -> tf.data.Dataset:
-        records = self.shard_records(split, world, seed=seed, by_file=by_file)
+        # A record's position is its place in this rank's reading order, which is the same on
+        # every pass (files in the shared seed's order, interleaved deterministically): so a
+        # store can keep it by position, and the shuffle comes after the numbering.
+        records = self.shard_records(split, world, seed=seed, by_file=by_file).enumerate()
         if shuffle:
             num_samples = self.samples_for_rank(split, world, seed=seed, by_file=by_file)
             records = records.shuffle(min(max(num_samples, 1), RAW_RECORD_SHUFFLE),
                                       seed=seed + world.rank, reshuffle_each_iteration=True)
-        return records.enumerate()  # positions name nothing better for records
+        return records
 
-    def decoder(self) -> Callable:
+    def decoder(self, image_shape: tuple[int, int, int]) -> Callable:
         def decode(record):
             encoded, label = parse_example(record)
-            return decode_image(encoded, self.image_shape), label
+            return decode_image(encoded, image_shape), label
 
         return decode
 

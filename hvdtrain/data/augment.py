@@ -1,0 +1,67 @@
+"""``--augment``: random-resized crops and horizontal flips for training, a center crop for
+validation (the Inception / Goyal et al. recipe horovod's ImageNet example uses).
+
+Augmenting comes after the store, so that every epoch crops anew: images are decoded and stored
+at ``image_size / CENTER_FRACTION`` (73 pixels for 64, 256 for 224), and each training sample is
+cut from that at 8-100% of its area with an aspect ratio of 3/4 to 4/3, resized to the training
+size and flipped half of the time. Validation takes the central ``CENTER_FRACTION`` of the same
+stored image, every time the same pixels. The randomness is stateless, drawn from a seed stream
+of its own per rank and per pass (``tf.data.Dataset.random``), so ranks never crop alike and a
+run is reproducible.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+CENTER_FRACTION = 0.875
+"""Side of the validation crop over the stored image's (ImageNet's 224 of 256)."""
+AREA_RANGE = (0.08, 1.0)
+"""Share of the stored image's area a training crop covers."""
+ASPECT_RATIO_RANGE = (3 / 4, 4 / 3)
+"""Width over height of a training crop."""
+
+
+def stored_shape(image_shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The shape images are decoded and stored at, for crops of ``image_shape``."""
+    height, width, channels = image_shape
+    return (round(height / CENTER_FRACTION), round(width / CENTER_FRACTION), channels)
+
+
+def augmented(train: tf.data.Dataset, image_shape: tuple[int, int, int], *,
+              seed: int) -> tf.data.Dataset:
+    """``(image, label[, weight])`` elements of stored images -> random crops of ``image_shape``,
+    flipped at random; a new draw for every sample of every pass."""
+    import tensorflow as tf
+
+    # Two seeds per sample, a new stream each pass (each time the dataset is iterated again).
+    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
+
+    def crop_and_flip(element, sample_seeds):
+        image, rest = element[0], element[1:]
+        begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+            tf.shape(image), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+            seed=sample_seeds, min_object_covered=AREA_RANGE[0],
+            aspect_ratio_range=ASPECT_RATIO_RANGE, area_range=AREA_RANGE, max_attempts=10,
+            use_image_if_no_bounding_boxes=True)
+        crop = tf.image.resize(tf.slice(image, begin, size), image_shape[:2])
+        crop = tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
+        flip_seed = tf.stack([sample_seeds[1], sample_seeds[0]])
+        return (tf.image.stateless_random_flip_left_right(crop, seed=flip_seed), *rest)
+
+    return (tf.data.Dataset.zip(train, seeds)
+            .map(lambda element, sample_seeds: crop_and_flip(element, sample_seeds),
+                 num_parallel_calls=tf.data.AUTOTUNE))
+
+
+def center_cropped(validation: tf.data.Dataset,
+                   image_shape: tuple[int, int, int]) -> tf.data.Dataset:
+    """The central ``image_shape`` of every stored image (no resampling)."""
+    import tensorflow as tf
+
+    height, width, _ = image_shape
+    return validation.map(
+        lambda image, *rest: (tf.image.resize_with_crop_or_pad(image, height, width), *rest),
+        num_parallel_calls=tf.data.AUTOTUNE)

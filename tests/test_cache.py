@@ -1,0 +1,175 @@
+"""The decoded-sample store behind --cache memory|disk: a new order every epoch, any number of
+readers, and nothing left in TMPDIR however a rank ends.
+
+Integration tier: real 2-rank jobs (mpirun as horovodrun runs it) on an image folder whose every
+image carries its own number in its first pixel, read back by a model that records what it
+trains on.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import clean_env, integration, mpirun_job, mpirun_ranks
+
+pytestmark = [integration, pytest.mark.timeout(600)]
+
+IMAGES = 4096  # 2,048 per rank
+PER_WORKER_BATCH = 32  # a pass over a rank's share: 64 steps
+STEPS_PER_EPOCH = 16  # a quarter of a pass: epochs end while the first pass is being stored
+PASSES = 3
+
+# A model that appends the numbers of the images of every training step to a file per rank.
+# The batch-norm recompute at each epoch's end also runs the model in training mode, on its own
+# iterator: it sets the layers' momentum to 0 while it does, which is how it is told apart.
+RECORDER = """
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+RECORD = os.environ["HVDTRAIN_TEST_RECORD"] + "-" + os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+
+
+class Recorder(keras.layers.Layer):
+    def __init__(self, norm, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = norm
+
+    def call(self, inputs, training=None):
+        if not training:
+            return inputs
+
+        def record(pixels):
+            if self.norm.momentum:  # a training step, not the recompute
+                pixels = pixels.numpy().astype(np.int64)
+                numbers = pixels[:, 0, 0, 0] * 256 + pixels[:, 0, 0, 1]
+                with open(RECORD, "a") as file:
+                    file.write(" ".join(map(str, numbers)) + "\\n")
+            return np.float32(0)
+
+        return inputs + tf.py_function(record, [inputs], tf.float32)
+
+
+def build(input_shape, num_classes):
+    inputs = keras.Input(input_shape)
+    norm = keras.layers.BatchNormalization()
+    recorded = Recorder(norm)(inputs)
+    features = norm(keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(recorded)))
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(features))
+"""
+
+
+@pytest.fixture(scope="module")
+def numbered_folder(tmp_path_factory) -> Path:
+    """IMAGES 8x8 PNGs in 2 classes; image n has n in its first pixel (red * 256 + green)."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("numbered") / "data"
+    rng = np.random.default_rng(0)
+    for number in range(IMAGES):
+        folder = root / f"class{number % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+        pixels[0, 0, :2] = divmod(number, 256)
+        Image.fromarray(pixels).save(folder / f"{number:05d}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def recorder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "recorder.py"
+    path.write_text(RECORDER)
+    return path
+
+
+def passes_seen(record: Path) -> list[np.ndarray]:
+    """The numbers one rank trained on, cut into passes over its share."""
+    seen = np.array(record.read_text().split(), dtype=np.int64)
+    per_pass = IMAGES // 2
+    assert len(seen) == PASSES * per_pass, len(seen)
+    return [seen[start:start + per_pass] for start in range(0, len(seen), per_pass)]
+
+
+def spearman(first: np.ndarray, second: np.ndarray) -> float:
+    """Rank correlation of where each sample came in two passes (both permutations of a share)."""
+    where_first = np.argsort(first)  # the passes' positions, sample by sample (sorted numbers)
+    where_second = np.argsort(second)
+    return float(np.corrcoef(where_first, where_second)[0, 1])
+
+
+@pytest.mark.parametrize("cache", ["memory", "disk", "off"])
+def test_every_epoch_trains_in_a_new_order_with_any_cache(numbered_folder, recorder, tmp_path,
+                                                          cache):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    record = tmp_path / "seen"
+    epochs = PASSES * (IMAGES // 2 // PER_WORKER_BATCH) // STEPS_PER_EPOCH
+    result = mpirun_job(
+        2, "hvdtrain.cnn", "--data-dir", str(numbered_folder), "--image-size", "8",
+        "--validation-fraction", "0", "--model", f"{recorder}:build", "--cache", cache,
+        "--batch-size", str(PER_WORKER_BATCH), "--steps-per-epoch", str(STEPS_PER_EPOCH),
+        "--epochs", str(epochs), "--run-dir", str(tmp_path / "run"), "--no-export",
+        env=clean_env(TMPDIR=str(scratch), HVDTRAIN_TEST_RECORD=str(record)), timeout=300)
+    assert f"cache: {cache}" in result.stdout, result.stdout[-3000:]
+    assert f"done: {epochs} epoch(s)" in result.stdout, result.stdout[-3000:]
+    shares = []
+    correlations = []
+    for rank in range(2):
+        passes = passes_seen(Path(f"{record}-{rank}"))
+        share = np.sort(passes[0])
+        # Every sample of the share once per pass: each pass is a permutation of the same share.
+        assert len(np.unique(share)) == len(share)
+        assert all(np.array_equal(np.sort(seen), share) for seen in passes)
+        shares.append(share)
+        correlations += [spearman(passes[p], passes[p + 1]) for p in range(PASSES - 1)]
+    # The ranks' shares are disjoint and cover the folder.
+    assert np.array_equal(np.sort(np.concatenate(shares)), np.arange(IMAGES))
+    # Consecutive passes are uncorrelated (a random pair of permutations of 2,048: |rho| ~ 0.02).
+    assert max(map(abs, correlations)) < 0.1, correlations
+    # A disk cache is gone with the job (the batch-norm recompute read it while it was written).
+    assert list(scratch.iterdir()) == []
+
+
+def test_a_killed_ranks_disk_cache_is_removed(numbered_folder, tmp_path):
+    """SIGKILL runs no exit handler: the rank's janitor removes its cache directory."""
+    from test_faults import rank_pids
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    run_dir = tmp_path / "run"
+    command = [*mpirun_ranks(2), sys.executable, "-m", "hvdtrain.cnn", "--data-dir",
+               str(numbered_folder), "--image-size", "8", "--cache", "disk", "--epochs", "100",
+               "--batch-size", "16", "--no-tensorboard", "--no-export", "--run-dir", str(run_dir)]
+    job = subprocess.Popen(command, env=clean_env(TMPDIR=str(scratch)), text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        cached = []
+        while len(cached) < 100:  # both ranks are storing their first pass
+            if job.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("the job ended or never wrote its disk cache")
+            time.sleep(0.2)
+            cached = [path for path in scratch.rglob("*") if path.is_file()]
+        ranks = rank_pids(str(run_dir))
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        output, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode != 0, output[-3000:]
+    deadline = time.monotonic() + 20
+    while list(scratch.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(scratch.iterdir()) == [], [str(path) for path in scratch.rglob("*")][:10]
