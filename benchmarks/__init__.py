@@ -17,6 +17,8 @@ runs it, and reach horovod only through hvdtrain's runtime.
                 fp16 allreduce and a larger fusion buffer, against a step-time model (root only)
     data        image folders and TFRecords at 1k, 10k, 100k and 1.28 M files: listing, time to
                 the first step and to the end of a 5-step epoch, memory per rank, steady samples/s
+    decode      ImageNet-like JPEGs on one core: hvdtrain's augmented pipeline against a bare
+                decode_jpeg loop (the ceiling) and keras.utils.image_dataset_from_directory
     matmul      the article's `w @ x + b` device timing on the backend's device
 
 Variants are separate processes, interleaved, repeated (--repeats, default 5), first epochs and a
@@ -48,9 +50,9 @@ def _matmul(args) -> int:
 
 
 SUITES = ("scaling", "overhead", "tax", "keras3", "allreduce", "mwms", "input", "workers", "threads",
-          "network", "data")
+          "network", "data", "decode")
 #: Suites that write their own .json and .md (their tables are not rows of results.md).
-SELF_WRITING = ("threads", "network", "data")
+SELF_WRITING = ("threads", "network", "data", "decode")
 
 
 def _runners(quick: bool) -> dict:
@@ -88,11 +90,17 @@ def _runners(quick: bool) -> dict:
         print(datascale.markdown(datascale.run(settings, out, log, quick=quick)))
         return {}
 
+    def decode(settings, workdir, out, log):
+        from benchmarks import decode as pipelines
+
+        print(pipelines.markdown(pipelines.run(settings, out, log, quick=quick)))
+        return {}
+
     runners = {"scaling": rows(suite.weak_scaling), "overhead": rows(suite.horovod_overhead),
                "tax": rows(suite.framework_tax), "keras3": rows(suite.keras_3_path),
                "allreduce": allreduce, "mwms": rows(suite.against_tf_distribute),
                "input": rows(suite.input_pipeline), "workers": workers, "threads": threads,
-               "network": network, "data": data}
+               "network": network, "data": data, "decode": decode}
     assert tuple(runners) == SUITES
     return runners
 

@@ -220,3 +220,14 @@ def test_the_data_suites_verdicts_follow_its_numbers():
     table = markdown(result)
     assert "| image folder | 10,000 | 0.0 |" in table and "| TFRecords | 10,000 | - |" in table
     assert "| disk | 800 | 900 | 990 | 990 |" in table
+
+
+def test_the_decode_suites_variants_measure_a_pass(tmp_path, monkeypatch):
+    # The suite's own measurement of each variant, in this process, on a few of its photos.
+    from benchmarks import decode
+
+    monkeypatch.setattr(decode, "BATCH", 8)
+    decode.make_photos(tmp_path / "photos", 64)
+    assert len(list((tmp_path / "photos").rglob("*.jpg"))) == 64
+    for variant in decode.VARIANTS:
+        assert decode.measure(variant, str(tmp_path / "photos")) > 0, variant

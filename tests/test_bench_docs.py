@@ -23,7 +23,7 @@ MEASURED_FIGURE = re.compile(r"\d[\d.,]* ?(samples/s|steps/s|GB/s|ms/step|s/step
 
 def regenerate(stored: Path) -> str:
     """The markdown that the suite which wrote ``stored`` makes of it."""
-    from benchmarks import datascale, network, report, threads
+    from benchmarks import datascale, decode, network, report, threads
     from benchmarks.harness import Comparison
 
     data = json.loads(stored.read_text())
@@ -31,7 +31,7 @@ def regenerate(stored: Path) -> str:
         comparisons = [Comparison.from_dict(c) for c in data["comparisons"]]
         return report.markdown(comparisons, data.get("speedup_vs_workers"), data["machine"])
     makers = {"data.json": datascale.markdown, "network.json": network.markdown,
-              "threads.json": threads.markdown}
+              "threads.json": threads.markdown, "decode.json": decode.markdown}
     return makers[stored.name](data) + "\n"
 
 
@@ -58,7 +58,8 @@ def tables(text: str) -> list[list[str]]:
 
 def test_every_suite_has_stored_results():
     names = {path.name for path in stored_results()}
-    assert {"results.json", "threads.json", "network.json", "data.json"} <= names, names
+    assert {"results.json", "threads.json", "network.json", "data.json", "decode.json"} <= names, \
+        names
 
 
 @pytest.mark.parametrize("stored", stored_results(), ids=lambda p: str(p.relative_to(STORED)))

@@ -5,9 +5,11 @@ Augmenting comes after the store, so that every epoch crops anew: images are dec
 at ``image_size / CENTER_FRACTION`` (73 pixels for 64, 256 for 224), and each training sample is
 cut from that at 8-100% of its area with an aspect ratio of 3/4 to 4/3, resized to the training
 size and flipped half of the time. Validation takes the central ``CENTER_FRACTION`` of the same
-stored image, every time the same pixels. The randomness is stateless, drawn from a seed stream
-of its own per rank and per pass (``tf.data.Dataset.random``), so ranks never crop alike and a
-run is reproducible.
+stored image, every time the same pixels. Without a store (``--cache off``) every pass decodes
+anyway, so the crop is cut while decoding: a JPEG decodes only its window
+(``decode_and_crop_jpeg``), cheaper than decoding it whole. The randomness is stateless, drawn
+from a seed stream of its own per rank and per pass (``tf.data.Dataset.random``), so ranks never
+crop alike and a run is reproducible.
 """
 from __future__ import annotations
 
@@ -30,30 +32,68 @@ def stored_shape(image_shape: tuple[int, int, int]) -> tuple[int, int, int]:
     return (round(height / CENTER_FRACTION), round(width / CENTER_FRACTION), channels)
 
 
+def seed_stream(seed: int) -> tf.data.Dataset:
+    """Two seeds per sample; a new stream each pass (each time the dataset is iterated again)."""
+    import tensorflow as tf
+
+    return tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
+
+
 def augmented(train: tf.data.Dataset, image_shape: tuple[int, int, int], *,
               seed: int) -> tf.data.Dataset:
     """``(image, label[, weight])`` elements of stored images -> random crops of ``image_shape``,
     flipped at random; a new draw for every sample of every pass."""
     import tensorflow as tf
 
-    # Two seeds per sample, a new stream each pass (each time the dataset is iterated again).
-    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
-
-    def crop_and_flip(element, sample_seeds):
+    def crop_and_flip(element, seeds):
         image, rest = element[0], element[1:]
-        begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-            tf.shape(image), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-            seed=sample_seeds, min_object_covered=AREA_RANGE[0],
-            aspect_ratio_range=ASPECT_RATIO_RANGE, area_range=AREA_RANGE, max_attempts=10,
-            use_image_if_no_bounding_boxes=True)
-        crop = tf.image.resize(tf.slice(image, begin, size), image_shape[:2])
-        crop = tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
-        flip_seed = tf.stack([sample_seeds[1], sample_seeds[0]])
-        return (tf.image.stateless_random_flip_left_right(crop, seed=flip_seed), *rest)
+        begin, size = _crop_window(tf.shape(image), seeds)
+        return (_resized_and_flipped(tf.slice(image, begin, size), image_shape, seeds), *rest)
 
-    return (tf.data.Dataset.zip(train, seeds)
-            .map(lambda element, sample_seeds: crop_and_flip(element, sample_seeds),
-                 num_parallel_calls=tf.data.AUTOTUNE))
+    return (tf.data.Dataset.zip(train, seed_stream(seed))
+            .map(crop_and_flip, num_parallel_calls=tf.data.AUTOTUNE))
+
+
+def decode_random_crop(encoded, seeds, image_shape: tuple[int, int, int]):
+    """Encoded image bytes -> a random-resized crop of ``image_shape``, flipped at random. A
+    JPEG decodes only the crop's window; other formats decode whole, then crop."""
+    import tensorflow as tf
+
+    channels = image_shape[2]
+
+    def jpeg_window():
+        begin, size = _crop_window(tf.io.extract_jpeg_shape(encoded), seeds)
+        window = tf.stack([begin[0], begin[1], size[0], size[1]])
+        return tf.io.decode_and_crop_jpeg(encoded, window, channels=channels)
+
+    def whole_then_crop():
+        image = tf.io.decode_image(encoded, channels=channels, expand_animations=False)
+        begin, size = _crop_window(tf.shape(image), seeds)
+        return tf.slice(image, begin, size)
+
+    is_jpeg = tf.strings.substr(encoded, 0, 3) == b"\xff\xd8\xff"
+    crop = tf.cond(is_jpeg, jpeg_window, whole_then_crop)
+    return _resized_and_flipped(crop, image_shape, seeds)
+
+
+def _crop_window(shape, seeds):
+    """(begin, size) of a random crop of an image of ``shape`` (Inception's ranges)."""
+    import tensorflow as tf
+
+    begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+        shape, bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), seed=seeds,
+        min_object_covered=AREA_RANGE[0], aspect_ratio_range=ASPECT_RATIO_RANGE,
+        area_range=AREA_RANGE, max_attempts=10, use_image_if_no_bounding_boxes=True)
+    return begin, size
+
+
+def _resized_and_flipped(crop, image_shape: tuple[int, int, int], seeds):
+    import tensorflow as tf
+
+    resized = tf.image.resize(crop, image_shape[:2])
+    resized = tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
+    flip_seed = tf.stack([seeds[1], seeds[0]])  # not the crop's own seed
+    return tf.image.stateless_random_flip_left_right(resized, seed=flip_seed)
 
 
 def center_cropped(validation: tf.data.Dataset,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from hvdtrain.data.images import IMAGE_EXTENSIONS, decode_image, image_format
+from hvdtrain.data.images import IMAGE_EXTENSIONS, image_format
 from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, Listing, Split, positions_each_pass,
                                    split_indices)
 from hvdtrain.data.shares import rank_share
@@ -67,10 +67,10 @@ class FolderListing(Listing):
             tf.strings.join([prefix, tf.gather(sources, position)]),
             tf.gather(labels, position))))
 
-    def decoder(self, image_shape: tuple[int, int, int]) -> Callable:
+    def reader(self) -> Callable:
         import tensorflow as tf
 
-        return lambda path, label: (decode_image(tf.io.read_file(path), image_shape), label)
+        return lambda path, label: (tf.io.read_file(path), label)
 
     def sample_namer(self, split: Split, world: World, *, by_file: bool
                      ) -> Callable[[int], str]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
 
+from hvdtrain.data.images import decode_image
 from hvdtrain.data.shares import samples_for_rank
 from hvdtrain.runtime.base import World
 
@@ -94,9 +95,19 @@ class Listing(abc.ABC):
         TensorFlow variable the order needs goes into ``state`` (it must live as long as the
         pipeline)."""
 
-    @abc.abstractmethod
+    def reader(self) -> Callable:
+        """``record -> (encoded image bytes, int64 label)``, for a source read from files."""
+        raise NotImplementedError(f"{type(self).__name__} holds no encoded images")
+
     def decoder(self, image_shape: tuple[int, int, int]) -> Callable:
         """``record -> (uint8 image of image_shape, int64 label)``, for ``Dataset.map``."""
+        read = self.reader()
+
+        def decode(*record):
+            encoded, label = read(*record)
+            return decode_image(encoded, image_shape), label
+
+        return decode
 
     def sample_namer(self, split: Split, world: World, *, by_file: bool
                      ) -> Callable[[int], str]:

@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from hvdtrain.data.augment import augmented, center_cropped, stored_shape
+from hvdtrain.data.augment import (augmented, center_cropped, decode_random_crop, seed_stream,
+                                   stored_shape)
 from hvdtrain.data.cache import CacheChoice, process_cache_dir
 from hvdtrain.data.listing import Listing, Split
 from hvdtrain.data.store import SampleStore, stored_passes
@@ -84,7 +85,7 @@ class DecodeFailures:
         return new, self.name_of(int(self.last_position.numpy())) if new else None
 
     def remember(self, number, position):
-        """tf.data step (sequential): sample ``number`` of this pass is ``position`` in the list."""
+        """tf.data step: sample ``number`` of this pass is ``position`` in the list."""
         return self.positions.scatter_nd_update([[number % POSITION_RING]], [position])
 
     def positions_between(self, last_good, number):
@@ -94,14 +95,13 @@ class DecodeFailures:
         return tf.gather(self.positions, tf.range(last_good + 1, number) % POSITION_RING)
 
     def note(self, last_good, number):
-        """tf.data step: record the samples numbered between two decoded ones as failures."""
+        """tf.data step: record the samples numbered between two decoded ones (at least one) as
+        failures."""
         import tensorflow as tf
 
-        missing = number - last_good - 1
-        latest = self.positions[(number - 1) % POSITION_RING]
-        return tf.group(self.count.assign_add(missing),
-                        self.last_position.assign(tf.where(missing > 0, latest,
-                                                           self.last_position)))
+        latest = tf.gather(self.positions, (number - 1) % POSITION_RING)
+        return tf.group(self.count.assign_add(number - last_good - 1),
+                        self.last_position.assign(latest))
 
 
 def build_pipelines(listing: Listing, world: World, *, batch_size: int,
@@ -132,10 +132,22 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     cache_dir = process_cache_dir(cache)
 
     def decoded(split: Split, *, shuffle: bool, limit: int | None, split_name: str,
-                by_file: bool) -> tf.data.Dataset:
-        """This rank's share of ``split``, decoded, in a new order every pass when ``shuffle``."""
+                by_file: bool, crop: bool = False) -> tf.data.Dataset:
+        """This rank's share of ``split``, decoded, in a new order every pass when ``shuffle``;
+        ``crop``: random-resized crops cut while decoding (no store)."""
         records = listing.rank_records(split, world, shuffle=shuffle, seed=seed,
                                        by_file=by_file, state=state)
+        decode_to, image_shape = decode, shape
+        if crop:
+            read = listing.reader()
+            records = tf.data.Dataset.zip(records, seed_stream(seed + world.rank)).map(
+                lambda element, seeds: (element[0], (element[1], seeds)))
+
+            def decode_to(record, seeds):
+                encoded, label = read(*_as_tuple(record))
+                return decode_random_crop(encoded, seeds, listing.image_shape), label
+
+            image_shape = listing.image_shape
         num_samples = listing.samples_for_rank(split, world, seed=seed, by_file=by_file)
         if limit is not None:
             # Exactly the same number of validation samples on every rank (see plan.py).
@@ -147,7 +159,7 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         counter = DecodeFailures(split_name, listing.sample_namer(split, world, by_file=by_file))
         failures.append(counter)
         if cache.kind == "off":
-            return _decode_or_blank(records, decode, counter, num_samples, shape)
+            return _decode_or_blank(records, decode_to, counter, num_samples, image_shape)
         store = SampleStore(shape, os.path.join(cache_dir, split_name)
                             if cache.kind == "disk" else None)
         stores.append(store)
@@ -155,9 +167,11 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         return stored_passes(from_source, store, num_samples, shuffle=shuffle,
                              seed=seed + world.rank, state=state)
 
+    # Without a store every pass decodes: the crop is cut while decoding, which decodes less.
+    crop_while_decoding = augment and cache.kind == "off"
     train = decoded(listing.train, shuffle=True, limit=None, split_name="training",
-                    by_file=by_file)
-    if augment:
+                    by_file=by_file, crop=crop_while_decoding)
+    if augment and not crop_while_decoding:
         train = augmented(train, listing.image_shape, seed=seed + world.rank)
     train = (train.batch(batch_size, drop_remainder=True)
              .repeat()  # endless: Keras stops each epoch after steps_per_epoch (plan.py)
@@ -192,12 +206,11 @@ def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: Decod
     marked, and what the store holds already is read from it instead of decoded."""
     import tensorflow as tf
 
-    def number(count, element):
+    def decode_one(count, element):
         position, record = element
+        # Where sample ``count`` of the pass sits in the list, noted before it can fail.
         with tf.control_dependencies([failures.remember(count, position)]):
-            return tf.identity(count), position, record
-
-    def decode_one(count, position, record):
+            record = tf.nest.map_structure(tf.identity, record)
         if store is None:
             return (count, *decode(*_as_tuple(record)))
 
@@ -214,20 +227,25 @@ def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: Decod
         return count, tf.ensure_shape(image, image_shape), tf.ensure_shape(label, [])
 
     decoded = (records.enumerate()
-               .map(number)  # sequential: every number's position is stored before decoding
                .map(decode_one, num_parallel_calls=tf.data.AUTOTUNE)  # keeps order
                .ignore_errors())
     blank = (tf.zeros(image_shape, tf.uint8), tf.constant(0, tf.int64))
     # A sentinel number past the end makes a gap after the last good sample visible too.
     end = tf.data.Dataset.from_tensors((tf.constant(num_samples, tf.int64), *blank))
 
-    def count_gaps(last_good, element):
-        count = element[0]
+    def note_gap(last_good, count):
         noted = [failures.note(last_good, count)]
         if store is not None:
             noted.append(store.mark_failed(failures.positions_between(last_good, count)))
         with tf.control_dependencies(noted):
-            return tf.identity(count), element
+            return tf.identity(count)
+
+    def count_gaps(last_good, element):
+        count = element[0]
+        # The variables are touched only where a sample failed: most steps cost a comparison.
+        count = tf.cond(count > last_good + 1, lambda: note_gap(last_good, count),
+                        lambda: count)
+        return count, element
 
     samples = (decoded.concatenate(end)
                .scan(tf.constant(-1, tf.int64), count_gaps)

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from hvdtrain.data.images import decode_image
 from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, HeldOutRecords, Listing, Split,
                                    held_out_counts)
 from hvdtrain.data.shares import samples_for_rank
@@ -97,12 +96,8 @@ class TFRecordListing(Listing):
                                       seed=seed + world.rank, reshuffle_each_iteration=True)
         return records
 
-    def decoder(self, image_shape: tuple[int, int, int]) -> Callable:
-        def decode(record):
-            encoded, label = parse_example(record)
-            return decode_image(encoded, image_shape), label
-
-        return decode
+    def reader(self) -> Callable:
+        return parse_example
 
     def sample_namer(self, split: Split, world: World, *, by_file: bool
                      ) -> Callable[[int], str]:
