@@ -12,10 +12,17 @@ Every source becomes the same two ``tf.data`` pipelines per rank. The package, b
     cache.py     where decoded images are kept between epochs, sized against the job's memory
     pipeline.py  a listing -> this rank's training and validation pipelines
 """
-from hvdtrain.data.cache import CacheChoice, choose_data_cache
-from hvdtrain.data.listing import Listing, Split, split_indices
-from hvdtrain.data.pipeline import ImageDatasets, build_pipelines
-from hvdtrain.data.sources import list_data, load_listing
+import importlib
 
-__all__ = ["CacheChoice", "ImageDatasets", "Listing", "Split", "build_pipelines",
-           "choose_data_cache", "list_data", "load_listing", "split_indices"]
+# Resolved on first use: importing one module of the package (the config imports cache.py's
+# flag parser) must not import them all, numpy and the pipeline included.
+_PUBLIC = {"CacheChoice": "cache", "choose_data_cache": "cache", "Listing": "listing",
+           "Split": "listing", "split_indices": "listing", "ImageDatasets": "pipeline",
+           "build_pipelines": "pipeline", "list_data": "sources", "load_listing": "sources"}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(f"hvdtrain.data.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module 'hvdtrain.data' has no attribute {name!r}")

@@ -6,9 +6,12 @@ Shares are taken before decoding: each rank reads and decodes only its own files
 """
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
 
 from hvdtrain.runtime.base import World
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def rank_share(values: np.ndarray, world: World) -> np.ndarray:

@@ -16,10 +16,10 @@ neither problem:
 In memory the images are a hash table of serialized tensors (growing as the first pass decodes,
 like ``cache()``); on disk, one file per split in this process's cache directory, sample ``p`` at
 byte ``p * image bytes``, written and read with ``pwrite``/``pread`` (one system call each; a
-file per sample costs ext4 an inode and a journal entry each, which held the first pass at 1.28 M
-files well under its speed at 10k in ``bench data``). A sample becomes visible (its label is stored) only after its image is
-written, and rewriting a position writes the same bytes (decoding is deterministic), so a reader
-never sees a torn image.
+file per sample costs ext4 an inode and a journal entry each, which held the first pass at
+1.28 M files well under its speed at 10k in ``bench data``). A sample becomes visible (its label
+is stored) only after its image is written, and rewriting a position writes the same bytes
+(decoding is deterministic), so a reader never sees a torn image.
 """
 from __future__ import annotations
 
