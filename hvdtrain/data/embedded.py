@@ -65,14 +65,6 @@ class EmbeddedListing(Listing):
 
     in_memory: ClassVar[str | None] = "the embedded data is in memory already"
 
-    def shard_records(self, split: Split, world: World, *, seed: int,
-                      by_file: bool = False) -> tf.data.Dataset:
-        import tensorflow as tf
-
-        # The split is already shuffled with the shared seed (split_indices).
-        return tf.data.Dataset.from_tensor_slices((rank_share(split.sources, world),
-                                                   rank_share(split.labels, world)))
-
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
                      by_file: bool, state: list) -> tf.data.Dataset:
         import tensorflow as tf

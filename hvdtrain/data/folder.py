@@ -44,14 +44,6 @@ class FolderListing(Listing):
         """A sample's file path, for messages and tools."""
         return os.path.join(self.root, source.decode() if isinstance(source, bytes) else source)
 
-    def shard_records(self, split: Split, world: World, *, seed: int,
-                      by_file: bool = False) -> tf.data.Dataset:
-        import tensorflow as tf
-
-        # The split is already shuffled with the shared seed (split_indices).
-        return tf.data.Dataset.from_tensor_slices((rank_share(split.sources, world),
-                                                   rank_share(split.labels, world)))
-
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
                      by_file: bool, state: list) -> tf.data.Dataset:
         """``(position, (path, label))``: the order is a permutation of positions, so a pass

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import numpy as np
 
 from hvdtrain.data.images import decode_image
-from hvdtrain.data.shares import samples_for_rank
+from hvdtrain.data.shares import rank_share, samples_for_rank
 from hvdtrain.runtime.base import World
 
 if TYPE_CHECKING:
@@ -81,11 +81,17 @@ class Listing(abc.ABC):
     """Why this source needs no cache and never fails to decode (its pixels are in memory), or
     None for a source read from files."""
 
-    @abc.abstractmethod
     def shard_records(self, split: Split, world: World, *, seed: int,
                       by_file: bool = False) -> tf.data.Dataset:
         """The records of ``split`` this rank owns, undecoded and in list order: what the rank
-        reads. ``by_file``: TFRecord shards shared out as whole files, not record by record."""
+        reads. ``by_file``: TFRecord shards shared out as whole files, not record by record.
+
+        Here, for a split that lists its samples with their labels: ``(source, label)`` of every
+        size-th sample (the split is already shuffled with the shared seed, split_indices)."""
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices((rank_share(split.sources, world),
+                                                   rank_share(split.labels, world)))
 
     @abc.abstractmethod
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
