@@ -345,8 +345,10 @@ host_name() {
 #     cred_expire is also the lifetime of step credentials (minimum 5); 10 s is ample on one
 #     machine. SchedulerParameters=sched_interval=5,bf_interval=5 (defaults 60 and 30) make the
 #     scheduler pick the job up within seconds once BeginTime has passed: measured, the second run
-#     starts ~14 s after the requeue. `scontrol update jobid=N StartTime=now` right after the
-#     requeue starts it within ~1 s.
+#     starts ~14 s after the requeue. Do not start it sooner (`scontrol update jobid=N
+#     StartTime=now`): slurmd refuses the job's credential until cred_expire after the requeue,
+#     and slurmctld then ends the job for good ("Killing non-startable batch JobId=N: Job
+#     credential revoked", state FAILED).
 gen_slurm_conf() {
   local nodes=()
   echo "$MARKER"
