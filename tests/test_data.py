@@ -523,6 +523,30 @@ def test_a_full_store_serves_new_orders_without_the_files(tmp_path, source, cach
     assert [batch[0].sum() for batch in pipelines.validation.as_numpy_iterator()] == validation
 
 
+@pytest.mark.parametrize("cache", ["memory", "disk"])
+def test_undecodable_samples_stay_weight_0_blanks_in_every_pass_of_a_store(tmp_path, cache):
+    """A sample that did not decode in the first pass is stored as failed: every later pass
+    (read from the store in batches) brings it back as a blank of weight 0, the others intact."""
+    from hvdtrain.data.cache import CacheChoice
+
+    root = make_image_folder(tmp_path / "data", classes=2, per_class=12)
+    bad = add_undecodable_files(root, per_class=3)
+    listing = list_image_folder(str(root), image_size=8, validation_fraction=0.0, seed=0,
+                                on_bad_image="skip")
+    pipelines = build_pipelines(listing, World(), batch_size=5, validation_batch_size=5,
+                                validation_steps=0, seed=0,
+                                cache=CacheChoice(cache, "test", str(tmp_path)))
+    samples = pipelines.train.unbatch().as_numpy_iterator()
+    passes = [[next(samples) for _ in range(listing.train.num_samples)] for _ in range(3)]
+    good = [sorted(int(image.sum()) for image, _, weight in one if weight) for one in passes]
+    blanks = [[image for image, label, weight in one if not weight] for one in passes]
+    assert [len(some) for some in blanks] == [len(bad)] * 3
+    assert all(not image.any() for some in blanks for image in some)
+    assert len(good[0]) == listing.train.num_samples - len(bad) and good[0] == good[1] == good[2]
+    orders = [[int(image.sum()) for image, _, _ in one] for one in passes]
+    assert orders[1] != orders[2]  # read from the store, in a new order
+
+
 def test_augmentation_crops_anew_every_epoch_and_rank_and_validation_never_changes(tmp_path):
     """Every image of this folder is the same picture: what differs between samples, passes and
     ranks is the augmentation alone."""

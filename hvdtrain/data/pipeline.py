@@ -214,21 +214,23 @@ def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: Decod
         if store is None:
             return (count, *decode(*_as_tuple(record)))
 
-        def decode_and_store():
+        def decode_fresh():
             image, label = decode(*_as_tuple(record))
-            with tf.control_dependencies([store.put(position, image, label)]):
-                return tf.identity(image), tf.identity(label)
+            return image, label, tf.constant(True)
 
         def from_store():
-            return store.read(position), store.labels.lookup(position)
+            return store.read(position), store.labels.lookup(position), tf.constant(False)
 
-        image, label = tf.cond(store.holds(position), from_store, decode_and_store)
+        image, label, fresh = tf.cond(store.holds(position), from_store, decode_fresh)
         # Shapes a lookup table cannot know, which Keras needs to build its metrics.
-        return count, tf.ensure_shape(image, image_shape), tf.ensure_shape(label, [])
+        return (count, position, tf.ensure_shape(image, image_shape),
+                tf.ensure_shape(label, []), fresh)
 
     decoded = (records.enumerate()
                .map(decode_one, num_parallel_calls=tf.data.AUTOTUNE)  # keeps order
                .ignore_errors())
+    if store is not None:
+        decoded = store.storing(decoded)
     blank = (tf.zeros(image_shape, tf.uint8), tf.constant(0, tf.int64))
     # A sentinel number past the end makes a gap after the last good sample visible too.
     end = tf.data.Dataset.from_tensors((tf.constant(num_samples, tf.int64), *blank))

@@ -15,9 +15,10 @@ neither problem:
 
 In memory the images are a hash table of serialized tensors (growing as the first pass decodes,
 like ``cache()``); on disk, one file per split in this process's cache directory, sample ``p`` at
-byte ``p * image bytes``, written and read with ``pwrite``/``pread`` (one system call each; a
-file per sample costs ext4 an inode and a journal entry each, which held the first pass at
-1.28 M files well under its speed at 10k in ``bench data``). A sample becomes visible (its label
+byte ``p * image bytes``, written and read with ``pwrite``/``pread`` (one system call per
+sample, one call from TensorFlow into Python per batch of them; a file per sample costs ext4
+an inode and a journal entry each, which held the first pass at 1.28 M files well under its
+speed at 10k in ``bench data``). A sample becomes visible (its label
 is stored) only after its image is written, and rewriting a position writes the same bytes
 (decoding is deterministic), so a reader never sees a torn image.
 """
@@ -35,6 +36,8 @@ ABSENT = -1
 """Label of a position not stored yet."""
 FAILED = -2
 """Label of a position whose sample did not decode: read back as a blank of weight 0."""
+STORE_BATCH = 32
+"""Samples a store writes, or reads, at a time."""
 
 
 class SampleStore:
@@ -64,18 +67,32 @@ class SampleStore:
         """True where ``position`` holds a decoded sample."""
         return self.labels.lookup(position) >= 0
 
-    def put(self, position, image, label):
-        """An op storing a decoded sample: the image first, then the label that makes it visible."""
+    def storing(self, decoded: tf.data.Dataset) -> tf.data.Dataset:
+        """``decoded`` (``(count, position, image, label, fresh)`` elements, ``fresh`` where the
+        sample was decoded rather than read from this store) as ``(count, image, label)``, with
+        every fresh sample stored on the way: its image first, then the label that makes it
+        visible."""
         import tensorflow as tf
 
-        if self.directory is None:
-            written = self.images.insert(position, tf.io.serialize_tensor(image))
-        else:
-            # TensorFlow has no op that writes at an offset: a Python call (os.pwrite releases
-            # the GIL while it writes).
-            written = tf.py_function(self._write, [position, image], tf.int64)
-        with tf.control_dependencies([written]):
-            return self.labels.insert(position, label)
+        def put_batch(count, position, image, label, fresh):
+            positions, images = tf.boolean_mask(position, fresh), tf.boolean_mask(image, fresh)
+            if self.directory is None:
+                written = self.images.insert(positions, tf.map_fn(
+                    tf.io.serialize_tensor, images, fn_output_signature=tf.string))
+            else:
+                # TensorFlow has no op that writes at an offset: Python writes them (os.pwrite
+                # releases the GIL while it writes).
+                written = tf.py_function(self._write, [positions, images], tf.int64)
+            with tf.control_dependencies([written]):
+                stored = self.labels.insert(positions, tf.boolean_mask(label, fresh))
+            with tf.control_dependencies([stored]):
+                return count, tf.identity(image), tf.identity(label)
+
+        # A batch at a time: one call into Python (disk) or one table insert (memory) per
+        # STORE_BATCH samples, not per sample.
+        return (decoded.batch(STORE_BATCH)
+                .map(put_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                .unbatch())
 
     def mark_failed(self, positions):
         """An op recording that the samples at ``positions`` (a vector) did not decode."""
@@ -84,39 +101,52 @@ class SampleStore:
         return self.labels.insert(positions, tf.fill(tf.shape(positions),
                                                      tf.constant(FAILED, tf.int64)))
 
-    def get(self, position):
-        """``(image, label, weight)`` of a stored position: weight 1, or a blank of weight 0 for a
-        sample that did not decode."""
+    def stored(self, positions: tf.data.Dataset) -> tf.data.Dataset:
+        """``(image, label, weight)`` of every position of ``positions``, in their order: weight
+        1, or a blank of weight 0 for a sample that did not decode."""
         import tensorflow as tf
 
-        label = tf.ensure_shape(self.labels.lookup(position), [])
+        def get_batch(position):
+            label = tf.ensure_shape(self.labels.lookup(position), [None])
+            held = label >= 0
+            images = self.read_many(tf.boolean_mask(position, held))
+            # Blanks (zeros, weight 0) where a sample did not decode.
+            images = tf.scatter_nd(tf.where(held), images,
+                                   tf.concat([tf.shape(position, tf.int64),
+                                              tf.constant(self.image_shape, tf.int64)], 0))
+            return (tf.ensure_shape(images, [None, *self.image_shape]),
+                    tf.where(held, label, tf.zeros_like(label)), tf.cast(held, tf.float32))
 
-        def stored():
-            return self.read(position), label, tf.constant(1.0)
+        return (positions.batch(STORE_BATCH)
+                .map(get_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                .unbatch())
 
-        def blank():
-            return (tf.zeros(self.image_shape, tf.uint8), tf.constant(0, tf.int64),
-                    tf.constant(0.0))
-
-        return tf.cond(label >= 0, stored, blank)
-
-    def read(self, position):
-        """The stored image of ``position`` (which must hold a decoded sample)."""
+    def read_many(self, positions):
+        """The stored images of ``positions`` (a vector; each must hold a decoded sample)."""
         import tensorflow as tf
 
         if self.directory is None:
-            image = tf.io.parse_tensor(self.images.lookup(position), tf.uint8)
+            images = tf.map_fn(lambda serialized: tf.io.parse_tensor(serialized, tf.uint8),
+                               self.images.lookup(positions), fn_output_signature=tf.uint8)
         else:
-            image = tf.reshape(tf.py_function(self._read, [position], tf.uint8), self.image_shape)
-        return tf.ensure_shape(image, self.image_shape)
+            images = tf.py_function(self._read_many, [positions], tf.uint8)
+        return tf.reshape(images, [-1, *self.image_shape])
 
-    def _write(self, position, image) -> int:
-        offset = int(position) * self._image_bytes
-        return os.pwrite(self._fd, image.numpy().tobytes(), offset)
+    def read(self, position):
+        """The stored image of ``position`` (which must hold a decoded sample)."""
+        return self.read_many(position[None])[0]
 
-    def _read(self, position) -> np.ndarray:
-        offset = int(position) * self._image_bytes
-        return np.frombuffer(os.pread(self._fd, self._image_bytes, offset), np.uint8)
+    def _write(self, positions, images) -> int:
+        for position, image in zip(positions.numpy(), images.numpy()):
+            os.pwrite(self._fd, image, int(position) * self._image_bytes)
+        return len(positions)
+
+    def _read_many(self, positions) -> np.ndarray:
+        positions = positions.numpy()
+        images = np.empty((len(positions), self._image_bytes), np.uint8)
+        for image, position in zip(images, positions):
+            os.preadv(self._fd, [image], int(position) * self._image_bytes)  # into place
+        return images
 
 
 def stored_passes(from_source: tf.data.Dataset, store: SampleStore, num_samples: int, *,
@@ -137,8 +167,7 @@ def stored_passes(from_source: tf.data.Dataset, store: SampleStore, num_samples:
             # Stateless with (seed, pass): reproducible, and a new order on every pass.
             pass_seed = tf.stack([tf.constant(seed, tf.int64), passes.assign_add(1)])
             positions = tf.random.experimental.stateless_shuffle(positions, seed=pass_seed)
-        from_store = (tf.data.Dataset.from_tensor_slices(positions)
-                      .map(store.get, num_parallel_calls=tf.data.AUTOTUNE))
+        from_store = store.stored(tf.data.Dataset.from_tensor_slices(positions))
         # take(0) never starts the other dataset: a complete store opens no file.
         everything, nothing = tf.constant(-1, tf.int64), tf.constant(0, tf.int64)
         return (from_source.take(tf.where(complete, nothing, everything))
