@@ -37,7 +37,7 @@ ABSENT = -1
 FAILED = -2
 """Label of a position whose sample did not decode: read back as a blank of weight 0."""
 STORE_BATCH = 32
-"""Samples a store writes, or reads, at a time."""
+"""Samples a disk store writes, or reads, per call into Python."""
 
 
 class SampleStore:
@@ -74,22 +74,30 @@ class SampleStore:
         visible."""
         import tensorflow as tf
 
+        if self.directory is None:
+            def put_one(count, position, image, label, fresh):
+                def put():
+                    written = self.images.insert(position, tf.io.serialize_tensor(image))
+                    with tf.control_dependencies([written]):
+                        return self.labels.insert(position, label)
+
+                with tf.control_dependencies([tf.cond(fresh, put, tf.no_op)]):
+                    return count, tf.identity(image), tf.identity(label)
+
+            return decoded.map(put_one, num_parallel_calls=tf.data.AUTOTUNE)
+
         def put_batch(count, position, image, label, fresh):
-            positions, images = tf.boolean_mask(position, fresh), tf.boolean_mask(image, fresh)
-            if self.directory is None:
-                written = self.images.insert(positions, tf.map_fn(
-                    tf.io.serialize_tensor, images, fn_output_signature=tf.string))
-            else:
-                # TensorFlow has no op that writes at an offset: Python writes them (os.pwrite
-                # releases the GIL while it writes).
-                written = tf.py_function(self._write, [positions, images], tf.int64)
+            positions, images, labels = (only(fresh, position), only(fresh, image),
+                                         only(fresh, label))
+            # TensorFlow has no op that writes at an offset: Python writes them, a batch per
+            # call (a call per sample held the first pass at 0.86 of the memory store's rate in
+            # bench data); os.pwrite releases the GIL while it writes.
+            written = tf.py_function(self._write, [positions, images], tf.int64)
             with tf.control_dependencies([written]):
-                stored = self.labels.insert(positions, tf.boolean_mask(label, fresh))
+                stored = self.labels.insert(positions, labels)
             with tf.control_dependencies([stored]):
                 return count, tf.identity(image), tf.identity(label)
 
-        # A batch at a time: one call into Python (disk) or one table insert (memory) per
-        # STORE_BATCH samples, not per sample.
         return (decoded.batch(STORE_BATCH)
                 .map(put_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
                 .unbatch())
@@ -106,35 +114,52 @@ class SampleStore:
         1, or a blank of weight 0 for a sample that did not decode."""
         import tensorflow as tf
 
+        if self.directory is None:
+            return positions.map(self.get, num_parallel_calls=tf.data.AUTOTUNE)
+
         def get_batch(position):
             label = tf.ensure_shape(self.labels.lookup(position), [None])
             held = label >= 0
-            images = self.read_many(tf.boolean_mask(position, held))
+            images = tf.py_function(self._read_many, [only(held, position)], tf.uint8)
+            images = tf.reshape(images, [-1, *self.image_shape])
+            full_shape = tf.concat([tf.shape(position, tf.int64),
+                                    tf.constant(self.image_shape, tf.int64)], 0)
             # Blanks (zeros, weight 0) where a sample did not decode.
-            images = tf.scatter_nd(tf.where(held), images,
-                                   tf.concat([tf.shape(position, tf.int64),
-                                              tf.constant(self.image_shape, tf.int64)], 0))
+            images = tf.cond(tf.reduce_all(held), lambda: images,
+                             lambda: tf.scatter_nd(tf.where(held), images, full_shape))
             return (tf.ensure_shape(images, [None, *self.image_shape]),
                     tf.where(held, label, tf.zeros_like(label)), tf.cast(held, tf.float32))
 
+        # A batch per call into Python, as for writing.
         return (positions.batch(STORE_BATCH)
                 .map(get_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
                 .unbatch())
 
-    def read_many(self, positions):
-        """The stored images of ``positions`` (a vector; each must hold a decoded sample)."""
+    def get(self, position):
+        """``(image, label, weight)`` of a stored position: weight 1, or a blank of weight 0 for a
+        sample that did not decode."""
         import tensorflow as tf
 
-        if self.directory is None:
-            images = tf.map_fn(lambda serialized: tf.io.parse_tensor(serialized, tf.uint8),
-                               self.images.lookup(positions), fn_output_signature=tf.uint8)
-        else:
-            images = tf.py_function(self._read_many, [positions], tf.uint8)
-        return tf.reshape(images, [-1, *self.image_shape])
+        label = tf.ensure_shape(self.labels.lookup(position), [])
+
+        def stored():
+            return self.read(position), label, tf.constant(1.0)
+
+        def blank():
+            return (tf.zeros(self.image_shape, tf.uint8), tf.constant(0, tf.int64),
+                    tf.constant(0.0))
+
+        return tf.cond(label >= 0, stored, blank)
 
     def read(self, position):
         """The stored image of ``position`` (which must hold a decoded sample)."""
-        return self.read_many(position[None])[0]
+        import tensorflow as tf
+
+        if self.directory is None:
+            image = tf.io.parse_tensor(self.images.lookup(position), tf.uint8)
+        else:
+            image = tf.py_function(self._read_many, [position[None]], tf.uint8)
+        return tf.ensure_shape(tf.reshape(image, self.image_shape), self.image_shape)
 
     def _write(self, positions, images) -> int:
         for position, image in zip(positions.numpy(), images.numpy()):
@@ -147,6 +172,14 @@ class SampleStore:
         for image, position in zip(images, positions):
             os.preadv(self._fd, [image], int(position) * self._image_bytes)  # into place
         return images
+
+
+def only(keep, values):
+    """``values`` where ``keep`` (a boolean vector) holds; without a copy when it holds
+    everywhere, as it does for nearly every batch."""
+    import tensorflow as tf
+
+    return tf.cond(tf.reduce_all(keep), lambda: values, lambda: tf.boolean_mask(values, keep))
 
 
 def stored_passes(from_source: tf.data.Dataset, store: SampleStore, num_samples: int, *,
