@@ -18,9 +18,9 @@ like ``cache()``); on disk, one file per split in this process's cache directory
 byte ``p * image bytes``, written and read with ``pwrite``/``pread`` (one system call per
 sample, one call from TensorFlow into Python per batch of them; a file per sample costs ext4
 an inode and a journal entry each, which held the first pass at 1.28 M files well under its
-speed at 10k in ``bench data``). A sample becomes visible (its label
-is stored) only after its image is written, and rewriting a position writes the same bytes
-(decoding is deterministic), so a reader never sees a torn image.
+speed at 10k in ``bench data``). A sample becomes visible (its label is stored) only after its
+image is written, and rewriting a position writes the same bytes (decoding is deterministic), so
+a reader never sees a torn image.
 """
 from __future__ import annotations
 
@@ -87,8 +87,7 @@ class SampleStore:
             return decoded.map(put_one, num_parallel_calls=tf.data.AUTOTUNE)
 
         def put_batch(count, position, image, label, fresh):
-            positions, images, labels = (only(fresh, position), only(fresh, image),
-                                         only(fresh, label))
+            positions, images, labels = only(fresh, position, image, label)
             # TensorFlow has no op that writes at an offset: Python writes them, a batch per
             # call (a call per sample held the first pass at 0.86 of the memory store's rate in
             # bench data); os.pwrite releases the GIL while it writes.
@@ -120,7 +119,7 @@ class SampleStore:
         def get_batch(position):
             label = tf.ensure_shape(self.labels.lookup(position), [None])
             held = label >= 0
-            images = tf.py_function(self._read_many, [only(held, position)], tf.uint8)
+            images = tf.py_function(self._read_many, only(held, position), tf.uint8)
             images = tf.reshape(images, [-1, *self.image_shape])
             full_shape = tf.concat([tf.shape(position, tf.int64),
                                     tf.constant(self.image_shape, tf.int64)], 0)
@@ -174,12 +173,13 @@ class SampleStore:
         return images
 
 
-def only(keep, values):
-    """``values`` where ``keep`` (a boolean vector) holds; without a copy when it holds
-    everywhere, as it does for nearly every batch."""
+def only(keep, *values) -> list:
+    """Each of ``values`` where ``keep`` (a boolean vector) holds, decided once for all of them;
+    without a copy when it holds everywhere, as it does for nearly every batch."""
     import tensorflow as tf
 
-    return tf.cond(tf.reduce_all(keep), lambda: values, lambda: tf.boolean_mask(values, keep))
+    return tf.cond(tf.reduce_all(keep), lambda: list(values),
+                   lambda: [tf.boolean_mask(value, keep) for value in values])
 
 
 def stored_passes(from_source: tf.data.Dataset, store: SampleStore, num_samples: int, *,
