@@ -2,10 +2,12 @@
 
 `pytest tests/` runs every tier in one process: pure logic, collective tests as a world of one,
 and integration tests that start their own horovodrun/mpirun/Slurm jobs.
-`mpirun -np 2 pytest tests/` runs the same files in two processes: the collective tests then run
-across 2 real ranks; integration tests skip there (they would start every job twice, competing
-for the same 2 cores) and pure tests simply run on both ranks. Collective tests that only compare
-ranks (`multi_rank`) skip in a world of one, where they would compare rank 0 with itself.
+`mpirun -np 2 pytest tests/` runs the same files in two processes: the collective tests (those
+that take the `runtime` fixture) then run across 2 real ranks; every other test skips there with
+one line: an integration test would start every job twice, competing for the same 2 cores, and a
+pure test ran in the single-process pass and would only run twice more. Collective tests that
+only compare ranks (`multi_rank`) skip in a world of one, where they would compare rank 0 with
+itself.
 
 Collective tests never assert before the ranks have exchanged their results: `gather_checked`
 runs the local part, all-gathers (ok, error) from every rank, and only then asserts, so a failure
@@ -36,6 +38,18 @@ integration = pytest.mark.skipif(
 # that the others skipped.
 multi_rank = pytest.mark.skipif(
     LAUNCHED_RANKS < 2, reason="needs >= 2 ranks: run under mpirun -np 2 pytest tests/")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Decided from the collected items, the same on every rank: no rank waits in a collective
+    # for a test the others skipped.
+    if LAUNCHED_RANKS < 2:
+        return
+    single_pass = pytest.mark.skip(reason="takes no part in a collective: runs in the "
+                                          "single-process pass (pytest tests/)")
+    for item in items:
+        if "runtime" not in getattr(item, "fixturenames", ()):
+            item.add_marker(single_pass)
 
 
 @pytest.fixture(scope="session")
