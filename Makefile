@@ -15,7 +15,7 @@ MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # The collective tests run once as 2 ranks. Oversubscribe: CI machines may have fewer cores.
 MPIRUN := $(MPI_ENV) mpirun -np 2 --oversubscribe --bind-to none
 
-.PHONY: install train test test-unit test-mpi bench slurm-up slurm-down cluster-up cluster-down clean distclean
+.PHONY: install train test test-clusters test-local test-unit test-mpi bench slurm-up slurm-down cluster-up cluster-down clean distclean
 
 $(STAMP): setup.cfg scripts/install.sh scripts/constraints.txt
 	HVDTRAIN_VENV=$(VENV) bash scripts/install.sh
@@ -29,13 +29,33 @@ train: $(STAMP)
 	$(MPI_ENV) TF_CPP_MIN_LOG_LEVEL=$${TF_CPP_MIN_LOG_LEVEL:-2} \
 	  $(VENV)/bin/horovodrun -np $(NP) $(PYTHON) -m hvdtrain.cnn $(ARGS)
 
-test: test-unit test-mpi
+# `make test` is `make test-unit test-mpi` in two lanes at once, because neither pass alone keeps
+# 2 cores busy: the tests against the local clusters mostly wait (daemons, timeouts, requeues)
+# while the rest mostly compute. The cluster files share one cluster (and take it down), so they
+# stay in one lane, in order, with the fault tests to even the lanes out; the other lane runs the
+# rest, then the mpirun pass. Each lane prints whole lines under its name, and its slowest tests.
+CLUSTER_LANE := tests/test_multinode.py tests/test_slurm.py tests/test_cluster_safety.py tests/test_faults.py
+# -u: pytest's lines reach the lane's prefixer as they are written, not in 8 KiB blocks.
+PYTEST := $(PYTHON) -u -m pytest
+PYTEST_MPI := $(MPIRUN) $(PYTHON) -u -m pytest tests/ -p no:cacheprovider --color=no $(PYTEST_ARGS)
+LANE_PREFIX = 2>&1 | sed -u "s/^/[$(@:test-%=%)] /"
+
+test: $(STAMP)
+	@$(MAKE) --no-print-directory -j2 test-clusters test-local
+
+test-clusters: $(STAMP)
+	set -o pipefail; $(PYTEST) $(CLUSTER_LANE) -p no:cacheprovider --durations=15 $(PYTEST_ARGS) \
+	  $(LANE_PREFIX)
+
+test-local: $(STAMP)
+	set -o pipefail; { $(PYTEST) tests/ $(addprefix --ignore=,$(CLUSTER_LANE)) --durations=20 \
+	  $(PYTEST_ARGS) && $(PYTEST_MPI); } $(LANE_PREFIX)
 
 test-unit: $(STAMP)
-	$(PYTHON) -m pytest tests/ --durations=25 $(PYTEST_ARGS)
+	$(PYTEST) tests/ --durations=25 $(PYTEST_ARGS)
 
 test-mpi: $(STAMP)
-	$(MPIRUN) $(PYTHON) -m pytest tests/ -p no:cacheprovider --color=no $(PYTEST_ARGS)
+	$(PYTEST_MPI)
 
 bench: $(STAMP)
 	$(MPI_ENV) $(PYTHON) -m benchmarks all $(ARGS)

@@ -79,9 +79,8 @@ def make_dry_run(target: str, *make_args: str, env_venv: str | None = None) -> l
     """The commands `make -n TARGET` would run, as a user's shell would start it."""
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    # A `make test` above this test passes its variables down in MAKEFLAGS; a user's shell doesn't.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "VENV", "HVDTRAIN_VENV")}
+    # As a user's shell would: no parent make's flags (clean_env), no venv chosen.
+    env = {k: v for k, v in clean_env().items() if k not in ("VENV", "HVDTRAIN_VENV")}
     if env_venv is not None:
         env["HVDTRAIN_VENV"] = env_venv
     result = subprocess.run(["make", "-n", "-C", str(REPO), "--no-print-directory", target,
@@ -116,6 +115,29 @@ def test_make_and_install_sh_use_the_same_venv(tmp_path, chosen_by):
 def test_make_install_defaults_to_the_repository_venv():
     commands = make_dry_run("install")
     assert venv_install_sh_uses(commands, None) == ".venv", commands
+
+
+def test_make_tests_lanes_run_every_test_file_once_and_keep_the_clusters_together():
+    # `make test` runs two lanes at once (Makefile): the single-process pass must still run
+    # every test file exactly once, the mpirun pass must follow, and every file that brings up
+    # a test cluster must be in the cluster lane, whose files run in order (they share the
+    # cluster and take it down).
+    assert any("-j2 test-clusters test-local" in line for line in make_dry_run("test"))
+    lanes = {}
+    for lane in ("test-clusters", "test-local"):
+        script = "\n".join(make_dry_run(lane)).replace("\\\n", " ")
+        [command] = [line for line in script.splitlines() if " -m pytest " in line]
+        lanes[lane] = shlex.split(command)
+    cluster_files = {word for word in lanes["test-clusters"] if word.startswith("tests/test_")}
+    local = lanes["test-local"]
+    ignored = {word.removeprefix("--ignore=") for word in local if word.startswith("--ignore=")}
+    assert local.count("tests/") == 2 and "mpirun" in local, local  # both passes, in order
+    assert local.index("mpirun") > local.index("tests/")
+    every_file = {str(path.relative_to(REPO)) for path in (REPO / "tests").glob("test_*.py")}
+    assert cluster_files == ignored and cluster_files < every_file, (cluster_files, ignored)
+    using_a_cluster = {name for name in every_file
+                       if re.search(r"(cluster|slurm)-local\.sh", (REPO / name).read_text())}
+    assert using_a_cluster and using_a_cluster <= cluster_files, using_a_cluster - cluster_files
 
 
 def installed(distribution: str) -> bool:
