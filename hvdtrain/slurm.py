@@ -1,8 +1,8 @@
 """Everything hvdtrain knows about Slurm: reading an allocation, and writing sbatch scripts.
 
 * ``Allocation.from_env`` maps the ``SLURM_*`` variables of a job to hosts, tasks and GPUs per host
-  (hostnames via ``scontrol show hostnames``, Slurm's own expander). The launcher uses it; training
-  code never reads ``SLURM_*``.
+  (the node list expanded in Python, as ``scontrol show hostnames`` would, so the launcher needs
+  no Slurm command inside a container). The launcher uses it; training code never reads ``SLURM_*``.
 * ``SbatchJob`` + ``render`` write a complete, commented sbatch script. The templates shipped in
   ``slurm/`` are exactly what ``render`` produces for ``TEMPLATES`` (a golden-file test keeps them in
   step); ``python -m hvdtrain.slurm render ...`` writes a custom one.
@@ -10,12 +10,12 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import MISSING, dataclass, fields
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from hvdtrain.errors import UserError, reported
 
@@ -23,17 +23,51 @@ PROGRAM = "hvdtrain.slurm"
 
 
 # --- reading an allocation -------------------------------------------------------------------------
-def scontrol_show_hostnames(nodelist: str) -> list[str]:
-    try:
-        output = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
-                                capture_output=True, text=True, timeout=30).stdout
-    except FileNotFoundError:
-        raise UserError("inside a Slurm job but `scontrol` is not on PATH; cannot expand "
-                        f"SLURM_JOB_NODELIST={nodelist}") from None
-    except subprocess.CalledProcessError as error:
-        raise UserError(f"scontrol show hostnames {nodelist} failed: "
-                        f"{error.stderr.strip() or error}") from None
-    return output.split()
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Slurm's hostlist syntax expanded, as ``scontrol show hostnames`` does, in Python: inside a
+    container (Enroot/pyxis, Apptainer, Charliecloud) ``scontrol`` is usually missing.
+
+    ``node[1-3,7],gpu[01-02]`` -> node1 node2 node3 node7 gpu01 gpu02. Items are separated by
+    commas or whitespace outside brackets; a bracket holds numbers and ranges, each range padded
+    to the width of its first number (``[08-10]``: 08 09 10; ``[1-010]``: 1 ... 10); several
+    brackets in one item give every combination, the first bracket slowest
+    (``rack[1-2]-n[1-2]``: rack1-n1 rack1-n2 rack2-n1 rack2-n2). Order and repeats are kept.
+    """
+    hosts: list[str] = []
+    for item in _hostlist_items(nodelist):
+        # "a[1-2]b[3]c" -> ["a", "1-2", "b", "3", "c"]: literals at even positions.
+        pieces = re.split(r"\[([^\[\]]*)\]", item)
+        if any("[" in piece or "]" in piece for piece in pieces[::2]):
+            raise UserError(f"cannot read Slurm's node list {nodelist!r}: unbalanced brackets")
+        choices = [[piece] for piece in pieces]
+        choices[1::2] = [_bracket_numbers(piece, nodelist) for piece in pieces[1::2]]
+        hosts += ["".join(combination) for combination in itertools.product(*choices)]
+    return hosts
+
+
+def _hostlist_items(nodelist: str) -> list[str]:
+    """The comma- or space-separated items of a node list (separators inside brackets kept)."""
+    items, current, depth = [], "", 0
+    for char in nodelist:
+        depth += (char == "[") - (char == "]")
+        if depth == 0 and (char == "," or char.isspace()):
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    return [item for item in [*items, current] if item]
+
+
+def _bracket_numbers(ranges: str, nodelist: str) -> list[str]:
+    """'01-03,7' -> ['01', '02', '03', '7']."""
+    numbers = []
+    for part in ranges.split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if not match or (match.group(2) and int(match.group(2)) < int(match.group(1))):
+            raise UserError(f"cannot read Slurm's node list {nodelist!r}: bad range [{ranges}]")
+        low, high = match.group(1), match.group(2) or match.group(1)
+        numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+    return numbers
 
 
 def job_label(env: Mapping[str, str]) -> str | None:
@@ -92,16 +126,14 @@ class Allocation:
         return max(self.slots)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str],
-                 expand_hostnames: Callable[[str], list[str]] = scontrol_show_hostnames
-                 ) -> Allocation | None:
+    def from_env(cls, env: Mapping[str, str]) -> Allocation | None:
         """The allocation this process runs in, or None outside Slurm."""
         if not env.get("SLURM_JOB_ID"):
             return None
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if not nodelist:
             raise UserError("SLURM_JOB_ID is set but SLURM_JOB_NODELIST is not")
-        hosts = expand_hostnames(nodelist)
+        hosts = expand_hostlist(nodelist)
         tasks_value = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_JOB_TASKS_PER_NODE")
         if tasks_value:
             slots = expand_tasks_per_node(tasks_value)

@@ -12,28 +12,36 @@ import time
 import pytest
 
 from conftest import REPO, clean_env, integration, run_job
+from hostlists import BAD_HOSTLISTS, HOSTLISTS
 from hvdtrain.errors import UserError
 from hvdtrain.launch import (Build, LaunchOptions, build_launch, describe, horovod_tuning_env,
                              judge_exit, parse_options, preflight)
-from hvdtrain.slurm import TEMPLATES, Allocation, SbatchJob, expand_tasks_per_node, render
+from hvdtrain.slurm import (TEMPLATES, Allocation, SbatchJob, expand_hostlist, expand_tasks_per_node,
+                            render)
 from slurm_templates import COMMAND as WRITE_TEMPLATES
 
 GOOD_BUILD = Build(tensorflow=True, mpi=True, gloo=True)
 PY = "/venv/bin/python"
 
 
-def fake_expand(nodelist):
-    """Stands in for `scontrol show hostnames` in the pure tests (a real one is tested below)."""
-    return {"gpu[01-02]": ["gpu01", "gpu02"], "gpu01": ["gpu01"],
-            "cpu[1-3]": ["cpu1", "cpu2", "cpu3"]}[nodelist]
-
-
 def allocation(**env):
-    return Allocation.from_env({"SLURM_JOB_ID": "42", **env}, expand_hostnames=fake_expand)
+    return Allocation.from_env({"SLURM_JOB_ID": "42", **env})
 
 
 def options(**changes) -> LaunchOptions:
     return LaunchOptions(**{"program": "hvdtrain.cnn", "python": PY, **changes})
+
+
+@pytest.mark.parametrize("nodelist, hosts", HOSTLISTS.items())
+def test_slurm_node_lists_expand_in_python(nodelist, hosts):
+    # As Slurm 22.05's `scontrol show hostnames` prints them (compared with it in test_slurm.py).
+    assert expand_hostlist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", BAD_HOSTLISTS)
+def test_a_node_list_slurm_would_not_write_is_one_clear_error(nodelist):
+    with pytest.raises(UserError, match=r"cannot read Slurm's node list"):
+        expand_hostlist(nodelist)
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, VENV_BIN, clean_env, integration, run_job
+from hostlists import BAD_HOSTLISTS, HOSTLISTS
 
 pytestmark = [integration, pytest.mark.timeout(900)]
 SLURM_LOCAL = REPO / "tests" / "cluster" / "slurm-local.sh"
@@ -187,13 +188,29 @@ def test_the_auto_cache_budgets_against_the_jobs_slurm_memory(submit, tmp_path, 
     assert expected in job.text() and "cache: disk in " in job.text(), job.text()[-3000:]
 
 
+def test_node_lists_expand_as_scontrol_show_hostnames_does(slurm_cluster):
+    # hvdtrain.slurm.expand_hostlist (tested on these in tests/test_launch.py) against Slurm's
+    # own expander, which the launcher no longer needs (containers usually lack it).
+    def scontrol_hostnames(nodelist: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                              text=True, timeout=30)
+
+    shown = {nodelist: scontrol_hostnames(nodelist).stdout.split() for nodelist in HOSTLISTS}
+    assert shown == HOSTLISTS
+    # The lists expand_hostlist refuses are ones Slurm refuses too (or reads as garbage).
+    for nodelist in BAD_HOSTLISTS:
+        result = scontrol_hostnames(nodelist)
+        said = result.stdout + result.stderr
+        assert "Invalid hostlist" in said or "]" in result.stdout, (nodelist, said)
+
+
 def test_dry_run_for_a_simulated_two_node_allocation(slurm_cluster):
     env = clean_env(SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="node[07-08]",
                     SLURM_TASKS_PER_NODE="4(x2)", SLURM_GPUS_ON_NODE="4")
     result = run_job([str(VENV_BIN / "python"), "-m", "hvdtrain.launch", "--dry-run",
                       "--skip-preflight", "--", "hvdtrain.cnn", "--epochs", "2"],
                      timeout=60, env=env)
-    assert "-np 8 -H node07:4,node08:4" in result.stdout  # scontrol show hostnames expanded it
+    assert "-np 8 -H node07:4,node08:4" in result.stdout  # expanded in Python, as scontrol would
     assert "# Slurm job 1234: 2 node(s)" in result.stdout
 
 
