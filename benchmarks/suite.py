@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.harness import Comparison, interleave
+from hvdtrain.launcher_env import child_env
 
 BIN = Path(sys.executable).parent
 #: The repository root. The benchmarks live beside the package, not in it, so every command they
@@ -52,8 +53,7 @@ QUICK = Settings(repeats=1, warmup=0, epochs=2, steps_per_epoch=3, batch_size=8,
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_COMM_", "PMIX_", "HOROVOD_RANK", "HOROVOD_SIZE"))}
+    env = child_env()  # a benchmark run from inside a job is a job of its own
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                TF_CPP_MIN_LOG_LEVEL="3",
                # mpirun hands it to local ranks, horovodrun to every rank on every host.

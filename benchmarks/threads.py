@@ -6,7 +6,7 @@
 Run it on a node while a job trains (inside an epoch: epoch-end work such as checkpoints is
 not training). It reads each thread's user + system time from /proc twice and prints, per
 process, the cores each thread used. Ranks are named from the launcher's environment
-(OMPI_COMM_WORLD_RANK, HOROVOD_RANK or SLURM_PROCID). Threads are unnamed in TensorFlow's
+(``hvdtrain.launcher_env``). Threads are unnamed in TensorFlow's
 CPU build, so they are told apart by role: "main" is the Python thread that runs Keras' loop
 and the callbacks; on a horovod rank with one compute thread, the busiest other thread is
 TensorFlow's compute and the next is horovod's background loop (docs/benchmarks.md).
@@ -23,28 +23,21 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from hvdtrain.launcher_env import processes
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK=", "HOROVOD_RANK=", "SLURM_PROCID=")
-
-
 def training_processes(match: str) -> dict[int, str]:
     """pid -> rank (or "pid N") of every Python process whose command line contains ``match``."""
     found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_text().split("\0")
-            environment = (entry / "environ").read_text().split("\0")
-        except OSError:
-            continue  # gone, or not ours to read
-        if "python" not in os.path.basename(argv[0]) or not any(match in a for a in argv[1:]):
+    for process in processes():
+        argv = process.argv
+        if not argv or "python" not in os.path.basename(argv[0]) \
+                or not any(match in a for a in argv[1:]):
             continue
         if any(os.path.basename(a) in ("horovodrun", "mpirun") for a in argv[1:3]):
             continue  # the launcher, not a rank
-        rank = next((v.split("=", 1)[1] for v in environment if v.startswith(RANK_VARIABLES)),
-                    None)
-        found[int(entry.name)] = f"rank {rank}" if rank is not None else f"pid {entry.name}"
+        rank = process.rank
+        found[process.pid] = f"rank {rank}" if rank is not None else f"pid {process.pid}"
     return found
 
 

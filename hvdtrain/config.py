@@ -254,8 +254,8 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
     docs = {name: doc for klass in reversed(config_class.__mro__)
             if dataclasses.is_dataclass(klass) for name, doc in field_docs(klass).items()}
     for field in dataclasses.fields(config_class):
-        _add_flag(parser, config_class, field, getattr(base, field.name),
-                  docs.get(field.name, ""))
+        add_flag(parser, config_class, field, getattr(base, field.name),
+                 docs.get(field.name, ""))
     args = vars(parser.parse_args(argv))
     args.pop("preset")
     try:
@@ -264,19 +264,21 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
         raise UserError(str(error)) from None
 
 
-def _add_flag(parser: argparse.ArgumentParser, config_class: type, field: dataclasses.Field,
-              default, doc: str):
+def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config_class: type,
+             field: dataclasses.Field, default, doc: str, short: str | None = None):
+    """The flag of one dataclass field: --field-name, typed by its annotation (a bool is
+    --name/--no-name, a Literal a choice), its docstring as the help."""
+    names = [_flag(field.name)] + ([short] if short else [])
     help_text = " ".join(doc.split()).replace("%", "%%")
     kind = _base_type(config_class, field)
     choices = _literal_choices(config_class, field)
     if kind is bool:
-        parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction,
+        parser.add_argument(*names, action=argparse.BooleanOptionalAction,
                             default=default, help=help_text)
     elif choices:
-        parser.add_argument(_flag(field.name), default=default, choices=choices,
-                            help=help_text)
+        parser.add_argument(*names, default=default, choices=choices, help=help_text)
     else:
-        parser.add_argument(_flag(field.name), default=default, type=kind, help=help_text,
+        parser.add_argument(*names, default=default, type=kind, help=help_text,
                             metavar=field.name.upper())
 
 
@@ -291,6 +293,8 @@ def _resolved_hints(cls: type) -> dict:
 
 def _literal_choices(config_class: type, field: dataclasses.Field) -> tuple:
     hint = _resolved_hints(config_class)[field.name]
+    if typing.get_origin(hint) is not Literal:  # Literal[...] | None: the Literal's choices
+        hint = next((a for a in typing.get_args(hint) if typing.get_origin(a) is Literal), hint)
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
 
 

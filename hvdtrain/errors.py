@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import traceback
 from typing import Callable, Iterator
@@ -21,6 +22,24 @@ from hvdtrain.launcher_env import launch_rank
 EXIT_USAGE = 2
 #: Exit status for "stopped on a preemption signal, checkpoint written, run me again" (EX_TEMPFAIL).
 EXIT_PREEMPTED = 75
+
+
+
+def stop_status(signum: int) -> int:
+    """How a job ends after a stop signal, the one rule the ranks and the launcher both apply:
+    SIGUSR1 (Slurm's warning before the time limit) asks to be run again, so 75
+    (``EXIT_PREEMPTED``), which the launcher answers with ``scontrol requeue``; any other signal
+    is a plain stop, 128 + N as if it had killed the process."""
+    return EXIT_PREEMPTED if signum == signal.SIGUSR1 else 128 + signum
+
+
+def signal_name(number: int) -> str:
+    """SIGUSR1 for 10; real-time signals other than SIGRTMIN/SIGRTMAX have no name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
 
 #: What horovod's collectives raise on every rank once horovod has shut down.
 HOROVOD_SHUT_DOWN = "Horovod has been shut down"

@@ -1,14 +1,17 @@
-"""Who started this process: the rank and size a launcher announced, before any runtime exists.
+"""Who started a process: the rank and size a launcher announced, before any runtime exists.
 
-The one place that reads launcher variables (horovodrun, mpirun, srun). Asked for two decisions
-that come before the runtime is up: which rank prints an early error (``errors.reported``) and
-what ``--backend auto`` means (``runtime.select_backend``). Imports nothing from hvdtrain, so the
-launcher and the error handling can use it without loading TensorFlow.
+The one place that knows the launchers' variables (horovodrun, mpirun, srun), read for three
+things: which rank prints an early error (``errors.reported``) and what ``--backend auto``
+means (``runtime.select_backend``); what a process started from inside a job must not inherit
+(``child_env``: the benchmarks' and the tests' jobs); and which processes on this machine are
+ranks (``processes``: the launcher's supervision, the benchmarks, the tests). Imports nothing
+from hvdtrain, so the launcher and the error handling can use it without loading TensorFlow.
 """
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 # What launchers tell each process before it starts, as (rank, size) variables, in order of
 # trust: horovodrun (Gloo), OpenMPI's mpirun, PMI-1/2 (srun --mpi=pmi2, MPICH), PMIx (srun
@@ -18,6 +21,16 @@ from typing import Mapping
 _LAUNCHER_VARIABLES = (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK",
                                                          "OMPI_COMM_WORLD_SIZE"),
                        ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", None))
+
+#: Prefixes of the variables through which a launcher or a scheduler tells a process who it is
+#: and how to reach the rest of its job: OpenMPI's (rank, and the daemon's address an MPI_Init
+#: connects to), PMI/PMIx's, horovod's (rank, Gloo rendezvous), Slurm's (job, step, task). A
+#: process started from inside a rank or a job step that inherited them would take itself for
+#: part of that job: a launcher would read someone else's allocation, an MPI program would join
+#: another program's daemon.
+IDENTITY_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "SLURM_")
+#: ...except these, which a user sets to allow something, not to say who a process is.
+NOT_IDENTITY = frozenset({"OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"})
 
 
 def launched_as(env: Mapping[str, str] | None = None) -> tuple[int, int | None] | None:
@@ -35,3 +48,47 @@ def launch_rank(env: Mapping[str, str] | None = None) -> int:
     """This process's global rank as the launcher announced it (0 when not launched by one)."""
     launched = launched_as(env)
     return launched[0] if launched else 0
+
+
+def is_identity(name: str) -> bool:
+    """Whether a variable says which job and rank a process belongs to (see IDENTITY_PREFIXES)."""
+    return name.startswith(IDENTITY_PREFIXES) and name not in NOT_IDENTITY
+
+
+def child_env(env: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment for a job started from inside another one (a benchmark's run, a test's):
+    ``env`` (default this process's) without the identity variables, plus ``extra``."""
+    env = os.environ if env is None else env
+    return {**{name: value for name, value in env.items() if not is_identity(name)}, **extra}
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process on this machine, as /proc shows it."""
+
+    pid: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+
+    @property
+    def rank(self) -> int | None:
+        """The rank its launcher gave it; None for anything else (a launcher, mpirun, a shell)."""
+        launched = launched_as(self.env)
+        return launched[0] if launched else None
+
+
+def processes(proc: str = "/proc") -> Iterator[Process]:
+    """Every process of this machine whose command line and environment this user may read
+    (other users' processes, and those that exit while being read, are left out)."""
+    for entry in os.listdir(proc):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"{proc}/{entry}/cmdline", "rb") as cmdline:
+                argv = cmdline.read().decode(errors="replace").split("\0")
+            with open(f"{proc}/{entry}/environ", "rb") as environ:
+                variables = environ.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        env = dict(v.split("=", 1) for v in variables if "=" in v)
+        yield Process(int(entry), tuple(argv[:-1] if argv and not argv[-1] else argv), env)

@@ -8,8 +8,8 @@ path through this module:
 1. ``StopSignals`` records the signal on whichever rank got it (never fatal);
 2. ``PreemptionCheck`` makes all ranks agree on it at the same step, leave ``fit`` together, and
    has rank 0 write a checkpoint at once (``on_stop``);
-3. ``stop_exit_code`` says how the job ends: 75 (``EXIT_PREEMPTED``: requeue me) after SIGUSR1,
-   128 + N after any other signal, as if it had killed the process.
+3. ``hvdtrain.errors.stop_status`` says how the job ends: 75 (``EXIT_PREEMPTED``: requeue me)
+   after SIGUSR1, 128 + N after any other signal, as if it had killed the process.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Callable
 
 import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
-from hvdtrain.errors import EXIT_PREEMPTED
+from hvdtrain.errors import signal_name
 
 
 @dataclass
@@ -65,7 +65,7 @@ class StopSignals:
 
     def _on_signal(self, signum, frame) -> None:
         if not self.request.received:
-            print(f"rank {self.rank}: caught {signal.Signals(signum).name}; stopping after the "
+            print(f"rank {self.rank}: caught {signal_name(signum)}; stopping after the "
                   "current step to write a checkpoint", file=sys.stderr, flush=True)
         self.request.received = signum
 
@@ -109,12 +109,6 @@ class PreemptionCheck(keras.callbacks.Callback):
             self.on_stop(self.request.epoch, self.request.mid_epoch)
 
 
-def stop_exit_code(signum: int) -> int:
-    """SIGUSR1 (Slurm's warning before the time limit) asks to be run again: exit 75, which the
-    sbatch templates answer with ``scontrol requeue``. SIGTERM is a plain stop."""
-    return EXIT_PREEMPTED if signum == signal.SIGUSR1 else 128 + signum
-
-
 def describe_stop(request: StopRequest) -> str:
-    return (f"stopped by {signal.Signals(request.agreed).name} in epoch {request.epoch + 1}; "
+    return (f"stopped by {signal_name(request.agreed)} in epoch {request.epoch + 1}; "
             "checkpoint written, rerun to resume")

@@ -18,6 +18,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Mapping, Sequence
 
 from hvdtrain.errors import UserError, reported
+from hvdtrain.launch.options import MODULE_NAME, VIAS
 
 PROGRAM = "hvdtrain.slurm"
 
@@ -189,13 +190,13 @@ class SbatchJob:
             raise ValueError("tasks_per_node must be >= 1")
         if self.max_requeues < 0:
             raise ValueError("max_requeues must be >= 0")
-        if self.via not in ("horovodrun", "mpirun", "srun"):
-            raise ValueError(f"via must be horovodrun, mpirun or srun, got {self.via!r}")
+        if self.via not in VIAS:
+            raise ValueError(f"via must be one of {', '.join(VIAS)}, got {self.via!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise ValueError(f"job name {self.name!r}: use letters, digits, '.', '_' or '-'")
         # These land inside #SBATCH lines and a shell default (${VAR:-module}), where quoting
         # does not help: allow only what such names are made of.
-        if not (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.module)
+        if not (MODULE_NAME.fullmatch(self.module)
                 or re.fullmatch(r"[A-Za-z0-9_./-]+\.py", self.module)):
             raise ValueError(f"module {self.module!r}: a Python module path like hvdtrain.cnn "
                              "or a script path like train.py")

@@ -29,10 +29,9 @@ from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, 
                                  variables_bytes)
 from hvdtrain.config import ImageConfig, TrainConfig
 from hvdtrain.data import ImageDatasets, build_pipelines, choose_data_cache, load_listing
-from hvdtrain.errors import UserError, as_one_line
+from hvdtrain.errors import UserError, as_one_line, stop_status
 from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch
-from hvdtrain.preemption import (PreemptionCheck, StopRequest, StopSignals, describe_stop,
-                                 stop_exit_code)
+from hvdtrain.preemption import PreemptionCheck, StopRequest, StopSignals, describe_stop
 from hvdtrain.rundir import MODEL_FILE, RunDir, ensure_writable, is_url
 from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
 from hvdtrain.slurm import job_label
@@ -377,7 +376,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         # mpirun kills the rest of a job as soon as one rank does so.
         runtime.barrier()
         return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows,
-                              stop_exit_code(request.agreed))
+                              stop_status(request.agreed))
     # A resumed run that found every epoch done has nothing new to export either (an earlier run
     # wrote it); one whose export is missing (it ended before) writes it now.
     if config.export and world.is_chief and (trains or not exported(run_dir)):

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import pytest
 
 import hvdtrain  # noqa: F401  (selects Keras 2 before anything imports TensorFlow)
+from hvdtrain.launcher_env import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -95,9 +96,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The environment for a job a test starts, as from the user's shell: none of this process's
     MPI/horovod/Slurm identity, nor the parent make's (`make test` runs lanes under make -j2,
     whose job-server flags would make a test's own `make train` warn)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_", "PMI_", "SLURM_", "MAKE"))
-           and k != "MFLAGS"}
+    env = {k: v for k, v in child_env().items() if not k.startswith("MAKE") and k != "MFLAGS"}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PATH=f"{VENV_BIN}:{env.get('PATH', '')}", PYTHONUNBUFFERED="1")
     env.update(extra)

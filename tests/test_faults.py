@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env, integration, mpirun_job, mpirun_ranks, run_job
+from hvdtrain.launcher_env import processes
 from images import make_image_folder
 
 pytestmark = [integration, pytest.mark.timeout(600)]
@@ -26,21 +27,9 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 def rank_pids(marker: str) -> dict[int, int]:
     """{rank: pid} of the running ranks whose command line contains ``marker``."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if marker not in command or "-m hvdtrain.cnn" not in command:
-            continue
-        for variable in environ:
-            if variable.startswith(b"OMPI_COMM_WORLD_RANK="):
-                found[int(variable.split(b"=")[1])] = int(entry.name)
-    return found
+    return {process.rank: process.pid for process in processes()
+            if marker in " ".join(process.argv) and "-m hvdtrain.cnn" in " ".join(process.argv)
+            and process.rank is not None}
 
 
 @pytest.mark.parametrize("np_, victim", [(2, 1), (2, 0), (3, 2)])

@@ -60,7 +60,7 @@ def test_every_admitted_python_imports_the_package(minor):
     # The modules that need neither TensorFlow nor numpy: what a wrong floor breaks first.
     result = subprocess.run(
         [python, "-c", "import hvdtrain, hvdtrain.config, hvdtrain.plan, hvdtrain.slurm, "
-                       "hvdtrain.launch, hvdtrain.errors"],
+                       "hvdtrain.launch.__main__, hvdtrain.errors"],
         capture_output=True, text=True, timeout=60,
         env={**clean_env(), "PYTHONPATH": str(REPO)}, cwd=REPO)
     assert result.returncode == 0, (

@@ -14,7 +14,8 @@ import pytest
 
 from conftest import REPO, clean_env, horovodrun, integration, run_job
 from hvdtrain import _requested_keras
-from hvdtrain.launch import LaunchOptions, build_launch
+from hvdtrain.launch.options import LaunchOptions
+from hvdtrain.launch.paths import build_launch
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -2,6 +2,7 @@
 which exits restart; and (integration tier) a plain horovod script run through the launcher."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import signal
@@ -14,8 +15,10 @@ import pytest
 from conftest import REPO, clean_env, integration, run_job
 from hostlists import BAD_HOSTLISTS, HOSTLISTS
 from hvdtrain.errors import UserError
-from hvdtrain.launch import (Build, LaunchOptions, build_launch, describe, horovod_tuning_env,
-                             judge_exit, parse_options, preflight)
+from hvdtrain.launch.options import VIAS, LaunchOptions, is_script_path, parse_options
+from hvdtrain.launch.paths import LAUNCH_PATHS, build_launch, describe, horovod_tuning_env
+from hvdtrain.launch.preflight import Build, preflight
+from hvdtrain.launch.supervise import judge_exit
 from hvdtrain.slurm import (TEMPLATES, Allocation, SbatchJob, expand_hostlist, expand_tasks_per_node,
                             render)
 from slurm_templates import COMMAND as WRITE_TEMPLATES
@@ -89,7 +92,7 @@ def test_cpu_allocation_with_uneven_tasks():
 
 def test_tuning_reaches_every_rank_as_horovod_variables():
     env = horovod_tuning_env(options(fusion_threshold_mb=32, cycle_time_ms=0.5, autotune=True,
-                                     timeline_filename="/tmp/t.json", no_stall_check=True,
+                                     timeline_filename="/tmp/t.json", stall_check=False,
                                      stall_check_shutdown_seconds=90))
     assert env == {"HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024), "HOROVOD_CYCLE_TIME": "0.5",
                    "HOROVOD_AUTOTUNE": "1", "HOROVOD_TIMELINE": "/tmp/t.json",
@@ -100,23 +103,34 @@ def test_tuning_reaches_every_rank_as_horovod_variables():
 
 
 def test_every_flag_reaches_the_launch_options():
-    parsed, dry_run, skip_preflight = parse_options([
+    parsed = parse_options([
         "--np", "3", "--via", "mpirun", "--controller", "mpi", "--python", PY, "--dry-run",
         "--skip-preflight", "--timeline-filename", "t.json", "--autotune",
         "--autotune-log-file", "a.csv", "--fusion-threshold-mb", "32", "--cycle-time-ms", "0.5",
         "--stall-check-warning-seconds", "30", "--stall-check-shutdown-seconds", "90",
         "--no-stall-check", "--binding-args", "--bind-to core", "--allow-run-as-root",
-        "--max-restarts", "2", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "2"])
+        "--max-restarts", "2", "-H", "node1:2", "--network-interface", "eth0", "--keras", "3",
+        "hvdtrain.cnn", "--preset", "tiny", "--epochs", "2"], "doc")
     assert parsed == LaunchOptions(
         program="hvdtrain.cnn", program_args=("--preset", "tiny", "--epochs", "2"), np=3,
         via="mpirun", controller="mpi", python=PY, max_restarts=2, timeline_filename="t.json",
         autotune=True,
         autotune_log_file="a.csv", fusion_threshold_mb=32.0, cycle_time_ms=0.5,
-        stall_check_warning_seconds=30, stall_check_shutdown_seconds=90, no_stall_check=True,
-        binding_args="--bind-to core", allow_run_as_root=True)
-    assert (dry_run, skip_preflight) == (True, True)
-    defaults, dry_run, _ = parse_options(["hvdtrain.cnn"])
-    assert defaults == LaunchOptions(program="hvdtrain.cnn") and not dry_run
+        stall_check_warning_seconds=30, stall_check_shutdown_seconds=90, stall_check=False,
+        binding_args="--bind-to core", allow_run_as_root=True, dry_run=True,
+        skip_preflight=True, hosts="node1:2", network_interface="eth0", keras="3")
+    defaults = parse_options(["hvdtrain.cnn"], "doc")
+    assert defaults == LaunchOptions(program="hvdtrain.cnn") and not defaults.dry_run
+    # Every field is a flag, every flag a field: the help is generated from the fields.
+    help_text = subprocess.run([sys.executable, "-m", "hvdtrain.launch", "--help"],
+                               capture_output=True, text=True, check=True).stdout
+    for field in dataclasses.fields(LaunchOptions):
+        if field.name not in ("program", "program_args"):
+            assert "--" + field.name.replace("_", "-") in help_text, field.name
+
+
+def test_every_launch_path_has_its_command():
+    assert tuple(LAUNCH_PATHS) == VIAS
 
 
 def test_hostile_values_are_quoted_never_interpreted():
@@ -319,8 +333,7 @@ def test_the_module_check_asks_the_ranks_python_in_the_launchers_directory(tmp_p
 
 def test_templates_tell_scripts_from_modules_as_the_launcher_does(tmp_path, monkeypatch):
     """The sbatch templates pass --run-dir to a module only; their bash rule must match
-    hvdtrain.launch.is_script_path, which decides how the program runs."""
-    from hvdtrain.launch import is_script_path
+    hvdtrain.launch.options.is_script_path, which decides how the program runs."""
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train").write_text("")

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, VENV_BIN, clean_env, integration, run_job
+from hvdtrain.launcher_env import processes
 
 pytestmark = [integration, pytest.mark.timeout(600)]
 CLUSTER = REPO / "tests" / "cluster" / "cluster-local.sh"
@@ -314,17 +315,8 @@ LONG_JOB = ("hvdtrain.cnn", "--preset", "tiny", "--epochs", "400", "--no-tensorb
 def job_processes(run_dir: Path) -> list[str]:
     """Every process on every node (one /proc: the nodes share this kernel) that belongs to
     the job: the ranks (their --run-dir) and their rank-log copies."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(run_dir) in cmdline:
-            found.append(f"{entry}: {cmdline[:160]}")
-    return found
+    return [f"{process.pid}: {' '.join(process.argv)[:160]}" for process in processes()
+            if str(run_dir) in " ".join(process.argv)]
 
 
 def wait_until(condition, timeout: float, what: str) -> float:
@@ -507,9 +499,9 @@ def test_a_link_down_ends_the_job_instead_of_hanging(cluster_env, faulted_run, t
 
 
 def launch_module():
-    from hvdtrain import launch
+    from hvdtrain.launch import supervise
 
-    return launch
+    return supervise
 
 
 def test_usr1_preemption_of_a_two_node_job_requeues_and_resumes(cluster_env, run_dir, tmp_path):

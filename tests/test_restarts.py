@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env, integration, run_job
+from hvdtrain.launcher_env import processes
 
 pytestmark = [integration]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -26,22 +27,9 @@ LAUNCH = [sys.executable, "-m", "hvdtrain.launch"]
 
 def ranks_of(run_dir: Path) -> dict[int, int]:
     """{rank: pid} of the running training ranks writing to ``run_dir``."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(run_dir).encode() not in command or b"hvdtrain.cnn" not in command:
-            continue
-        for variable in environ:
-            # An MPI rank has OMPI_COMM_WORLD_RANK; a Gloo rank (horovodrun --gloo) HOROVOD_RANK.
-            if variable.startswith((b"OMPI_COMM_WORLD_RANK=", b"HOROVOD_RANK=")):
-                found[int(variable.split(b"=")[1])] = int(entry.name)
-    return found
+    return {process.rank: process.pid for process in processes()
+            if str(run_dir) in process.argv and "hvdtrain.cnn" in process.argv
+            and process.rank is not None}
 
 
 def running(pid: int) -> bool:

@@ -1,0 +1,25 @@
+"""Start a training job on the right ranks: `python -m hvdtrain.launch [options] -- PROGRAM [args]`.
+
+PROGRAM is a module (``hvdtrain.cnn``: every rank runs ``python -m hvdtrain.cnn args``) or a script
+path (``train.py``: ``python train.py args``), so a horovod script of your own gets the same start.
+Outside Slurm it runs ``horovodrun -np N`` on this machine (N: the GPU count, or 1 on CPU). Inside a
+Slurm allocation it reads the hosts, tasks and GPUs per node from the allocation and passes them on
+(``-np``/``-H`` to horovodrun, or lets ``mpirun``/``srun --mpi=pmix`` read the allocation; pick
+with ``--via``). Before launching it checks that the program exists for the ranks' Python, then
+horovod's build, the GPUs per node and the rank count; each problem is one line and exit status 2.
+``--dry-run`` prints the command and environment.
+
+Signals: SIGUSR1, SIGTERM and SIGINT are forwarded to the ranks (SIGUSR1 is Slurm's warning before
+the time limit; the ranks write a checkpoint and exit 75). The exit status is the job's.
+
+Restarts: with ``--max-restarts N`` a job that failed (a rank died or crashed) is started again in
+the same allocation, up to N times; an hvdtrain job resumes from its last checkpoint. A user error
+(exit 2), a preemption stop (75) and a stop signal end the job without a restart.
+"""
+# The package, one module per concern; __main__ runs them in order:
+#   options    the flags (one dataclass) and what every rank runs (script or module)
+#   preflight  what would make the launch fail, asked of the ranks' Python (probe)
+#   network    across hosts, the interfaces that connect them all
+#   paths      the command of each launch path: horovodrun, mpirun, srun
+#   supervise  signals forwarded, the exit verdict, restarts, leftovers of an attempt
+#   watcher    ends the job if the launcher itself dies

@@ -1,0 +1,54 @@
+"""``python -m hvdtrain.launch``: the launcher's steps, in order (see the package's docstring)."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+import hvdtrain.launch
+from hvdtrain.errors import EXIT_USAGE, reported
+from hvdtrain.launch.console import PROGRAM, error
+from hvdtrain.launch.network import network_interfaces
+from hvdtrain.launch.options import is_script_path, parse_options, program_command
+from hvdtrain.launch.paths import build_launch, describe
+from hvdtrain.launch.preflight import (check_module, count_gpus_without_tensorflow, preflight,
+                                       probe_build)
+from hvdtrain.launch.supervise import SignalForwarder, run_attempts
+from hvdtrain.launch.watcher import watching
+from hvdtrain.slurm import Allocation
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    signals = SignalForwarder()  # from the start: the preflight probe takes seconds
+    options = parse_options(argv, hvdtrain.launch.__doc__)
+    program_command(options)  # a missing script or module is reported before the ~3 s probe
+    if not is_script_path(options.program):
+        check_module(options.python, options.program)
+    allocation = Allocation.from_env(os.environ)
+    running_as_root = os.geteuid() == 0
+    build = None if options.skip_preflight else probe_build(options.python)
+    if build is not None:
+        problems = preflight(build, allocation, options.np, options,
+                             running_as_root=running_as_root, env=os.environ)
+        if problems:
+            for problem in problems:
+                error(problem)
+            return EXIT_USAGE
+    gpus = build.gpus if build else count_gpus_without_tensorflow()
+    interfaces = network_interfaces(options, allocation,
+                                    check=not (options.skip_preflight or options.dry_run))
+    launch = build_launch(options, allocation, gpus, running_as_root, interfaces)
+    if options.dry_run:
+        print(describe(launch))
+        return 0
+    with watching(options.python):
+        return run_attempts(launch, options.max_restarts, signals)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    with reported(PROGRAM):
+        sys.exit(run(argv))
+
+
+if __name__ == "__main__":
+    main()

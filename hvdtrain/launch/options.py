@@ -1,0 +1,150 @@
+"""The launcher's options: one dataclass whose fields are its flags, and what every rank runs.
+
+Each field of ``LaunchOptions`` is a flag of the same name, its docstring the flag's help (as in
+``hvdtrain.config``), so a new option is one documented field.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from hvdtrain.config import add_flag, field_docs
+from hvdtrain.errors import UserError
+from hvdtrain.launch.console import PROGRAM
+
+Via = Literal["horovodrun", "mpirun", "srun"]
+#: What can start the ranks (one entry each in ``hvdtrain.launch.paths.LAUNCH_PATHS``).
+VIAS: tuple[str, ...] = typing.get_args(Via)
+#: A name ``python -m`` can run: dotted identifiers.
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What every rank runs and how the ranks start: the launcher's flags of the same names."""
+
+    program: str
+    """What every rank runs: a module (hvdtrain.cnn, run as python -m) or a script path
+    (train.py, or any path with a /: run as a script)."""
+    program_args: tuple[str, ...] = ()
+    """Arguments for the module or script, each passed as its own argv entry."""
+    np: int | None = None
+    """Number of ranks (default: the allocation's tasks, else this machine's GPUs, else 1)."""
+    via: Via = "horovodrun"
+    """What starts the ranks."""
+    controller: Literal["mpi", "gloo"] | None = None
+    """Horovod's controller (horovodrun only; default: horovodrun's choice, MPI)."""
+    python: str = sys.executable
+    """Interpreter of the ranks (default: this one)."""
+    keras: Literal["2", "3"] = "2"
+    """The Keras of the ranks: 2 (tf_keras, which horovod.tensorflow.keras needs; a script runs
+    through hvdtrain.script, which selects it) or 3 (TensorFlow's own: a script runs as is, and
+    hvdtrain's jobs get HVDTRAIN_KERAS=3 and hvdtrain's own horovod integration)."""
+    dry_run: bool = False
+    """Print the command and environment, start nothing."""
+    skip_preflight: bool = False
+    """Don't check horovod's build, the GPUs and the network first (saves ~3 s)."""
+    max_restarts: int = 0
+    """Start a failed job (a rank died or crashed) again in the same allocation up to this many
+    times, a few seconds apart; not after a user error (exit 2), a preemption stop (75) or a
+    stop signal (see hvdtrain.launch.supervise.judge_exit)."""
+    timeline_filename: str | None = None
+    """Write a Horovod timeline to this file (chrome://tracing)."""
+    autotune: bool = False
+    """Let horovod tune the fusion buffer and cycle time."""
+    autotune_log_file: str | None = None
+    """Where horovod's autotuner logs what it tried."""
+    fusion_threshold_mb: float | None = None
+    """Tensor fusion buffer in MiB (horovod's default: 128)."""
+    cycle_time_ms: float | None = None
+    """Horovod background thread cycle in ms (horovod's default: 1)."""
+    stall_check_warning_seconds: int | None = None
+    """Warn when a rank has not joined a collective for this long."""
+    stall_check_shutdown_seconds: int | None = None
+    """End the job when a rank has stalled for this long."""
+    stall_check: bool = True
+    """Horovod's stall check (--no-stall-check turns it off)."""
+    binding_args: str | None = None
+    """Process binding arguments for mpirun/srun, one string ('--bind-to core --map-by
+    socket')."""
+    allow_run_as_root: bool = False
+    """Let mpirun start as root (horovodrun does this itself)."""
+    hosts: str | None = None
+    """Outside Slurm: the hosts and ranks per host, node1:2,node2:2 (reached over passwordless
+    ssh, as horovodrun does); inside an allocation Slurm's hosts are used."""
+    network_interface: str | None = None
+    """The interface(s) the ranks talk over, eth0 or eth0,ib0 (default: the ones the network
+    check finds connecting every host; passed to horovodrun, mpirun's btl/oob_tcp_if_include,
+    Gloo and NCCL)."""
+
+
+#: Where --help starts a new section (at this field), and the one short flag.
+_SECTIONS = {"timeline_filename": "horovod tuning (passed to every rank)",
+             "hosts": "several hosts"}
+_SHORT_FLAGS = {"hosts": "-H"}
+_POSITIONAL = ("program", "program_args")
+
+
+def parse_options(argv: Sequence[str] | None, description: str) -> LaunchOptions:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PROGRAM}", description=description, formatter_class=_HelpFormatter,
+        usage="%(prog)s [options] [--] MODULE|SCRIPT.py [arguments...]")
+    docs = field_docs(LaunchOptions)
+    section = parser
+    for field in dataclasses.fields(LaunchOptions):
+        if field.name in _POSITIONAL:
+            continue
+        if field.name in _SECTIONS:
+            section = parser.add_argument_group(_SECTIONS[field.name])
+        add_flag(section, LaunchOptions, field, field.default, docs[field.name],
+                 short=_SHORT_FLAGS.get(field.name))
+    parser.add_argument("program", help=docs["program"])
+    parser.add_argument("program_args", nargs=argparse.REMAINDER, help=docs["program_args"])
+    args = vars(parser.parse_args(argv))
+    return LaunchOptions(**{**args, "program_args": tuple(args["program_args"])})
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The launcher's docstring as written; a flag's default after its help when it has one
+    worth saying (a switch says its own)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if (not action.option_strings or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action.default, bool) or "(default" in help_text):
+            return help_text
+        return help_text + " (default: %(default)s)"
+
+
+def is_script_path(program: str) -> bool:
+    """The script-or-module rule: a program names a script when it ends in .py, has a directory
+    part or is an existing file; anything else is a module name."""
+    return program.endswith(".py") or os.sep in program or os.path.isfile(program)
+
+
+def program_command(options: LaunchOptions) -> list[str]:
+    """What every rank runs: `python -m hvdtrain.script script.py args` (or with --keras 3
+    `python script.py args`) or `python -m module args`.
+
+    The ranks start in the launcher's working directory (horovodrun, mpirun and srun all keep
+    it), so a relative script path means the same there as here.
+    """
+    if is_script_path(options.program):
+        if not os.path.isfile(options.program):
+            raise UserError(f"no such script: {options.program} (a script path runs as `python "
+                            "PATH`, a module name like hvdtrain.cnn as `python -m MODULE`)")
+        if options.keras == "3":
+            return [options.python, options.program, *options.program_args]
+        # horovod.tensorflow.keras needs Keras 2; hvdtrain.script selects it, then runs the
+        # script exactly as `python script.py args` would.
+        return [options.python, "-m", "hvdtrain.script", options.program, *options.program_args]
+    if not MODULE_NAME.fullmatch(options.program):
+        raise UserError(f"{options.program!r} is neither a module name (like hvdtrain.cnn) nor "
+                        "a script path (like train.py)")
+    return [options.python, "-m", options.program, *options.program_args]

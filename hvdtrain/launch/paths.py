@@ -1,0 +1,221 @@
+"""The command that starts every rank, one function per launch path (horovodrun, mpirun, srun).
+
+``build_launch`` decides what every path shares (how many ranks on which hosts, horovod's tuning,
+the program, the network interfaces) into a ``Plan``; the path's entry in ``LAUNCH_PATHS`` turns
+the plan into its command. A new path is one function and one entry (and, if it needs a
+horovod feature, one line in ``preflight``). Pure: nothing here starts a process.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+from dataclasses import dataclass
+from typing import Callable
+
+from hvdtrain.errors import UserError
+from hvdtrain.launch.options import VIAS, LaunchOptions, program_command
+from hvdtrain.slurm import Allocation
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: tuple[str, ...]
+    """The command that starts every rank."""
+    env: dict[str, str]
+    """Variables added to (or changed in) the environment the command runs with."""
+    notes: tuple[str, ...] = ()
+    """What the launcher derived (allocation, rank count, restarts), for --dry-run."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every launch path is told: the same for all of them."""
+
+    options: LaunchOptions
+    allocation: Allocation | None
+    """The Slurm allocation the launcher runs in, or None outside Slurm."""
+    np: int
+    """Ranks to start."""
+    hosts: str
+    """The hosts and their slots in -H syntax (node1:4,node2:4)."""
+    program: list[str]
+    """What every rank runs (program_command)."""
+    env: dict[str, str]
+    """Variables every rank must see (horovod's tuning, the Keras choice); a path adds its own."""
+    interfaces: str | None
+    """The network interfaces the ranks talk over, comma-separated; None: each transport's pick."""
+    binding: list[str]
+    """--binding-args, split."""
+    running_as_root: bool
+
+
+def horovodrun_command(plan: Plan) -> list[str]:
+    options = plan.options
+    # The horovodrun next to the ranks' interpreter, so both come from the same venv.
+    horovodrun = os.path.join(os.path.dirname(options.python), "horovodrun")
+    if not os.path.exists(horovodrun):
+        horovodrun = shutil.which("horovodrun") or "horovodrun"
+    argv = [horovodrun, "-np", str(plan.np), "-H", plan.hosts]
+    if options.controller:
+        argv.append(f"--{options.controller}")
+    if plan.interfaces:  # horovodrun passes it on to mpirun's MCA options or to Gloo
+        argv += ["--network-interface", plan.interfaces]
+    if plan.binding:
+        argv += ["--binding-args", options.binding_args]
+    return argv + plan.program
+
+
+def mpirun_command(plan: Plan) -> list[str]:
+    # Inside an allocation OpenMPI reads hosts and slots itself and starts remote daemons
+    # through Slurm; -np keeps the count explicit. Outside, -H names the hosts' slots.
+    argv = ["mpirun", "-np", str(plan.np)]
+    if plan.allocation is None:
+        argv += ["-H", plan.hosts]
+    if plan.interfaces:
+        argv += ["--mca", "btl_tcp_if_include", plan.interfaces,
+                 "--mca", "oob_tcp_if_include", plan.interfaces]
+    if plan.running_as_root and plan.options.allow_run_as_root:
+        argv.append("--allow-run-as-root")
+    # One process per slot with no core binding, as horovodrun does by default: ranks size
+    # their own thread pools (hvdtrain.runtime.configure_devices).
+    argv += plan.binding or ["--bind-to", "none", "--map-by", "slot"]
+    for name in sorted(plan.env):  # remote ranks only see variables passed with -x
+        argv += ["-x", name]
+    return argv + plan.program
+
+
+def srun_command(plan: Plan) -> list[str]:
+    if plan.allocation is None:
+        raise UserError("--via srun needs a Slurm allocation (run it inside sbatch/salloc)")
+    if plan.interfaces:  # srun passes the environment on; each rank's MPI reads these
+        plan.env["OMPI_MCA_btl_tcp_if_include"] = plan.interfaces
+        plan.env["OMPI_MCA_oob_tcp_if_include"] = plan.interfaces
+    # A rank that dies must end the step: by default srun lets the others run on, and they
+    # would wait in their next allreduce forever.
+    return ["srun", "--mpi=pmix", f"--ntasks={plan.np}", "--kill-on-bad-exit=1", *plan.binding,
+            *plan.program]
+
+
+#: --via NAME -> the function that writes its command.
+LAUNCH_PATHS: dict[str, Callable[[Plan], list[str]]] = {
+    "horovodrun": horovodrun_command,
+    "mpirun": mpirun_command,
+    "srun": srun_command,
+}
+
+
+def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: int,
+                 running_as_root: bool = False,
+                 interfaces: tuple[str, ...] | None = None) -> Launch:
+    """The exact command for these options and this allocation.
+
+    ``interfaces``: the network interfaces the ranks must talk over (the network check's choice,
+    or --network-interface); None leaves the choice to MPI, Gloo and NCCL.
+    """
+    if options.via not in LAUNCH_PATHS:
+        raise UserError(f"--via must be one of {', '.join(VIAS)}, got {options.via!r}")
+    if options.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {options.max_restarts}")
+    if options.max_restarts and options.controller == "gloo":
+        # A restart must never repeat a user error (exit 2), and Gloo's horovodrun reports it as 1.
+        raise UserError("--max-restarts needs the ranks' exit statuses, which horovodrun --gloo "
+                        "reports as 1 whatever they were; use --controller mpi")
+    notes = []
+    if allocation is not None:
+        if options.hosts is not None:
+            raise UserError("--hosts is for outside Slurm; inside an allocation the ranks go "
+                            "where Slurm put the tasks (ask sbatch for other nodes instead)")
+        np = options.np or allocation.num_tasks
+        hosts = allocation.host_slots()
+        notes.append(f"Slurm job {allocation.job_id}: {len(allocation.hosts)} node(s), "
+                     f"{hosts}, {allocation.gpus_per_host or 0} GPU(s) per node")
+    elif options.hosts is not None:
+        slots = parse_hosts(options.hosts)
+        np = options.np or sum(count for _, count in slots)
+        hosts = ",".join(f"{host}:{count}" for host, count in slots)
+        notes.append(f"no Slurm allocation: {np} rank(s) on {hosts}")
+    else:
+        np = options.np or max(1, gpus)
+        hosts = f"localhost:{np}"
+        notes.append(f"no Slurm allocation: {np} rank(s) on this machine"
+                     + ("" if options.np else f" (one per GPU; {gpus} GPU(s) seen)"))
+    env = horovod_tuning_env(options)
+    if options.keras == "3":
+        # hvdtrain chooses its Keras at import, in each rank: tell every rank, on every node.
+        env["HVDTRAIN_KERAS"] = "3"
+    interface_list = ",".join(interfaces) if interfaces else None
+    if interface_list:
+        # Every transport picks its own interface, and each can pick one that connects nothing
+        # (docker0 on every node): MPI's TCP transport and its out-of-band channel, NCCL on GPU
+        # nodes, horovod's Gloo. Pin them all to the interfaces that connect the hosts.
+        env["NCCL_SOCKET_IFNAME"] = interface_list
+        notes.append(f"network interface(s): {interface_list}")
+    plan = Plan(options=options, allocation=allocation, np=np, hosts=hosts,
+                program=program_command(options), env=env, interfaces=interface_list,
+                binding=shlex.split(options.binding_args) if options.binding_args else [],
+                running_as_root=running_as_root)
+    argv = LAUNCH_PATHS[options.via](plan)
+    if options.max_restarts:
+        notes.append(f"up to {options.max_restarts} restart(s) after a failure")
+    return Launch(tuple(argv), plan.env, tuple(notes))
+
+
+def horovod_tuning_env(options: LaunchOptions) -> dict[str, str]:
+    """Horovod's knobs as the environment variables horovod reads in every rank."""
+    env = {}
+    if options.timeline_filename:
+        env["HOROVOD_TIMELINE"] = options.timeline_filename
+    if options.autotune:
+        env["HOROVOD_AUTOTUNE"] = "1"
+    if options.autotune_log_file:
+        env["HOROVOD_AUTOTUNE_LOG"] = options.autotune_log_file
+    if options.fusion_threshold_mb is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(options.fusion_threshold_mb * 1024 * 1024))
+    if options.cycle_time_ms is not None:
+        env["HOROVOD_CYCLE_TIME"] = f"{options.cycle_time_ms:g}"
+    if not options.stall_check:
+        env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
+    if options.stall_check_warning_seconds is not None:
+        env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(options.stall_check_warning_seconds)
+    shutdown_seconds = options.stall_check_shutdown_seconds
+    if shutdown_seconds is not None:
+        env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(shutdown_seconds)
+        if options.stall_check_warning_seconds is None and shutdown_seconds < 60:
+            # Horovod inspects stalls every HOROVOD_STALL_CHECK_TIME_SECONDS (60): a shorter
+            # shutdown limit would only be seen at the next inspection (and horovod warns).
+            env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(shutdown_seconds)
+    if options.controller == "gloo" and options.via != "horovodrun":
+        raise UserError("--controller gloo needs --via horovodrun (it runs the Gloo rendezvous)")
+    return env
+
+
+def parse_hosts(text: str) -> list[tuple[str, int]]:
+    """horovodrun's -H syntax, 'node1:2,node2:2' (a host without a count has 1 slot)."""
+    parsed = []
+    for item in text.split(","):
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?::(\d+))?", item.strip())
+        if not match or match.group(2) == "0":
+            raise UserError(f"--hosts {text!r}: give HOST:RANKS,HOST:RANKS (e.g. node1:2,node2:2)")
+        parsed.append((match.group(1), int(match.group(2) or 1)))
+    if len({host for host, _ in parsed}) != len(parsed):
+        raise UserError(f"--hosts {text!r} names a host twice")
+    return parsed
+
+
+def job_hosts(options: LaunchOptions, allocation: Allocation | None) -> list[str]:
+    """The hosts the ranks will run on."""
+    if allocation is not None:
+        return list(allocation.hosts)
+    if options.hosts is not None:
+        return [host for host, _ in parse_hosts(options.hosts)]
+    return ["localhost"]
+
+
+def describe(launch: Launch) -> str:
+    """The launch as a shell would run it (--dry-run)."""
+    lines = [f"# {note}" for note in launch.notes]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(launch.env.items())]
+    lines.append(shlex.join(launch.argv))
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""Before any rank starts: everything that would make the launch fail, one line each.
+
+A mistake found here costs seconds instead of a launch (or one per ``--max-restarts``): a
+module the ranks' Python cannot find, a horovod built without what the launch path needs, more
+ranks than tasks or GPUs, OpenMPI's refusal to run as root. The facts come from the ranks' own
+interpreter (``hvdtrain.launch.probe``), the rules are pure (``preflight``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Mapping
+
+from hvdtrain.errors import UserError
+from hvdtrain.launch import probe
+from hvdtrain.launch.options import LaunchOptions
+from hvdtrain.slurm import Allocation
+
+
+@dataclass(frozen=True)
+class Build:
+    """What the installed horovod can do, probed in a child interpreter (TensorFlow is heavy)."""
+
+    tensorflow: bool
+    mpi: bool
+    gloo: bool
+    gpus: int = 0
+    error: str | None = None
+    """Why the horovod TensorFlow extension did not load (e.g. built against another TF)."""
+
+
+def ask(python: str, question: list[str], timeout: float,
+        env: Mapping[str, str] | None = None) -> tuple[dict | None, str]:
+    """The probe's answer from the ranks' interpreter (None without one) and its stderr."""
+    completed = subprocess.run([python, "-m", probe.__name__, *question], capture_output=True,
+                               text=True, timeout=timeout, env=env)
+    for line in completed.stdout.splitlines():
+        if line.startswith(probe.MARKER + " "):
+            return json.loads(line.removeprefix(probe.MARKER + " ")), completed.stderr
+    return None, completed.stderr
+
+
+def check_module(python: str, module: str) -> None:
+    """Refuse a module the ranks' ``python -m`` would not find: a mistyped name fails the same
+    way on every attempt. A check that cannot finish in time, or a Python without hvdtrain,
+    lets the ranks find out."""
+    try:
+        answer, _ = ask(python, ["module", module], timeout=60)
+    except subprocess.TimeoutExpired:
+        return
+    except OSError as error:
+        raise UserError(f"could not run {python}: {error.strerror or error}") from None
+    if answer is not None and answer["missing"]:
+        raise UserError(f"no module named {module!r} in the ranks' Python ({python}): check the "
+                        "name, or pass a script path")
+
+
+def probe_build(python: str) -> Build:
+    """Ask the ranks' interpreter what horovod was built with, and how many GPUs this node has."""
+    try:
+        answer, stderr = ask(python, ["build"], timeout=300,
+                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise UserError(f"could not run {python} to check the horovod build: {error}") from None
+    if answer is None:
+        tail = (stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"{python} cannot import hvdtrain/horovod: {tail}")
+    return Build(**answer)
+
+
+def count_gpus_without_tensorflow() -> int:
+    """This machine's NVIDIA GPUs, for --skip-preflight (the probe otherwise asks TensorFlow)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() not in ("", "-1")])
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+
+
+def preflight(build: Build, allocation: Allocation | None, np: int | None,
+              options: LaunchOptions, *, running_as_root: bool,
+              env: Mapping[str, str]) -> list[str]:
+    """Everything that would make the launch fail, one line each (empty: go ahead)."""
+    problems = []
+    if not build.tensorflow:
+        detail = f" ({build.error})" if build.error else ""
+        if build.error and "undefined symbol" in build.error:
+            detail = (" (its TensorFlow extension does not load: it was compiled against a "
+                      f"different TensorFlow than the one installed; rerun `make install`: "
+                      f"{build.error})")
+        problems.append(f"horovod cannot run TensorFlow jobs{detail}; rebuild it with "
+                        "`make install` (HOROVOD_WITH_TENSORFLOW=1)")
+    elif not (build.mpi or build.gloo):
+        problems.append("horovod was built without a controller (neither MPI nor Gloo); rebuild "
+                        "with `make install` (HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)")
+    elif options.controller == "gloo" and not build.gloo:
+        problems.append("--controller gloo, but horovod was built without Gloo")
+    elif (options.controller == "mpi" or options.via in ("mpirun", "srun")) and not build.mpi:
+        problems.append(f"--via {options.via} needs horovod built with MPI; it was built without")
+    if allocation is not None:
+        if np is not None and np > allocation.num_tasks:
+            problems.append(f"--np {np} but the Slurm allocation has {allocation.num_tasks} "
+                            f"task(s) ({allocation.host_slots()}); ask sbatch for more tasks")
+        gpus = allocation.gpus_per_host if allocation.gpus_per_host is not None else build.gpus
+        if gpus and allocation.max_slots_per_host > gpus:
+            problems.append(f"{allocation.max_slots_per_host} ranks per node but only {gpus} "
+                            "GPU(s) per node; use --ntasks-per-node <= --gres=gpu:N")
+    elif np is not None and build.gpus and np > build.gpus:
+        problems.append(f"--np {np} but this machine has {build.gpus} GPU(s); one rank per GPU")
+    if np is not None and np < 1:
+        problems.append(f"--np must be at least 1, got {np}")
+    root_ok = env.get("OMPI_ALLOW_RUN_AS_ROOT") == "1" and \
+        env.get("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM") == "1"
+    if running_as_root and options.via == "mpirun" and not (root_ok or options.allow_run_as_root):
+        problems.append("running as root: OpenMPI refuses unless OMPI_ALLOW_RUN_AS_ROOT=1 and "
+                        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 are set (or --allow-run-as-root)")
+    return problems

@@ -1,0 +1,51 @@
+"""What the launcher asks the ranks' interpreter before starting them (run as a child process:
+``python -m hvdtrain.launch.probe build`` or ``... module NAME``).
+
+Asked of ``--python``, which may be another interpreter than the launcher's, in the launcher's
+working directory and environment, which the ranks inherit; it also keeps TensorFlow and a
+user's packages out of the launcher. The answer is one line, ``MARKER {json}``, on stdout.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+MARKER = "HVDTRAIN_PROBE"
+
+
+def build() -> dict:
+    """What horovod was built with (TensorFlow, MPI, Gloo) and this node's GPU count."""
+    from hvdtrain.errors import first_line
+
+    result = {"tensorflow": False, "mpi": False, "gloo": False, "gpus": 0}
+    try:
+        import tensorflow as tf
+
+        result["gpus"] = len(tf.config.list_physical_devices("GPU"))
+        from hvdtrain.runtime.horovod import build_info
+
+        result.update(build_info())
+    except Exception as error:  # any import failure is the answer, reported by the launcher
+        result["error"] = f"{type(error).__name__}: {first_line(error)}"
+    return result
+
+
+def module(name: str) -> dict:
+    """Whether ``python -m NAME`` would find no module NAME (find_spec finds nothing, or a
+    parent package is missing). A parent package that fails to import for another reason is
+    left to the ranks, which report it in full."""
+    try:
+        missing = importlib.util.find_spec(name) is None
+    except ModuleNotFoundError as error:
+        missing = error.name is not None and (name + ".").startswith(error.name + ".")
+    return {"missing": missing}
+
+
+def main(argv: list[str]) -> None:
+    answer = build() if argv == ["build"] else module(argv[1])
+    print(f"{MARKER} {json.dumps(answer)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,253 @@
+"""While the job runs: stop signals passed on to the ranks, the exit verdict, restarts, and the
+processes an attempt leaves behind.
+
+Every process of one attempt inherits ``ATTEMPT_VARIABLE`` (the launcher's pid and the attempt's
+number), so the launcher finds them on this machine whichever parent they were left with.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+from hvdtrain.errors import EXIT_PREEMPTED, EXIT_USAGE, signal_name, stop_status
+from hvdtrain.launch.console import say
+from hvdtrain.launch.paths import Launch
+from hvdtrain.launcher_env import processes
+
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+#: Pause between a failed attempt and the next, in seconds: long enough for the ports and GPU
+#: memory of the dead ranks to be released, short next to the minutes a restart saves.
+RESTART_DELAY_SECONDS = 3.0
+#: Every process of one attempt inherits this variable (launcher pid and attempt number).
+ATTEMPT_VARIABLE = "HVDTRAIN_LAUNCH_ATTEMPT"
+#: Seconds a launch command (mpirun) may outlive its ranks on this host before the launcher
+#: ends it: mpirun needs a moment to collect the exit statuses of every node.
+ORPHANED_COMMAND_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How one attempt of the job ended, and whether starting it again can help."""
+
+    restart: bool
+    """True when the failure may not happen again (a rank was killed, crashed or lost a peer)."""
+    reason: str
+    """What the exit status means, for the launcher's one-line report."""
+
+
+def judge_exit(status: int, stop_signal: int | None) -> Verdict:
+    """The restart rule: which exit statuses of the job are worth another attempt."""
+    if stop_signal is not None:
+        # Someone asked the job to stop (Slurm's time-limit warning, scancel, Ctrl-C): it stops.
+        # After SIGUSR1 the sbatch script requeues it, which restarts it with a fresh time limit.
+        return Verdict(False, f"stopped on {signal_name(stop_signal)}")
+    if status == 0:
+        return Verdict(False, "finished")
+    if status == EXIT_USAGE:
+        return Verdict(False, "a user error: it would fail the same way again")
+    if status == EXIT_PREEMPTED:
+        return Verdict(False, "stopped for preemption after a checkpoint; requeue it to resume")
+    if status in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+        # The ranks were told to stop (e.g. scancel signals every process of a step): a stop.
+        return Verdict(False, f"stopped on {signal_name(status - 128)}")
+    if status in (126, 127):  # the shell's "cannot execute" / "command not found"
+        return Verdict(False, "the command could not be started")
+    if 128 < status < 128 + signal.NSIG:
+        return Verdict(True, f"a rank ended on {signal_name(status - 128)}")
+    return Verdict(True, "a rank failed")
+
+
+def attempt_processes(marker: str, whole: bool = True) -> dict[int, bool]:
+    """This machine's processes of one attempt, {pid: is a rank}: those whose environment holds
+    ``marker`` (NAME=VALUE, set on the launch command, inherited by everything it starts); with
+    ``whole`` False, a value that starts with it (every attempt of one launcher)."""
+    name, value = marker.split("=", 1)
+    return {process.pid: process.rank is not None for process in processes()
+            if (process.env.get(name) == value if whole
+                else process.env.get(name, "").startswith(value))}
+
+
+def end_attempt(job_pid: int, marker: str, grace_seconds: float = 30) -> list[int]:
+    """Kill what is left on this machine of a failed attempt; the pids still alive after
+    ``grace_seconds`` of SIGKILL.
+
+    mpirun takes its ranks down with it when one dies, but a process it lost (a rank's child in
+    a session of its own, a Gloo rank) would run on, beside the next attempt: in its allreduce,
+    on its GPU, holding the run directory's lock.
+    """
+    try:
+        os.killpg(job_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_seconds
+    while (left := list(attempt_processes(marker))) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    return left
+
+
+class SignalForwarder:
+    """SIGUSR1/SIGTERM/SIGINT sent to the launcher: recorded from the moment it starts (the
+    preflight probe takes seconds), and passed on to the ranks of the attempt that is running."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self._job_pid: int | None = None
+        self._marker = ""
+        for signum in FORWARDED_SIGNALS:
+            signal.signal(signum, self._receive)
+
+    def _receive(self, signum, frame):
+        self.received.append(signum)
+        if self._job_pid is None:
+            return
+        try:
+            os.killpg(self._job_pid, signum)
+        except ProcessLookupError:
+            pass
+        # horovodrun --gloo starts each rank in a session of its own, out of the group's reach;
+        # signal the ranks on this machine directly (twice is harmless: the handler records).
+        for pid, is_rank in attempt_processes(self._marker).items():
+            if is_rank:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    @property
+    def first(self) -> int | None:
+        return self.received[0] if self.received else None
+
+    def start(self, launch: Launch, marker: str) -> subprocess.Popen | None:
+        """Start the command in its own process group, or None if a stop signal came first."""
+        def prepare_child():
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
+            # horovodrun execs `/bin/sh -c mpirun ...`; a shell that starts with a signal ignored
+            # keeps ignoring it, so the group signal stops at mpirun (which forwards it to every
+            # rank, on every node) instead of killing the shell, and the launcher waits until
+            # the ranks have checkpointed and mpirun is done. mpirun, srun and the Python ranks
+            # install their own handlers.
+            for signum in FORWARDED_SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
+
+        # A signal between the check and Popen would be recorded but reach no rank: hold signals
+        # until the job is known, so each one is either "before the start" or forwarded.
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+        try:
+            if self.received:
+                return None
+            name, value = marker.split("=", 1)
+            process = subprocess.Popen(launch.argv, env={**os.environ, **launch.env, name: value},
+                                       start_new_session=True, preexec_fn=prepare_child)
+            self._job_pid, self._marker = process.pid, marker
+            return process
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
+
+    def wait(self, process: subprocess.Popen) -> int:
+        """The job's exit status (128 + N when it ended on signal N)."""
+        returncode = wait_for_job(process, self._marker)
+        self._job_pid = None
+        status = returncode if returncode >= 0 else 128 - returncode
+        if status and self.received:
+            # The ranks stopped on the forwarded signal (75 or 143, checkpoint written), but the
+            # command reports its own status for that (Gloo's horovodrun: 1 for any failure;
+            # mpirun: 1 after a SIGTERM); give the sbatch script the one it acts on.
+            stop = stop_status(self.received[0])
+            if status != stop:
+                say(f"the ranks stopped on {signal_name(self.received[0])}; exiting {stop}"
+                    + (" so the job is requeued" if stop == EXIT_PREEMPTED else ""))
+            return stop
+        return status
+
+    def pause(self, seconds: float) -> bool:
+        """Sleep, but return early (True) when a stop signal arrives."""
+        deadline = time.monotonic() + seconds
+        while not self.received and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return bool(self.received)
+
+
+def wait_for_job(process: subprocess.Popen, marker: str,
+                 grace_seconds: float = ORPHANED_COMMAND_SECONDS) -> int:
+    """The command's return code, once it ended; or 1 after ending a command whose ranks on
+    this host are gone while it still runs.
+
+    mpirun, once a rank failed, tells the daemons of every node to end theirs and waits for
+    their answers. A node whose network link went down never answers (TCP retries for ~15
+    minutes), so mpirun would hang long after every rank it could reach has ended. Watched here:
+    this host's ranks all ended and the command still runs ``grace_seconds`` later, so the
+    launcher ends it.
+    """
+    ranks_seen, ranks_gone_since = False, None
+    while True:
+        try:
+            return process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        ranks_here = any(attempt_processes(marker).values())
+        ranks_seen = ranks_seen or ranks_here
+        if not ranks_seen or ranks_here:
+            ranks_gone_since = None
+            continue
+        ranks_gone_since = ranks_gone_since or time.monotonic()
+        if time.monotonic() - ranks_gone_since < grace_seconds:
+            continue
+        say(f"the ranks on this host ended {grace_seconds:g} s ago, but {process.args[0]} "
+            "still waits for another node (unreachable?); ending it")
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        except ProcessLookupError:
+            pass
+        return 1
+
+
+def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder) -> int:
+    """Run the job; after a failure worth another attempt, run it again, up to ``max_restarts``
+    times. The exit status is the last attempt's."""
+    restarts = 0
+    while True:
+        marker = f"{ATTEMPT_VARIABLE}={os.getpid()}.{restarts}"
+        process = signals.start(launch, marker)
+        if process is None:
+            say(f"{signal_name(signals.first)} before the ranks started; not starting them")
+            return stop_status(signals.first)
+        if not restarts:
+            say(shlex.join(launch.argv))
+        status = signals.wait(process)
+        if status == 0:
+            return status
+        left = end_attempt(process.pid, marker)
+        if left:
+            say(f"process(es) {' '.join(map(str, left))} of the failed job would not exit")
+        if not max_restarts:
+            return status
+        verdict = judge_exit(status, signals.first)
+        ended = f"job exited {status} ({verdict.reason})"
+        if not verdict.restart:
+            say(f"{ended}; not restarting")
+            return status
+        if restarts == max_restarts:
+            say(f"{ended}; no restarts left (--max-restarts {max_restarts})")
+            return status
+        if left:  # they would compete with the new ranks for the GPUs and the run directory
+            say(f"{ended}; not restarting beside processes of the failed attempt")
+            return status
+        restarts += 1
+        say(f"{ended}; restart {restarts} of {max_restarts} in {RESTART_DELAY_SECONDS:g} s "
+            "(an hvdtrain job resumes from its last checkpoint)")
+        if signals.pause(RESTART_DELAY_SECONDS):
+            say(f"{signal_name(signals.first)} before the restart; not restarting")
+            return stop_status(signals.first)
