@@ -14,6 +14,7 @@ import itertools
 import re
 import shlex
 import sys
+import textwrap
 from dataclasses import MISSING, dataclass, fields
 from typing import Mapping, Sequence
 
@@ -228,10 +229,68 @@ TEMPLATES: dict[str, SbatchJob] = {
 }
 
 
+#: What a submitted template reads at submission besides its flags: variable -> what it means
+#: ({module}, {via}, {max_requeues}: the template's defaults, which are the flags on its exec
+#: line). The launcher applies them (``hvdtrain.launch --sbatch``); each template lists them.
+BATCH_VARIABLES = {
+    "HVDTRAIN_MODULE": "what every rank runs (default {module}): a module, run as `python "
+                       "-m MODULE --run-dir DIR [flags]`, or a script path (train.py, or any path "
+                       "with a /), run as `python train.py [flags]`; a script finds the run "
+                       "directory in HVDTRAIN_RUN_DIR",
+    "HVDTRAIN_ARGS": "extra training flags, split as a shell would (before the flags given after "
+                     "the script, which win)",
+    "HVDTRAIN_RUN_DIR": "run directory (default runs/<job name>-<job id>; kept on requeue, so a "
+                        "requeued job resumes from its checkpoint)",
+    "HVDTRAIN_PYTHON": "interpreter with hvdtrain installed (default .venv/bin/python)",
+    "HVDTRAIN_MAX_RESTARTS": "times the launcher restarts a failed job (a rank died) inside this "
+                             "allocation (default 0)",
+    "HVDTRAIN_VIA": "what starts the ranks: horovodrun, mpirun or srun (default {via})",
+    "HVDTRAIN_NETWORK_INTERFACE": "the interface(s) the ranks talk over (eth0, or eth0,ib0; "
+                                  "default: the launcher checks which connect every node)",
+    "HVDTRAIN_MAX_REQUEUES": "requeues after which a preempted job stops instead (default "
+                             "{max_requeues}; counts Slurm's own requeues too; raise it for a job "
+                             "that needs more time-limit windows)",
+}
+
+
+def default_run_dir(env: Mapping[str, str]) -> str:
+    """A job's run directory unless HVDTRAIN_RUN_DIR names one: the same on every requeue of the
+    job (its id stays), so a requeued job resumes from its own checkpoint."""
+    return f"runs/{env.get('SLURM_JOB_NAME', 'job')}-{env['SLURM_JOB_ID']}"
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """What to do with a job that stopped for requeue (exit 75: Slurm's time-limit warning
+    arrived and the ranks wrote a checkpoint)."""
+
+    job: str | None
+    """The id to hand to ``scontrol requeue``; None: the cap is reached, leave it stopped."""
+    message: str
+    """The launcher's line about it."""
+
+
+def requeue_decision(env: Mapping[str, str], max_requeues: int, run_dir: str) -> Requeue:
+    """The requeue rule: requeue this job (only this task of an array) unless it was requeued
+    ``max_requeues`` times already (``SLURM_RESTART_COUNT``, which counts Slurm's own requeues
+    too), so a job that never finishes cannot loop forever."""
+    requeued = int(env.get("SLURM_RESTART_COUNT") or 0)
+    if requeued >= max_requeues:
+        return Requeue(None, f"job {env['SLURM_JOB_ID']} was requeued {requeued} time(s) already "
+                             f"(HVDTRAIN_MAX_REQUEUES={max_requeues}); not requeueing it. To "
+                             f"resume, submit again with HVDTRAIN_RUN_DIR={run_dir}")
+    # An array task requeues itself alone: the id of one of its tasks is also the array's id,
+    # which `scontrol requeue` reads as every task of the array.
+    task = env.get("SLURM_ARRAY_TASK_ID")
+    job = f"{env['SLURM_ARRAY_JOB_ID']}_{task}" if task else env["SLURM_JOB_ID"]
+    return Requeue(job, f"requeueing job {job}; the next run resumes from {run_dir}")
+
+
 def render(job: SbatchJob) -> str:
-    """The complete sbatch script for ``job``. Training arguments are shell-quoted; the other
-    values are validated by SbatchJob to contain nothing a shell or #SBATCH line would read."""
-    q = shlex.quote
+    """The complete sbatch script for ``job``: its #SBATCH lines and one exec of the launcher,
+    which does the rest (``hvdtrain.launch --sbatch``). Training arguments are shell-quoted; the
+    other values are validated by SbatchJob to contain nothing a shell or #SBATCH line would
+    read."""
     directives = [
         f"--job-name={job.name}",
         f"--nodes={job.nodes}",
@@ -241,14 +300,23 @@ def render(job: SbatchJob) -> str:
         f"--time={job.time}",
         *([f"--partition={job.partition}"] if job.partition else []),
         *([f"--account={job.account}"] if job.account else []),
-        # Slurm signals the batch shell (B:) this long before the time limit; the trap below
-        # forwards it to the ranks, which checkpoint and exit 75; the script then requeues.
+        # Slurm signals the batch process (B:, the launcher) this long before the time limit;
+        # the launcher forwards it to the ranks, which checkpoint and exit 75, then requeues.
         f"--signal=B:USR1@{job.signal_seconds}",
         "--requeue",
         "--open-mode=append",  # a requeued run appends to the same log
         "--output=slurm-%x-%j.out",
     ]
-    baked_args = " ".join(q(arg) for arg in job.args)
+    variables = []
+    for name, meaning in BATCH_VARIABLES.items():
+        wrapped = textwrap.wrap(meaning.format(module=job.module, via=job.via,
+                                               max_requeues=job.max_requeues), 96 - 27,
+                                break_on_hyphens=False)
+        variables.append(f"#   {name:<23}{wrapped[0]}" if len(name) < 23
+                         else f"#   {name}\n#   {'':<23}{wrapped[0]}")
+        variables += [f"#   {'':<23}{line}" for line in wrapped[1:]]
+    launch = ["--via", job.via, "--max-requeues", str(job.max_requeues), "--",
+              job.module, *job.args]
     lines = [
         "#!/bin/bash",
         f"# {job.description}.",
@@ -258,81 +326,13 @@ def render(job: SbatchJob) -> str:
         "#   sbatch path/to/this/script.sh [training flags...]",
         "# Override without editing: sbatch flags (-p PARTITION -A ACCOUNT -t TIME -N NODES ...),",
         "# $SBATCH_PARTITION / $SBATCH_ACCOUNT, and these variables:",
-        f"#   HVDTRAIN_MODULE        what every rank runs (default {job.module}): a module, run",
-        "#                          as `python -m MODULE --run-dir DIR [flags]`, or a script path",
-        "#                          (train.py, or any path with a /), run as `python train.py",
-        "#                          [flags]`; a script finds the run directory in HVDTRAIN_RUN_DIR",
-        "#   HVDTRAIN_ARGS          extra training flags, split on whitespace",
-        "#   HVDTRAIN_RUN_DIR       run directory (default runs/<job name>-<job id>; kept on",
-        "#                          requeue, so a requeued job resumes from its checkpoint)",
-        "#   HVDTRAIN_PYTHON        interpreter with hvdtrain installed (default .venv/bin/python)",
-        "#   HVDTRAIN_MAX_RESTARTS  times the launcher restarts a failed job (a rank died) inside",
-        "#                          this allocation (default 0)",
-        f"#   HVDTRAIN_VIA           what starts the ranks: horovodrun, mpirun or srun (default "
-        f"{job.via})",
-        "#   HVDTRAIN_NETWORK_INTERFACE  the interface(s) the ranks talk over (eth0, or eth0,ib0;",
-        "#                          default: the launcher checks which connect every node)",
-        f"#   HVDTRAIN_MAX_REQUEUES  requeues after which a preempted job stops instead (default "
-        f"{job.max_requeues};",
-        "#                          counts Slurm's own requeues too; raise it for a job that needs",
-        "#                          more time-limit windows)",
+        *"\n".join(variables).splitlines(),
         *[f"#SBATCH {directive}" for directive in directives],
         "",
-        "set -euo pipefail",
-        'cd "${SLURM_SUBMIT_DIR:-.}"',
-        f'program="${{HVDTRAIN_MODULE:-{job.module}}}"',
-        'run_dir="${HVDTRAIN_RUN_DIR:-runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}"',
-        'python="${HVDTRAIN_PYTHON:-.venv/bin/python}"',
-        'max_restarts="${HVDTRAIN_MAX_RESTARTS:-0}"',
-        f'via="${{HVDTRAIN_VIA:-{job.via}}}"',
-        'network_args=()',
-        'if [[ -n ${HVDTRAIN_NETWORK_INTERFACE:-} ]]; then '
-        'network_args=(--network-interface "$HVDTRAIN_NETWORK_INTERFACE"); fi',
-        f'max_requeues="${{HVDTRAIN_MAX_REQUEUES:-{job.max_requeues}}}"',
-        'if [[ ! $max_requeues =~ ^[0-9]+$ ]]; then',
-        '    echo "HVDTRAIN_MAX_REQUEUES must be a whole number, got \'$max_requeues\'" >&2',
-        "    exit 2",
-        "fi",
-        'read -r -a env_args <<< "${HVDTRAIN_ARGS:-}"',
-        "# The launcher's rule: a .py file, a path with a / or an existing file is a script, which",
-        "# gets only your flags; a module also gets --run-dir.",
-        'export HVDTRAIN_RUN_DIR="$run_dir"',
-        'run_dir_args=(--run-dir "$run_dir")',
-        'if [[ $program == *.py || $program == */* || -f $program ]]; then run_dir_args=(); fi',
-        'echo "[$(date -Is)] job ${SLURM_JOB_ID} run ${SLURM_RESTART_COUNT:-0} on '
-        '${SLURM_JOB_NODELIST}: $program"',
-        "",
-        "# Forward Slurm's warning to the launcher (set before it starts, so no signal is missed).",
-        "launcher=",
-        "trap '[ -n \"$launcher\" ] && kill -USR1 \"$launcher\" 2>/dev/null || true' USR1",
-        "# The launcher reads the allocation (hosts, tasks and GPUs per node) and starts the ranks.",
-        '"$python" -m hvdtrain.launch --via "$via" "${network_args[@]}" --max-restarts '
-        '"$max_restarts" -- "$program" "${run_dir_args[@]}" '
-        + (baked_args + " " if baked_args else "") + '"${env_args[@]}" "$@" &',
-        "launcher=$!",
-        "# `wait` returns early whenever the trap runs: wait until the launcher is gone, then",
-        "# collect its exit status (bash remembers it).",
-        'while kill -0 "$launcher" 2>/dev/null; do wait "$launcher" || true; done',
-        'status=0',
-        'wait "$launcher" || status=$?',
-        "",
-        "if [ \"$status\" -eq 75 ]; then  # 75: stopped by the signal, checkpoint written",
-        '    if [ "${SLURM_RESTART_COUNT:-0}" -ge "$max_requeues" ]; then',
-        '        echo "[$(date -Is)] job ${SLURM_JOB_ID} was requeued ${SLURM_RESTART_COUNT:-0} '
-        'time(s) already (HVDTRAIN_MAX_REQUEUES=$max_requeues); not requeueing it. To resume, '
-        'submit again with HVDTRAIN_RUN_DIR=$run_dir" >&2',
-        "    else",
-        "        # An array task requeues itself alone: the id of one of its tasks is also the",
-        "        # array's id, which `scontrol requeue` reads as every task of the array.",
-        '        job="$SLURM_JOB_ID"',
-        '        if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then '
-        'job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"; fi',
-        '        echo "[$(date -Is)] requeueing job $job; the next run resumes from $run_dir"',
-        '        scontrol requeue "$job" || echo "scontrol requeue failed; to resume, submit again '
-        'with HVDTRAIN_RUN_DIR=$run_dir" >&2',
-        "    fi",
-        "fi",
-        'exit "$status"',
+        "# The launcher reads the allocation, starts the ranks, passes Slurm's USR1 on to them and",
+        "# requeues the job once they have written a checkpoint (its --help: the --sbatch flag).",
+        'exec "${HVDTRAIN_PYTHON:-.venv/bin/python}" -m hvdtrain.launch --sbatch \\',
+        "    " + shlex.join(launch) + ' "$@"',
         "",
     ]
     return "\n".join(lines)

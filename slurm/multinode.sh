@@ -6,22 +6,24 @@
 #   sbatch path/to/this/script.sh [training flags...]
 # Override without editing: sbatch flags (-p PARTITION -A ACCOUNT -t TIME -N NODES ...),
 # $SBATCH_PARTITION / $SBATCH_ACCOUNT, and these variables:
-#   HVDTRAIN_MODULE        what every rank runs (default hvdtrain.cnn): a module, run
-#                          as `python -m MODULE --run-dir DIR [flags]`, or a script path
-#                          (train.py, or any path with a /), run as `python train.py
-#                          [flags]`; a script finds the run directory in HVDTRAIN_RUN_DIR
-#   HVDTRAIN_ARGS          extra training flags, split on whitespace
-#   HVDTRAIN_RUN_DIR       run directory (default runs/<job name>-<job id>; kept on
-#                          requeue, so a requeued job resumes from its checkpoint)
+#   HVDTRAIN_MODULE        what every rank runs (default hvdtrain.cnn): a module, run as `python
+#                          -m MODULE --run-dir DIR [flags]`, or a script path (train.py, or any
+#                          path with a /), run as `python train.py [flags]`; a script finds the
+#                          run directory in HVDTRAIN_RUN_DIR
+#   HVDTRAIN_ARGS          extra training flags, split as a shell would (before the flags given
+#                          after the script, which win)
+#   HVDTRAIN_RUN_DIR       run directory (default runs/<job name>-<job id>; kept on requeue, so
+#                          a requeued job resumes from its checkpoint)
 #   HVDTRAIN_PYTHON        interpreter with hvdtrain installed (default .venv/bin/python)
-#   HVDTRAIN_MAX_RESTARTS  times the launcher restarts a failed job (a rank died) inside
-#                          this allocation (default 0)
+#   HVDTRAIN_MAX_RESTARTS  times the launcher restarts a failed job (a rank died) inside this
+#                          allocation (default 0)
 #   HVDTRAIN_VIA           what starts the ranks: horovodrun, mpirun or srun (default mpirun)
-#   HVDTRAIN_NETWORK_INTERFACE  the interface(s) the ranks talk over (eth0, or eth0,ib0;
-#                          default: the launcher checks which connect every node)
-#   HVDTRAIN_MAX_REQUEUES  requeues after which a preempted job stops instead (default 3;
-#                          counts Slurm's own requeues too; raise it for a job that needs
-#                          more time-limit windows)
+#   HVDTRAIN_NETWORK_INTERFACE
+#                          the interface(s) the ranks talk over (eth0, or eth0,ib0; default: the
+#                          launcher checks which connect every node)
+#   HVDTRAIN_MAX_REQUEUES  requeues after which a preempted job stops instead (default 3; counts
+#                          Slurm's own requeues too; raise it for a job that needs more
+#                          time-limit windows)
 #SBATCH --job-name=hvdtrain-multinode
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4
@@ -33,50 +35,7 @@
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
 
-set -euo pipefail
-cd "${SLURM_SUBMIT_DIR:-.}"
-program="${HVDTRAIN_MODULE:-hvdtrain.cnn}"
-run_dir="${HVDTRAIN_RUN_DIR:-runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}"
-python="${HVDTRAIN_PYTHON:-.venv/bin/python}"
-max_restarts="${HVDTRAIN_MAX_RESTARTS:-0}"
-via="${HVDTRAIN_VIA:-mpirun}"
-network_args=()
-if [[ -n ${HVDTRAIN_NETWORK_INTERFACE:-} ]]; then network_args=(--network-interface "$HVDTRAIN_NETWORK_INTERFACE"); fi
-max_requeues="${HVDTRAIN_MAX_REQUEUES:-3}"
-if [[ ! $max_requeues =~ ^[0-9]+$ ]]; then
-    echo "HVDTRAIN_MAX_REQUEUES must be a whole number, got '$max_requeues'" >&2
-    exit 2
-fi
-read -r -a env_args <<< "${HVDTRAIN_ARGS:-}"
-# The launcher's rule: a .py file, a path with a / or an existing file is a script, which
-# gets only your flags; a module also gets --run-dir.
-export HVDTRAIN_RUN_DIR="$run_dir"
-run_dir_args=(--run-dir "$run_dir")
-if [[ $program == *.py || $program == */* || -f $program ]]; then run_dir_args=(); fi
-echo "[$(date -Is)] job ${SLURM_JOB_ID} run ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}: $program"
-
-# Forward Slurm's warning to the launcher (set before it starts, so no signal is missed).
-launcher=
-trap '[ -n "$launcher" ] && kill -USR1 "$launcher" 2>/dev/null || true' USR1
-# The launcher reads the allocation (hosts, tasks and GPUs per node) and starts the ranks.
-"$python" -m hvdtrain.launch --via "$via" "${network_args[@]}" --max-restarts "$max_restarts" -- "$program" "${run_dir_args[@]}" "${env_args[@]}" "$@" &
-launcher=$!
-# `wait` returns early whenever the trap runs: wait until the launcher is gone, then
-# collect its exit status (bash remembers it).
-while kill -0 "$launcher" 2>/dev/null; do wait "$launcher" || true; done
-status=0
-wait "$launcher" || status=$?
-
-if [ "$status" -eq 75 ]; then  # 75: stopped by the signal, checkpoint written
-    if [ "${SLURM_RESTART_COUNT:-0}" -ge "$max_requeues" ]; then
-        echo "[$(date -Is)] job ${SLURM_JOB_ID} was requeued ${SLURM_RESTART_COUNT:-0} time(s) already (HVDTRAIN_MAX_REQUEUES=$max_requeues); not requeueing it. To resume, submit again with HVDTRAIN_RUN_DIR=$run_dir" >&2
-    else
-        # An array task requeues itself alone: the id of one of its tasks is also the
-        # array's id, which `scontrol requeue` reads as every task of the array.
-        job="$SLURM_JOB_ID"
-        if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"; fi
-        echo "[$(date -Is)] requeueing job $job; the next run resumes from $run_dir"
-        scontrol requeue "$job" || echo "scontrol requeue failed; to resume, submit again with HVDTRAIN_RUN_DIR=$run_dir" >&2
-    fi
-fi
-exit "$status"
+# The launcher reads the allocation, starts the ranks, passes Slurm's USR1 on to them and
+# requeues the job once they have written a checkpoint (its --help: the --sbatch flag).
+exec "${HVDTRAIN_PYTHON:-.venv/bin/python}" -m hvdtrain.launch --sbatch \
+    --via mpirun --max-requeues 3 -- hvdtrain.cnn "$@"

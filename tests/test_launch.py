@@ -18,9 +18,10 @@ from hvdtrain.errors import UserError
 from hvdtrain.launch.options import VIAS, LaunchOptions, is_script_path, parse_options
 from hvdtrain.launch.paths import LAUNCH_PATHS, build_launch, describe, horovod_tuning_env
 from hvdtrain.launch.preflight import Build, preflight
+from hvdtrain.launch.sbatch import batch_options
 from hvdtrain.launch.supervise import judge_exit
-from hvdtrain.slurm import (TEMPLATES, Allocation, SbatchJob, expand_hostlist, expand_tasks_per_node,
-                            render)
+from hvdtrain.slurm import (TEMPLATES, Allocation, Requeue, SbatchJob, expand_hostlist,
+                            expand_tasks_per_node, render, requeue_decision)
 from slurm_templates import COMMAND as WRITE_TEMPLATES
 
 GOOD_BUILD = Build(tensorflow=True, mpi=True, gloo=True)
@@ -230,7 +231,7 @@ def test_render_cli_writes_a_custom_script():
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --nodes=8" in result.stdout and "#SBATCH --gres=gpu:8" in result.stdout
     assert "#SBATCH --partition=a100" in result.stdout
-    assert '"$program" "${run_dir_args[@]}" --epochs 90' in result.stdout
+    assert '-- hvdtrain.cnn --epochs 90 "$@"' in result.stdout
     bad = subprocess.run([sys.executable, "-m", "hvdtrain.slurm", "render", "--name", "a b"],
                          capture_output=True, text=True, timeout=60, env=clean_env())
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "job name" in bad.stderr
@@ -331,20 +332,42 @@ def test_the_module_check_asks_the_ranks_python_in_the_launchers_directory(tmp_p
         str(ranks_python), "-m", "only_for_the_ranks"]
 
 
-def test_templates_tell_scripts_from_modules_as_the_launcher_does(tmp_path, monkeypatch):
-    """The sbatch templates pass --run-dir to a module only; their bash rule must match
-    hvdtrain.launch.options.is_script_path, which decides how the program runs."""
-
+def test_a_template_gives_run_dir_to_a_module_only_by_the_launchers_rule(tmp_path, monkeypatch):
+    """--sbatch decides with is_script_path, the rule that decides how the program runs."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train").write_text("")
-    rule = next(line for line in render(TEMPLATES["cpu.sh"]).splitlines()
-                if line.startswith("if [[ $program =="))
+    job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "hvdtrain-cpu"}
     for program in ("hvdtrain.cnn", "pkg.mod", "train.py", "dir/train", "./train", "train"):
-        shell = subprocess.run(
-            ["bash", "-c", f"program={shlex.quote(program)}; run_dir_args=(--run-dir x)\n"
-                           f'{rule}\necho "${{#run_dir_args[@]}}"'],
-            cwd=tmp_path, capture_output=True, text=True, timeout=30)
-        assert (shell.stdout.strip() == "0") == is_script_path(program), program
+        batch, run_dir = batch_options(options(sbatch=True, program_args=("--epochs", "2")),
+                                       {**job, "HVDTRAIN_MODULE": program})
+        assert run_dir == "runs/hvdtrain-cpu-7" and batch.program == program
+        expected = ("--epochs", "2") if is_script_path(program) else (
+            "--run-dir", "runs/hvdtrain-cpu-7", "--epochs", "2")
+        assert batch.program_args == expected, program
+
+
+def test_a_templates_variables_override_its_flags():
+    env = {"SLURM_JOB_ID": "7", "HVDTRAIN_VIA": "srun", "HVDTRAIN_RUN_DIR": "/scratch/r",
+           "HVDTRAIN_ARGS": "--epochs 5 --run-name 'a b'", "HVDTRAIN_MAX_RESTARTS": "2",
+           "HVDTRAIN_MAX_REQUEUES": "9", "HVDTRAIN_NETWORK_INTERFACE": "ib0"}
+    batch, run_dir = batch_options(options(sbatch=True, via="mpirun", max_requeues=3,
+                                           program_args=("--epochs", "6")), env)
+    assert (batch.via, run_dir, batch.max_restarts, batch.max_requeues,
+            batch.network_interface) == ("srun", "/scratch/r", 2, 9, "ib0")
+    # The flags after the script come last, so they win over HVDTRAIN_ARGS.
+    assert batch.program_args == ("--run-dir", "/scratch/r", "--epochs", "5", "--run-name",
+                                  "a b", "--epochs", "6")
+    unset = batch_options(options(sbatch=True, via="mpirun", max_requeues=3),
+                          {"SLURM_JOB_ID": "7", "HVDTRAIN_VIA": ""})[0]
+    assert (unset.via, unset.max_requeues, unset.max_restarts) == ("mpirun", 3, 0)
+    for name, value, message in (("HVDTRAIN_MAX_REQUEUES", "three", "must be a whole number"),
+                                 ("HVDTRAIN_MAX_RESTARTS", "-1", "must be a whole number"),
+                                 ("HVDTRAIN_VIA", "ssh", "HVDTRAIN_VIA must be one of"),
+                                 ("HVDTRAIN_ARGS", "'unclosed", "HVDTRAIN_ARGS")):
+        with pytest.raises(UserError, match=message):
+            batch_options(options(sbatch=True), {"SLURM_JOB_ID": "7", name: value})
+    with pytest.raises(UserError, match="SLURM_JOB_ID is not set"):
+        batch_options(options(sbatch=True), {})
 
 
 # --- restarts ----------------------------------------------------------------------------------
@@ -375,32 +398,45 @@ def test_max_restarts_is_refused_where_exit_statuses_are_lost():
     assert "# up to 2 restart(s) after a failure" in describe(launch)
 
 
-# --- requeues in the sbatch templates ----------------------------------------------------------
-@pytest.mark.parametrize("file_name", sorted(TEMPLATES))
-def test_templates_cap_requeues_and_requeue_only_their_own_array_task(file_name):
-    text = (REPO / "slurm" / file_name).read_text()
-    assert 'max_requeues="${HVDTRAIN_MAX_REQUEUES:-3}"' in text
-    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -ge "$max_requeues" ]; then' in text
+# --- requeues after Slurm's time-limit warning ---------------------------------------------------
+def test_the_requeue_rule_caps_requeues_and_requeues_only_its_own_array_task():
+    job = {"SLURM_JOB_ID": "12"}
+    assert requeue_decision(job, 3, "runs/r") == Requeue(
+        "12", "requeueing job 12; the next run resumes from runs/r")
+    assert requeue_decision({**job, "SLURM_RESTART_COUNT": "2"}, 3, "runs/r").job == "12"
+    capped = requeue_decision({**job, "SLURM_RESTART_COUNT": "3"}, 3, "runs/r")
+    assert capped.job is None and capped.message == (
+        "job 12 was requeued 3 time(s) already (HVDTRAIN_MAX_REQUEUES=3); not requeueing it. "
+        "To resume, submit again with HVDTRAIN_RUN_DIR=runs/r")
+    assert requeue_decision(job, 0, "runs/r").job is None  # 0: never requeue
     # An array task's own id can be the array's id, which would requeue every task.
-    assert 'job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' in text
-    assert 'scontrol requeue "$job"' in text and "scontrol requeue \"$SLURM_JOB_ID\"" not in text
-    assert '--max-restarts "$max_restarts"' in text
-    assert 'max_restarts="${HVDTRAIN_MAX_RESTARTS:-0}"' in text
+    task = {"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "12", "SLURM_ARRAY_TASK_ID": "0"}
+    assert requeue_decision(task, 3, "runs/r").job == "12_0"
+
+
+@pytest.mark.parametrize("file_name", sorted(TEMPLATES))
+def test_templates_exec_the_launcher_with_their_defaults_as_flags(file_name):
+    text = (REPO / "slurm" / file_name).read_text()
+    job = TEMPLATES[file_name]
+    body = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert body == ['exec "${HVDTRAIN_PYTHON:-.venv/bin/python}" -m hvdtrain.launch --sbatch \\',
+                    f'    --via {job.via} --max-requeues {job.max_requeues} -- {job.module} "$@"']
     custom = render(SbatchJob(name="long", max_requeues=20))
-    assert 'max_requeues="${HVDTRAIN_MAX_REQUEUES:-20}"' in custom
+    assert "--max-requeues 20 --" in custom and "(default 20;" in custom
 
 
-def test_a_bad_requeue_cap_stops_the_script_with_one_line(tmp_path):
-    """Past the variables, the template would need Slurm; a bad cap must stop before that."""
+def test_a_bad_requeue_cap_stops_the_template_with_one_line(tmp_path):
+    """The template execs the launcher, which refuses the variable before anything starts."""
     script = tmp_path / "job.sh"
     script.write_text(render(TEMPLATES["cpu.sh"]))
     env = clean_env(HVDTRAIN_MAX_REQUEUES="three", HVDTRAIN_RUN_DIR=str(tmp_path / "run"),
-                    SLURM_SUBMIT_DIR=str(tmp_path))
-    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30,
-                            env=env)
+                    HVDTRAIN_PYTHON=sys.executable, SLURM_JOB_ID="7")
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                            env=env, cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == ["HVDTRAIN_MAX_REQUEUES must be a whole number, got "
-                                          "'three'"]
+    assert result.stderr.splitlines() == ["hvdtrain.launch: error: HVDTRAIN_MAX_REQUEUES must be "
+                                          "a whole number, got 'three'"]
+    assert not (tmp_path / "run").exists()
 
 
 # --- a user's own horovod script through the launcher (integration tier) ------------------------

@@ -15,6 +15,11 @@ the time limit; the ranks write a checkpoint and exit 75). The exit status is th
 Restarts: with ``--max-restarts N`` a job that failed (a rank died or crashed) is started again in
 the same allocation, up to N times; an hvdtrain job resumes from its last checkpoint. A user error
 (exit 2), a preemption stop (75) and a stop signal end the job without a restart.
+
+In an sbatch script (``--sbatch``, as the templates in slurm/ run it): the HVDTRAIN_* variables
+given at submission override the script's flags, the run directory defaults to
+runs/<job name>-<job id>, and after Slurm's time-limit warning (SIGUSR1) the ranks checkpoint and
+the launcher requeues the job (``scontrol requeue``, at most --max-requeues times).
 """
 # The package, one module per concern; __main__ runs them in order:
 #   options    the flags (one dataclass) and what every rank runs (script or module)
@@ -22,4 +27,5 @@ the same allocation, up to N times; an hvdtrain job resumes from its last checkp
 #   network    across hosts, the interfaces that connect them all
 #   paths      the command of each launch path: horovodrun, mpirun, srun
 #   supervise  signals forwarded, the exit verdict, restarts, leftovers of an attempt
+#   sbatch     as the body of an sbatch script: the job's variables, requeue after USR1
 #   watcher    ends the job if the launcher itself dies

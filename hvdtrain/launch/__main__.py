@@ -6,6 +6,7 @@ import sys
 from typing import Sequence
 
 import hvdtrain.launch
+from hvdtrain.launch import sbatch
 from hvdtrain.errors import EXIT_USAGE, reported
 from hvdtrain.launch.console import PROGRAM, error
 from hvdtrain.launch.network import network_interfaces
@@ -21,6 +22,9 @@ from hvdtrain.slurm import Allocation
 def run(argv: Sequence[str] | None = None) -> int:
     signals = SignalForwarder()  # from the start: the preflight probe takes seconds
     options = parse_options(argv, hvdtrain.launch.__doc__)
+    if options.sbatch:  # the body of an sbatch script: the job's variables, its run directory
+        options, run_dir = sbatch.batch_options(options, os.environ)
+        os.environ["HVDTRAIN_RUN_DIR"] = run_dir  # where a script of your own finds it
     program_command(options)  # a missing script or module is reported before the ~3 s probe
     if not is_script_path(options.program):
         check_module(options.python, options.program)
@@ -42,7 +46,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(describe(launch))
         return 0
     with watching(options.python):
-        return run_attempts(launch, options.max_restarts, signals)
+        status = run_attempts(launch, options.max_restarts, signals)
+    if options.sbatch:
+        sbatch.requeue_if_stopped(status, options, run_dir, os.environ)
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -54,6 +54,14 @@ class LaunchOptions:
     """Start a failed job (a rank died or crashed) again in the same allocation up to this many
     times, a few seconds apart; not after a user error (exit 2), a preemption stop (75) or a
     stop signal (see hvdtrain.launch.supervise.judge_exit)."""
+    sbatch: bool = False
+    """Run as the body of an sbatch script (the templates in slurm/ exec this): the HVDTRAIN_*
+    variables given at submission override these flags (see hvdtrain.slurm.BATCH_VARIABLES), the
+    run directory defaults to runs/<job name>-<job id>, and a job the ranks stopped for requeue
+    (exit 75, after Slurm's time-limit warning) is requeued with scontrol."""
+    max_requeues: int = 3
+    """With --sbatch: requeues after which a preempted job stops instead (SLURM_RESTART_COUNT,
+    which counts Slurm's own requeues too)."""
     timeline_filename: str | None = None
     """Write a Horovod timeline to this file (chrome://tracing)."""
     autotune: bool = False
@@ -85,7 +93,8 @@ class LaunchOptions:
 
 
 #: Where --help starts a new section (at this field), and the one short flag.
-_SECTIONS = {"timeline_filename": "horovod tuning (passed to every rank)",
+_SECTIONS = {"sbatch": "in an sbatch script",
+             "timeline_filename": "horovod tuning (passed to every rank)",
              "hosts": "several hosts"}
 _SHORT_FLAGS = {"hosts": "-H"}
 _POSITIONAL = ("program", "program_args")
