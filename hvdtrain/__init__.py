@@ -16,6 +16,9 @@ which runs this file first.
   collectives (``runtime/keras3.py``) instead of ``horovod.tensorflow.keras``.
 
 ``KERAS`` holds the choice ("2" or "3").
+
+Every rank imports this first, so it also makes the rank's stdout and stderr write whole lines
+(``_write_whole_lines``), which keeps horovodrun/mpirun's per-rank tags at the start of lines.
 """
 import importlib
 import importlib.abc
@@ -120,3 +123,19 @@ def _select_keras(version: str) -> None:
 
 KERAS = _requested_keras(sys.argv, os.environ)
 _select_keras(KERAS)
+
+
+def _write_whole_lines() -> None:
+    """One write per line on stdout and stderr, so a launcher's tags start lines.
+
+    horovodrun starts every rank with PYTHONUNBUFFERED=1, so a print reached mpirun as two
+    writes, the text and then the newline, and mpirun's --tag-output prefixes each write: the
+    next tag landed before the newline (``run dir: runs/cnn[1,0]<stdout>:``). Line buffering
+    keeps a line in one write and still sends every line the moment it ends.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+            stream.reconfigure(write_through=False, line_buffering=True)
+
+
+_write_whole_lines()

@@ -49,6 +49,11 @@ def test_make_train_prints_no_warning_and_writes_every_output(default_runs):
     # (tf_keras warned that the callbacks were slow, see callbacks.TensorBoardLog).
     warnings = [line for line in stdout.splitlines() if WARNING_LINE.search(line)]
     assert not warnings, "\n".join(warnings)
+    # Whole lines under horovodrun's tags: a tag only ever starts a line (a print reached mpirun
+    # as two writes, and the next tag landed before the newline: "run dir: x[1,0]<stdout>:").
+    split = [line for line in stdout.splitlines() if re.search(r".\[\d+,\d+\]<std", line)]
+    assert not split, "\n".join(split)
+    assert "[1,0]<stdout>:" in stdout  # the tags are there
     assert "backend horovod | 2 process(es), 2 worker(s)" in stdout
     assert "32 per worker x 2 workers = 64 global" in stdout
     config = json.loads((run_dir / "config.json").read_text())

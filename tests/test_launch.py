@@ -451,6 +451,22 @@ def test_a_plain_horovod_script_runs_on_two_ranks_through_the_launcher():
 
 
 # --- several hosts: --hosts and the network interface --------------------------------------------
+def test_mpirun_outside_slurm_passes_the_users_environment_on_but_not_who_it_is():
+    shell = {"FOO": "1", "PATH": "/bin", "OLDPWD": "/x", "BASH_FUNC_f%%": "() { :; }",
+             "OMPI_COMM_WORLD_RANK": "0", "PMIX_RANK": "0", "SLURM_PROCID": "0",
+             "HOROVOD_RANK": "0", "OMPI_ALLOW_RUN_AS_ROOT": "1"}
+    argv = build_launch(options(via="mpirun", hosts="node1:2,node2:2", fusion_threshold_mb=32),
+                        None, gpus=0, environment=shell).argv
+    exported = [argv[i + 1] for i, arg in enumerate(argv) if arg == "-x"]
+    assert exported == ["FOO", "HOROVOD_FUSION_THRESHOLD", "OMPI_ALLOW_RUN_AS_ROOT", "PATH"]
+    # Inside an allocation Slurm passes the environment on: only the launcher's own variables.
+    inside = build_launch(options(via="mpirun", fusion_threshold_mb=32),
+                          allocation(SLURM_JOB_NODELIST="n[1-2]", SLURM_TASKS_PER_NODE="2(x2)"),
+                          gpus=0, environment=shell).argv
+    assert [inside[i + 1] for i, arg in enumerate(inside) if arg == "-x"] == [
+        "HOROVOD_FUSION_THRESHOLD"]
+
+
 def test_hosts_outside_slurm_give_the_rank_count_and_the_host_list():
     launch = build_launch(options(hosts="node1:2,node2:2"), None, gpus=0)
     assert launch.argv[1:5] == ("-np", "4", "-H", "node1:2,node2:2")

@@ -240,6 +240,19 @@ def test_launcher_in_a_two_node_allocation(cluster_env, run_dir, tmp_path, via):
 
 
 # --- a CPU per node (the network bench's setting) ------------------------------------------------
+def test_mpirun_outside_slurm_brings_the_users_environment_to_every_rank(cluster_env, run_dir):
+    """--via mpirun --hosts: remote ranks get only what mpirun passes with -x; the launcher
+    passes the user's environment on, as horovodrun does."""
+    env = {**cluster_env, "HVDTRAIN_PROBE_VARIABLE": "exported on node1"}
+    result = run_job(on_node1(PYTHON, "-m", "hvdtrain.launch", "--via", "mpirun", "--hosts",
+                              "node1:2,node2:2", str(PROBE), "--run-dir", str(run_dir), *JOB_ARGS),
+                     timeout=JOB_TIMEOUT, env=env)
+    check_job(result.stdout, run_dir)
+    ranks = json.loads(re.search(r"MULTINODE_PROBE (\{.*\})", result.stdout).group(1))["ranks"]
+    assert {(f["hostname"], f["user_variable"]) for f in ranks} == {
+        ("node1", "exported on node1"), ("node2", "exported on node1")}, ranks
+
+
 def test_pinned_nodes_run_on_a_cpu_of_their_own(cluster_env):
     """`up --pin-cpus`: what `exec` and ssh start on node K runs on the K-th allowed CPU; the
     next plain `up` gives every CPU back."""

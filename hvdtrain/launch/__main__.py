@@ -41,7 +41,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     gpus = build.gpus if build else count_gpus_without_tensorflow()
     interfaces = network_interfaces(options, allocation,
                                     check=not (options.skip_preflight or options.dry_run))
-    launch = build_launch(options, allocation, gpus, running_as_root, interfaces)
+    launch = build_launch(options, allocation, gpus, running_as_root, interfaces, os.environ)
     if options.dry_run:
         print(describe(launch))
         return 0

@@ -12,11 +12,16 @@ import re
 import shlex
 import shutil
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from hvdtrain.errors import UserError
 from hvdtrain.launch.options import VIAS, LaunchOptions, program_command
+from hvdtrain.launcher_env import is_identity
 from hvdtrain.slurm import Allocation
+
+#: Variables of the user's shell never passed on to remote ranks (as horovodrun leaves them out):
+#: bash's exported functions and the previous directory.
+_NOT_FORWARDED = re.compile(r"BASH_FUNC_.*|OLDPWD")
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,9 @@ class Plan:
     binding: list[str]
     """--binding-args, split."""
     running_as_root: bool
+    forwarded: tuple[str, ...] = ()
+    """Outside Slurm, the names of the launcher's environment the ranks on every host must get
+    too, as from the user's shell (inside an allocation Slurm passes the environment on)."""
 
 
 def horovodrun_command(plan: Plan) -> list[str]:
@@ -81,7 +89,9 @@ def mpirun_command(plan: Plan) -> list[str]:
     # One process per slot with no core binding, as horovodrun does by default: ranks size
     # their own thread pools (hvdtrain.runtime.configure_devices).
     argv += plan.binding or ["--bind-to", "none", "--map-by", "slot"]
-    for name in sorted(plan.env):  # remote ranks only see variables passed with -x
+    # Remote ranks see only the variables passed with -x (each takes its value from mpirun's
+    # environment): the user's, as horovodrun passes them, and the launcher's own.
+    for name in sorted({*plan.env, *plan.forwarded}):
         argv += ["-x", name]
     return argv + plan.program
 
@@ -108,11 +118,14 @@ LAUNCH_PATHS: dict[str, Callable[[Plan], list[str]]] = {
 
 def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: int,
                  running_as_root: bool = False,
-                 interfaces: tuple[str, ...] | None = None) -> Launch:
+                 interfaces: tuple[str, ...] | None = None,
+                 environment: Mapping[str, str] | None = None) -> Launch:
     """The exact command for these options and this allocation.
 
     ``interfaces``: the network interfaces the ranks must talk over (the network check's choice,
-    or --network-interface); None leaves the choice to MPI, Gloo and NCCL.
+    or --network-interface); None leaves the choice to MPI, Gloo and NCCL. ``environment``: the
+    launcher's, which the ranks on every host get too (less who the launcher itself is, should
+    it run inside another job).
     """
     if options.via not in LAUNCH_PATHS:
         raise UserError(f"--via must be one of {', '.join(VIAS)}, got {options.via!r}")
@@ -155,11 +168,20 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
     plan = Plan(options=options, allocation=allocation, np=np, hosts=hosts,
                 program=program_command(options), env=env, interfaces=interface_list,
                 binding=shlex.split(options.binding_args) if options.binding_args else [],
-                running_as_root=running_as_root)
+                running_as_root=running_as_root,
+                forwarded=forwarded_names(environment or {}) if allocation is None else ())
     argv = LAUNCH_PATHS[options.via](plan)
     if options.max_restarts:
         notes.append(f"up to {options.max_restarts} restart(s) after a failure")
     return Launch(tuple(argv), plan.env, tuple(notes))
+
+
+def forwarded_names(environment: Mapping[str, str]) -> tuple[str, ...]:
+    """The variables to pass on to remote ranks: all but identity variables (a rank must not
+    take itself for the launcher's own rank, should the launcher run inside another job) and
+    the shell's own."""
+    return tuple(sorted(name for name in environment
+                        if not is_identity(name) and not _NOT_FORWARDED.fullmatch(name)))
 
 
 def horovod_tuning_env(options: LaunchOptions) -> dict[str, str]:

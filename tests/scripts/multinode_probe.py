@@ -5,8 +5,8 @@ directory), through hvdtrain's public API, with one change: each rank builds its
 from its own seed (1000 + rank), so "identical weights afterwards" proves the broadcast and the
 allreduce worked rather than that every rank started the same. After training, all ranks
 allgather their facts and rank 0 prints one line, ``MULTINODE_PROBE {json}``: per rank its rank,
-size, local_rank, local_size, cross_rank, cross_size, hostname, and digests of its initial and
-final weights. The script exits with the job's status.
+size, local_rank, local_size, cross_rank, cross_size, hostname, digests of its initial and
+final weights, and the value of HVDTRAIN_PROBE_VARIABLE in its environment. The script exits with the job's status.
 
 Launch it like a training script: ``horovodrun -np 4 -H node1:2,node2:2 python
 tests/scripts/multinode_probe.py --preset tiny --run-dir DIR``, ``HVDTRAIN_MODULE=<this file>
@@ -15,6 +15,7 @@ sbatch slurm/multinode.sh --run-dir DIR``, ``python -m hvdtrain.launch <this fil
 import dataclasses
 import hashlib
 import json
+import os
 import socket
 import sys
 
@@ -47,7 +48,9 @@ def main() -> int:
              "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(),
              "cross_size": hvd.cross_size(), "hostname": socket.gethostname(),
              "initial": built.get("initial"),
-             "final": digest(built["model"]) if "model" in built else None, "status": status}
+             "final": digest(built["model"]) if "model" in built else None, "status": status,
+             # A variable of the launching shell, if the test set one: did it reach this rank?
+             "user_variable": os.environ.get("HVDTRAIN_PROBE_VARIABLE")}
     ranks = hvd.allgather_object(facts)
     if hvd.rank() == 0:
         print(PROBE_PREFIX + json.dumps({"ranks": ranks}), flush=True)
