@@ -19,7 +19,7 @@ from hvdtrain.launch.options import VIAS, LaunchOptions, is_script_path, parse_o
 from hvdtrain.launch.paths import LAUNCH_PATHS, build_launch, describe, horovod_tuning_env
 from hvdtrain.launch.preflight import Build, preflight
 from hvdtrain.launch.sbatch import batch_options
-from hvdtrain.launch.supervise import judge_exit
+from hvdtrain.launch.supervise import judge_exit, rank_zero_host
 from hvdtrain.slurm import (TEMPLATES, Allocation, Requeue, SbatchJob, expand_hostlist,
                             expand_tasks_per_node, render, requeue_decision)
 from slurm_templates import COMMAND as WRITE_TEMPLATES
@@ -465,6 +465,18 @@ def test_mpirun_outside_slurm_passes_the_users_environment_on_but_not_who_it_is(
                           gpus=0, environment=shell).argv
     assert [inside[i + 1] for i, arg in enumerate(inside) if arg == "-x"] == [
         "HOROVOD_FUSION_THRESHOLD"]
+
+
+def test_the_orphan_guard_asks_rank_0s_host_only_when_it_is_another_one():
+    local = {"localhost", "node1"}
+    assert rank_zero_host(["node1", "node2"], local, PY, in_allocation=False) is None
+    assert rank_zero_host(["localhost"], local, PY, in_allocation=False) is None
+    outside = rank_zero_host(["node2", "node1"], local, PY, in_allocation=False)
+    assert outside.host == "node2" and outside.command[0] == "ssh" \
+        and outside.command[-1] == "node2" and "BatchMode=yes" in outside.command
+    inside = rank_zero_host(["gpu07", "node1"], local, PY, in_allocation=True)
+    assert inside.command[:2] == ("srun", "--overlap") and "--nodelist=gpu07" in inside.command
+    assert inside.command[-2:] == ("sh", "-c")  # the probe is one shell command, as for ssh
 
 
 def test_hosts_outside_slurm_give_the_rank_count_and_the_host_list():

@@ -46,6 +46,11 @@ def test_processes_reads_ranks_and_attempts_from_a_real_proc():
         assert [seen[s.pid].rank for s in started] == [3, None, 0, None]
         rank, helper, next_attempt, other_launcher = (s.pid for s in started)
         assert attempt_processes("HVDTRAIN_LAUNCH_ATTEMPT=7.0") == {rank: True, helper: False}
+        # What another host's launcher asks of this one (the orphan guard): rank 3 runs here.
+        answer = subprocess.run([sys.executable, "-m", "hvdtrain.launch.probe", "ranks",
+                                 "HVDTRAIN_LAUNCH_ATTEMPT=7.0"], capture_output=True, text=True,
+                                timeout=60, env=base).stdout
+        assert 'HVDTRAIN_PROBE {"ranks": [3]}' in answer.splitlines(), answer
         # Every attempt of launcher 7, and not launcher 71's.
         assert attempt_processes("HVDTRAIN_LAUNCH_ATTEMPT=7.", whole=False) == {
             rank: True, helper: False, next_attempt: True}

@@ -511,6 +511,25 @@ def test_a_link_down_ends_the_job_instead_of_hanging(cluster_env, faulted_run, t
     faulted_run.faulted()
 
 
+def test_the_orphan_guard_waits_while_rank_0_elsewhere_writes_its_last_checkpoint(
+        cluster_env, tmp_path):
+    """--hosts node2:2,node1:2 started on node1 puts rank 0 on node2. The ranks on node1 end at
+    once, and rank 0 takes longer to write its last checkpoint than the guard gives a command
+    whose ranks on this host are gone (it used to end such a job): the launcher asks node2,
+    waits for rank 0, and the job ends well. Gloo, whose ranks leave without MPI's closing
+    barrier, so node1's ranks really are gone."""
+    run_dir, seconds = tmp_path / "run", 60
+    assert seconds > launch_module().ORPHANED_COMMAND_SECONDS + 10
+    result = run_job(on_node1(PYTHON, "-m", "hvdtrain.launch", "--controller", "gloo",
+                              "--hosts", "node2:2,node1:2", "--network-interface", "eth0",
+                              str(REPO / "tests" / "scripts" / "slow_last_checkpoint.py"),
+                              str(run_dir), str(seconds)), timeout=JOB_TIMEOUT, env=cluster_env)
+    assert "rank 0 on node2: writing the last checkpoint (60 s)" in result.stdout, result.stdout
+    assert "rank 0 still runs on node2: waiting for it" in result.stdout, result.stdout
+    assert "rank 0: last checkpoint written" in result.stdout, result.stdout
+    assert (run_dir / "last-checkpoint").stat().st_size == seconds << 16
+
+
 def launch_module():
     from hvdtrain.launch import supervise
 

@@ -9,12 +9,13 @@ import hvdtrain.launch
 from hvdtrain.launch import sbatch
 from hvdtrain.errors import EXIT_USAGE, reported
 from hvdtrain.launch.console import PROGRAM, error
-from hvdtrain.launch.network import network_interfaces
+from hvdtrain.launch.network import local_host_names, network_interfaces
 from hvdtrain.launch.options import is_script_path, parse_options, program_command
-from hvdtrain.launch.paths import build_launch, describe
+from hvdtrain.launch.paths import build_launch, describe, job_hosts
 from hvdtrain.launch.preflight import (check_module, count_gpus_without_tensorflow, preflight,
                                        probe_build)
-from hvdtrain.launch.supervise import SignalForwarder, run_attempts
+from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, SignalForwarder, rank_zero_host,
+                                       run_attempts)
 from hvdtrain.launch.watcher import watching
 from hvdtrain.slurm import Allocation
 
@@ -41,12 +42,17 @@ def run(argv: Sequence[str] | None = None) -> int:
     gpus = build.gpus if build else count_gpus_without_tensorflow()
     interfaces = network_interfaces(options, allocation,
                                     check=not (options.skip_preflight or options.dry_run))
-    launch = build_launch(options, allocation, gpus, running_as_root, interfaces, os.environ)
+    # Remote ranks carry the attempt's marker too (mpirun passes it with -x), so rank 0's host
+    # can say whether rank 0 still runs.
+    environment = os.environ if options.dry_run else {**os.environ, ATTEMPT_VARIABLE: ""}
+    launch = build_launch(options, allocation, gpus, running_as_root, interfaces, environment)
     if options.dry_run:
         print(describe(launch))
         return 0
+    rank_zero = rank_zero_host(job_hosts(options, allocation), local_host_names(),
+                               options.python, in_allocation=allocation is not None)
     with watching(options.python):
-        status = run_attempts(launch, options.max_restarts, signals)
+        status = run_attempts(launch, options.max_restarts, signals, rank_zero)
     if options.sbatch:
         sbatch.requeue_if_stopped(status, options, run_dir, os.environ)
     return status

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from hvdtrain.errors import UserError
 from hvdtrain.launch import probe
@@ -32,10 +33,13 @@ class Build:
 
 
 def ask(python: str, question: list[str], timeout: float,
-        env: Mapping[str, str] | None = None) -> tuple[dict | None, str]:
-    """The probe's answer from the ranks' interpreter (None without one) and its stderr."""
-    completed = subprocess.run([python, "-m", probe.__name__, *question], capture_output=True,
-                               text=True, timeout=timeout, env=env)
+        env: Mapping[str, str] | None = None,
+        on: Sequence[str] = ()) -> tuple[dict | None, str]:
+    """The probe's answer from the ranks' interpreter (None without one) and its stderr; ``on``:
+    the command that runs it on another host (ssh, srun), which gets the probe as one string."""
+    command = [python, "-m", probe.__name__, *question]
+    completed = subprocess.run([*on, shlex.join(command)] if on else command,
+                               capture_output=True, text=True, timeout=timeout, env=env)
     for line in completed.stdout.splitlines():
         if line.startswith(probe.MARKER + " "):
             return json.loads(line.removeprefix(probe.MARKER + " ")), completed.stderr

@@ -1,5 +1,6 @@
-"""What the launcher asks the ranks' interpreter before starting them (run as a child process:
-``python -m hvdtrain.launch.probe build`` or ``... module NAME``).
+"""What the launcher asks the ranks' interpreter, run as a child process: before the start
+``python -m hvdtrain.launch.probe build`` or ``... module NAME``; while the job runs, on another
+host, ``... ranks MARKER`` (which ranks of an attempt still run there).
 
 Asked of ``--python``, which may be another interpreter than the launcher's, in the launcher's
 working directory and environment, which the ranks inherit; it also keeps TensorFlow and a
@@ -42,8 +43,16 @@ def module(name: str) -> dict:
     return {"missing": missing}
 
 
+def ranks(marker: str) -> dict:
+    """The ranks of one attempt (its ATTEMPT_VARIABLE=VALUE marker) still running on this host."""
+    from hvdtrain.launch.supervise import attempt_ranks
+
+    return {"ranks": sorted(attempt_ranks(marker))}
+
+
 def main(argv: list[str]) -> None:
-    answer = build() if argv == ["build"] else module(argv[1])
+    questions = {"build": build, "module": module, "ranks": ranks}
+    answer = questions[argv[0]](*argv[1:])
     print(f"{MARKER} {json.dumps(answer)}", flush=True)
 
 

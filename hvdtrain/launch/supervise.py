@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from hvdtrain.errors import EXIT_PREEMPTED, EXIT_USAGE, signal_name, stop_status
 from hvdtrain.launch.console import say
 from hvdtrain.launch.paths import Launch
+from hvdtrain.launch.preflight import ask
 from hvdtrain.launcher_env import processes
 
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -27,6 +28,9 @@ ATTEMPT_VARIABLE = "HVDTRAIN_LAUNCH_ATTEMPT"
 #: Seconds a launch command (mpirun) may outlive its ranks on this host before the launcher
 #: ends it: mpirun needs a moment to collect the exit statuses of every node.
 ORPHANED_COMMAND_SECONDS = 30.0
+#: Seconds rank 0's host has to answer whether rank 0 still runs (an ssh or srun start, then a
+#: Python start-up); no answer by then counts as the host gone.
+ASK_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,51 @@ def attempt_processes(marker: str, whole: bool = True) -> dict[int, bool]:
     return {process.pid: process.rank is not None for process in processes()
             if (process.env.get(name) == value if whole
                 else process.env.get(name, "").startswith(value))}
+
+
+def attempt_ranks(marker: str) -> set[int]:
+    """The ranks (their numbers) of one attempt that run on this machine."""
+    name, value = marker.split("=", 1)
+    return {process.rank for process in processes()
+            if process.env.get(name) == value and process.rank is not None}
+
+
+@dataclass(frozen=True)
+class RankZeroHost:
+    """The host rank 0 runs on when it is not this one, and how to ask it about rank 0: a
+    launcher whose own ranks have ended must not end a job whose rank 0 elsewhere is still
+    writing its last checkpoint."""
+
+    host: str
+    python: str
+    """The ranks' interpreter, which answers there (``hvdtrain.launch.probe ranks``)."""
+    command: tuple[str, ...]
+    """What runs a shell command there: ssh outside Slurm, an srun step inside an allocation."""
+
+    def rank_zero_runs(self, marker: str) -> bool | None:
+        """True while rank 0 of the attempt runs there, False once it has ended, None when the
+        host does not answer (down, or its link is)."""
+        try:
+            answer, _ = ask(self.python, ["ranks", marker], timeout=ASK_SECONDS, on=self.command,
+                            env={**os.environ, "SLURM_CPUS_PER_TASK": "1"})
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return None if answer is None else 0 in answer["ranks"]
+
+
+def rank_zero_host(hosts: list[str], local_names: set[str], python: str,
+                   in_allocation: bool) -> RankZeroHost | None:
+    """Where rank 0 runs (the first host: horovodrun, mpirun and srun all number the ranks in
+    host order), unless that is this host, whose ranks the launcher sees itself."""
+    first = hosts[0]
+    if first in local_names:
+        return None
+    if in_allocation:  # Slurm's own channel; --overlap shares the job's resources
+        command = ("srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={first}",
+                   "--kill-on-bad-exit=0", "sh", "-c")
+    else:  # ssh, as horovodrun and mpirun reach the hosts
+        command = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", first)
+    return RankZeroHost(first, python, command)
 
 
 def end_attempt(job_pid: int, marker: str, grace_seconds: float = 30) -> list[int]:
@@ -152,9 +201,9 @@ class SignalForwarder:
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
 
-    def wait(self, process: subprocess.Popen) -> int:
+    def wait(self, process: subprocess.Popen, rank_zero: RankZeroHost | None = None) -> int:
         """The job's exit status (128 + N when it ended on signal N)."""
-        returncode = wait_for_job(process, self._marker)
+        returncode = wait_for_job(process, self._marker, rank_zero)
         self._job_pid = None
         status = returncode if returncode >= 0 else 128 - returncode
         if status and self.received:
@@ -176,18 +225,20 @@ class SignalForwarder:
         return bool(self.received)
 
 
-def wait_for_job(process: subprocess.Popen, marker: str,
+def wait_for_job(process: subprocess.Popen, marker: str, rank_zero: RankZeroHost | None = None,
                  grace_seconds: float = ORPHANED_COMMAND_SECONDS) -> int:
-    """The command's return code, once it ended; or 1 after ending a command whose ranks on
-    this host are gone while it still runs.
+    """The command's return code, once it ended; or 1 after ending a command that would wait
+    forever for a node that is gone.
 
     mpirun, once a rank failed, tells the daemons of every node to end theirs and waits for
     their answers. A node whose network link went down never answers (TCP retries for ~15
     minutes), so mpirun would hang long after every rank it could reach has ended. Watched here:
-    this host's ranks all ended and the command still runs ``grace_seconds`` later, so the
-    launcher ends it.
+    this host's ranks all ended, the command still runs ``grace_seconds`` later, and rank 0 has
+    ended too (here, or on its own host, asked with ``rank_zero``) or its host does not answer:
+    then the launcher ends the command. While rank 0 runs elsewhere (its last checkpoint, the
+    export) the job is healthy and the launcher waits.
     """
-    ranks_seen, ranks_gone_since = False, None
+    ranks_seen, ranks_gone_since, waiting_said = False, None, False
     while True:
         try:
             return process.wait(timeout=1.0)
@@ -201,8 +252,23 @@ def wait_for_job(process: subprocess.Popen, marker: str,
         ranks_gone_since = ranks_gone_since or time.monotonic()
         if time.monotonic() - ranks_gone_since < grace_seconds:
             continue
-        say(f"the ranks on this host ended {grace_seconds:g} s ago, but {process.args[0]} "
-            "still waits for another node (unreachable?); ending it")
+        if rank_zero is None:
+            why = "rank 0 ended with them"
+        else:
+            runs = rank_zero.rank_zero_runs(marker)
+            if runs and process.poll() is None:
+                if not waiting_said:
+                    say(f"the ranks on this host ended; rank 0 still runs on {rank_zero.host}: "
+                        "waiting for it")
+                    waiting_said = True
+                ranks_gone_since = time.monotonic()  # ask again after another grace period
+                continue
+            if process.poll() is not None:
+                continue  # it ended while the host was asked
+            why = (f"rank 0 on {rank_zero.host} ended" if runs is False
+                   else f"{rank_zero.host}, rank 0's host, does not answer")
+        say(f"the ranks on this host ended {grace_seconds:g} s ago and {why}, but "
+            f"{process.args[0]} still waits for another node (unreachable?); ending it")
         try:
             os.killpg(process.pid, signal.SIGTERM)
             process.wait(timeout=5)
@@ -214,9 +280,11 @@ def wait_for_job(process: subprocess.Popen, marker: str,
         return 1
 
 
-def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder) -> int:
+def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
+                 rank_zero: RankZeroHost | None = None) -> int:
     """Run the job; after a failure worth another attempt, run it again, up to ``max_restarts``
-    times. The exit status is the last attempt's."""
+    times. The exit status is the last attempt's. ``rank_zero``: rank 0's host, when not this
+    one (see wait_for_job)."""
     restarts = 0
     while True:
         marker = f"{ATTEMPT_VARIABLE}={os.getpid()}.{restarts}"
@@ -226,7 +294,7 @@ def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder) ->
             return stop_status(signals.first)
         if not restarts:
             say(shlex.join(launch.argv))
-        status = signals.wait(process)
+        status = signals.wait(process, rank_zero)
         if status == 0:
             return status
         left = end_attempt(process.pid, marker)
