@@ -10,7 +10,9 @@ from hvdtrain.launch import sbatch
 from hvdtrain.errors import EXIT_USAGE, reported
 from hvdtrain.launch.console import PROGRAM, error
 from hvdtrain.launch.network import local_host_names, network_interfaces
-from hvdtrain.launch.options import is_script_path, parse_options, program_command
+from hvdtrain import ranklog
+from hvdtrain.launch.options import (is_script_path, parse_options, program_command,
+                                     run_dir_of)
 from hvdtrain.launch.paths import build_launch, describe, job_hosts
 from hvdtrain.launch.preflight import (check_module, count_gpus_without_tensorflow, preflight,
                                        probe_build)
@@ -24,8 +26,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     signals = SignalForwarder()  # from the start: the preflight probe takes seconds
     options = parse_options(argv, hvdtrain.launch.__doc__)
     if options.sbatch:  # the body of an sbatch script: the job's variables, its run directory
-        options, run_dir = sbatch.batch_options(options, os.environ)
-        os.environ["HVDTRAIN_RUN_DIR"] = run_dir  # where a script of your own finds it
+        options, batch_run_dir = sbatch.batch_options(options, os.environ)
+        os.environ["HVDTRAIN_RUN_DIR"] = batch_run_dir  # where a script of your own finds it
     program_command(options)  # a missing script or module is reported before the ~3 s probe
     if not is_script_path(options.program):
         check_module(options.python, options.program)
@@ -49,10 +51,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     if options.dry_run:
         print(describe(launch))
         return 0
+    run_dir = run_dir_of(options, os.environ)  # None: a job the launcher cannot tell
     rank_zero = rank_zero_host(job_hosts(options, allocation), local_host_names(),
                                options.python, in_allocation=allocation is not None)
     with watching(options.python):
-        status = run_attempts(launch, options.max_restarts, signals, rank_zero)
+        status = run_attempts(launch, options.max_restarts, signals, rank_zero,
+                              logs_dir=run_dir and os.path.join(run_dir, ranklog.LOGS))
     if options.sbatch:
         sbatch.requeue_if_stopped(status, options, run_dir, os.environ)
     return status

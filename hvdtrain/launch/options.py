@@ -12,7 +12,7 @@ import re
 import sys
 import typing
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Sequence
 
 from hvdtrain.config import add_flag, field_docs
 from hvdtrain.errors import UserError
@@ -157,3 +157,17 @@ def program_command(options: LaunchOptions) -> list[str]:
         raise UserError(f"{options.program!r} is neither a module name (like hvdtrain.cnn) nor "
                         "a script path (like train.py)")
     return [options.python, "-m", options.program, *options.program_args]
+
+
+def run_dir_of(options: LaunchOptions, env: Mapping[str, str]) -> str | None:
+    """The job's run directory when the launcher can tell: the last --run-dir among a module's
+    arguments (argparse's rule), else HVDTRAIN_RUN_DIR (a script's, from the sbatch templates)."""
+    run_dir = None
+    if not is_script_path(options.program):
+        args = options.program_args
+        for index, arg in enumerate(args):
+            if arg == "--run-dir" and index + 1 < len(args):
+                run_dir = args[index + 1]
+            elif arg.startswith("--run-dir="):
+                run_dir = arg.split("=", 1)[1]
+    return run_dir or env.get("HVDTRAIN_RUN_DIR") or None

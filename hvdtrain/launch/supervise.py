@@ -281,10 +281,10 @@ def wait_for_job(process: subprocess.Popen, marker: str, rank_zero: RankZeroHost
 
 
 def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
-                 rank_zero: RankZeroHost | None = None) -> int:
+                 rank_zero: RankZeroHost | None = None, logs_dir: str | None = None) -> int:
     """Run the job; after a failure worth another attempt, run it again, up to ``max_restarts``
     times. The exit status is the last attempt's. ``rank_zero``: rank 0's host, when not this
-    one (see wait_for_job)."""
+    one (see wait_for_job); ``logs_dir``: where the ranks keep their logs, named when it fails."""
     restarts = 0
     while True:
         marker = f"{ATTEMPT_VARIABLE}={os.getpid()}.{restarts}"
@@ -300,10 +300,16 @@ def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
         left = end_attempt(process.pid, marker)
         if left:
             say(f"process(es) {' '.join(map(str, left))} of the failed job would not exit")
-        if not max_restarts:
-            return status
         verdict = judge_exit(status, signals.first)
         ended = f"job exited {status} ({verdict.reason})"
+        if verdict.restart and logs_dir and os.path.isdir(logs_dir):
+            # A rank that was killed or crashed may have said nothing on the console: its own
+            # log keeps what it printed up to the end, on any node.
+            ended += f"; every rank's output: {os.path.join(logs_dir, 'rank-<K>.log')}"
+        if not max_restarts:
+            if verdict.restart:
+                say(ended)
+            return status
         if not verdict.restart:
             say(f"{ended}; not restarting")
             return status
