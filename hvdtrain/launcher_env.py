@@ -69,6 +69,9 @@ class Process:
     pid: int
     argv: tuple[str, ...]
     env: dict[str, str]
+    uts_namespace: str
+    """Whose hostname it sees (/proc/PID/ns/uts): the same for every process of one machine,
+    except in containers that give themselves a hostname, and, in the test cluster, per node."""
 
     @property
     def rank(self) -> int | None:
@@ -90,5 +93,15 @@ def processes(proc: str = "/proc") -> Iterator[Process]:
                 variables = environ.read().decode(errors="replace").split("\0")
         except OSError:
             continue
+        try:
+            uts_namespace = os.readlink(f"{proc}/{entry}/ns/uts")
+        except OSError:
+            uts_namespace = ""
         env = dict(v.split("=", 1) for v in variables if "=" in v)
-        yield Process(int(entry), tuple(argv[:-1] if argv and not argv[-1] else argv), env)
+        yield Process(int(entry), tuple(argv[:-1] if argv and not argv[-1] else argv), env,
+                      uts_namespace)
+
+
+def own_uts_namespace(proc: str = "/proc") -> str:
+    """This process's UTS namespace, to compare with ``Process.uts_namespace``."""
+    return os.readlink(f"{proc}/self/ns/uts")

@@ -17,7 +17,7 @@ from hvdtrain.errors import EXIT_PREEMPTED, EXIT_USAGE, signal_name, stop_status
 from hvdtrain.launch.console import say
 from hvdtrain.launch.paths import Launch
 from hvdtrain.launch.preflight import ask
-from hvdtrain.launcher_env import processes
+from hvdtrain.launcher_env import own_uts_namespace, processes
 
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 #: Pause between a failed attempt and the next, in seconds: long enough for the ports and GPU
@@ -65,21 +65,28 @@ def judge_exit(status: int, stop_signal: int | None) -> Verdict:
     return Verdict(True, "a rank failed")
 
 
-def attempt_processes(marker: str, whole: bool = True) -> dict[int, bool]:
+def attempt_processes(marker: str, whole: bool = True,
+                      this_host_only: bool = False) -> dict[int, bool]:
     """This machine's processes of one attempt, {pid: is a rank}: those whose environment holds
     ``marker`` (NAME=VALUE, set on the launch command, inherited by everything it starts); with
-    ``whole`` False, a value that starts with it (every attempt of one launcher)."""
+    ``whole`` False, a value that starts with it (every attempt of one launcher). With
+    ``this_host_only``, only those that see this process's hostname (the nodes of the test
+    cluster share one /proc; a real node's /proc shows only its own processes anyway)."""
     name, value = marker.split("=", 1)
+    namespace = own_uts_namespace() if this_host_only else None
     return {process.pid: process.rank is not None for process in processes()
             if (process.env.get(name) == value if whole
-                else process.env.get(name, "").startswith(value))}
+                else process.env.get(name, "").startswith(value))
+            and (namespace is None or process.uts_namespace == namespace)}
 
 
 def attempt_ranks(marker: str) -> set[int]:
-    """The ranks (their numbers) of one attempt that run on this machine."""
+    """The ranks (their numbers) of one attempt that run on this host."""
     name, value = marker.split("=", 1)
+    namespace = own_uts_namespace()
     return {process.rank for process in processes()
-            if process.env.get(name) == value and process.rank is not None}
+            if process.env.get(name) == value and process.rank is not None
+            and process.uts_namespace == namespace}
 
 
 @dataclass(frozen=True)
@@ -244,7 +251,7 @@ def wait_for_job(process: subprocess.Popen, marker: str, rank_zero: RankZeroHost
             return process.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             pass
-        ranks_here = any(attempt_processes(marker).values())
+        ranks_here = any(attempt_processes(marker, this_host_only=True).values())
         ranks_seen = ranks_seen or ranks_here
         if not ranks_seen or ranks_here:
             ranks_gone_since = None
