@@ -105,3 +105,16 @@ def processes(proc: str = "/proc") -> Iterator[Process]:
 def own_uts_namespace(proc: str = "/proc") -> str:
     """This process's UTS namespace, to compare with ``Process.uts_namespace``."""
     return os.readlink(f"{proc}/self/ns/uts")
+
+
+def marked(marker: str, *, prefix: bool = False, this_host_only: bool = False) -> list[Process]:
+    """The processes whose environment holds ``marker`` (NAME=VALUE; with ``prefix``, a value
+    that starts with VALUE), as a launcher marks everything it starts. With ``this_host_only``,
+    only those that see this process's hostname (the nodes of the test cluster share one /proc;
+    a real node's /proc shows only its own processes anyway)."""
+    name, value = marker.split("=", 1)
+    namespace = own_uts_namespace() if this_host_only else None
+    return [process for process in processes()
+            if (process.env.get(name, "").startswith(value) if prefix
+                else process.env.get(name) == value)
+            and (namespace is None or process.uts_namespace == namespace)]

@@ -7,15 +7,13 @@ interpreter (``hvdtrain.launch.probe``), the rules are pure (``preflight``).
 """
 from __future__ import annotations
 
-import json
 import os
-import shlex
 import subprocess
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from hvdtrain.errors import UserError
-from hvdtrain.launch import probe
+from hvdtrain.launch.probe import ask
 from hvdtrain.launch.options import LaunchOptions
 from hvdtrain.slurm import Allocation
 
@@ -30,20 +28,6 @@ class Build:
     gpus: int = 0
     error: str | None = None
     """Why the horovod TensorFlow extension did not load (e.g. built against another TF)."""
-
-
-def ask(python: str, question: list[str], timeout: float,
-        env: Mapping[str, str] | None = None,
-        on: Sequence[str] = ()) -> tuple[dict | None, str]:
-    """The probe's answer from the ranks' interpreter (None without one) and its stderr; ``on``:
-    the command that runs it on another host (ssh, srun), which gets the probe as one string."""
-    command = [python, "-m", probe.__name__, *question]
-    completed = subprocess.run([*on, shlex.join(command)] if on else command,
-                               capture_output=True, text=True, timeout=timeout, env=env)
-    for line in completed.stdout.splitlines():
-        if line.startswith(probe.MARKER + " "):
-            return json.loads(line.removeprefix(probe.MARKER + " ")), completed.stderr
-    return None, completed.stderr
 
 
 def check_module(python: str, module: str) -> None:

@@ -1,6 +1,7 @@
 """What the launcher asks the ranks' interpreter, run as a child process: before the start
 ``python -m hvdtrain.launch.probe build`` or ``... module NAME``; while the job runs, on another
-host, ``... ranks MARKER`` (which ranks of an attempt still run there).
+host, ``... ranks MARKER`` (which ranks of an attempt still run there). ``ask`` is the
+launcher's side.
 
 Asked of ``--python``, which may be another interpreter than the launcher's, in the launcher's
 working directory and environment, which the ranks inherit; it also keeps TensorFlow and a
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
+import subprocess
 import sys
+from typing import Mapping, Sequence
 
 MARKER = "HVDTRAIN_PROBE"
 
@@ -45,9 +49,24 @@ def module(name: str) -> dict:
 
 def ranks(marker: str) -> dict:
     """The ranks of one attempt (its ATTEMPT_VARIABLE=VALUE marker) still running on this host."""
-    from hvdtrain.launch.supervise import attempt_ranks
+    from hvdtrain.launcher_env import marked
 
-    return {"ranks": sorted(attempt_ranks(marker))}
+    return {"ranks": sorted({process.rank for process in marked(marker, this_host_only=True)
+                             if process.rank is not None})}
+
+
+def ask(python: str, question: list[str], timeout: float,
+        env: Mapping[str, str] | None = None,
+        on: Sequence[str] = ()) -> tuple[dict | None, str]:
+    """The launcher's side: the answer of ``python`` (None without one) and its stderr; ``on``:
+    the command that runs it on another host (ssh, srun), which gets the probe as one string."""
+    command = [python, "-m", "hvdtrain.launch.probe", *question]
+    completed = subprocess.run([*on, shlex.join(command)] if on else command,
+                               capture_output=True, text=True, timeout=timeout, env=env)
+    for line in completed.stdout.splitlines():
+        if line.startswith(MARKER + " "):
+            return json.loads(line.removeprefix(MARKER + " ")), completed.stderr
+    return None, completed.stderr
 
 
 def main(argv: list[str]) -> None:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from hvdtrain.errors import EXIT_PREEMPTED, EXIT_USAGE, signal_name, stop_status
 from hvdtrain.launch.console import say
 from hvdtrain.launch.paths import Launch
-from hvdtrain.launch.preflight import ask
-from hvdtrain.launcher_env import own_uts_namespace, processes
+from hvdtrain.launch.probe import ask
+from hvdtrain.launcher_env import marked
 
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 #: Pause between a failed attempt and the next, in seconds: long enough for the ports and GPU
@@ -68,25 +68,10 @@ def judge_exit(status: int, stop_signal: int | None) -> Verdict:
 def attempt_processes(marker: str, whole: bool = True,
                       this_host_only: bool = False) -> dict[int, bool]:
     """This machine's processes of one attempt, {pid: is a rank}: those whose environment holds
-    ``marker`` (NAME=VALUE, set on the launch command, inherited by everything it starts); with
-    ``whole`` False, a value that starts with it (every attempt of one launcher). With
-    ``this_host_only``, only those that see this process's hostname (the nodes of the test
-    cluster share one /proc; a real node's /proc shows only its own processes anyway)."""
-    name, value = marker.split("=", 1)
-    namespace = own_uts_namespace() if this_host_only else None
-    return {process.pid: process.rank is not None for process in processes()
-            if (process.env.get(name) == value if whole
-                else process.env.get(name, "").startswith(value))
-            and (namespace is None or process.uts_namespace == namespace)}
-
-
-def attempt_ranks(marker: str) -> set[int]:
-    """The ranks (their numbers) of one attempt that run on this host."""
-    name, value = marker.split("=", 1)
-    namespace = own_uts_namespace()
-    return {process.rank for process in processes()
-            if process.env.get(name) == value and process.rank is not None
-            and process.uts_namespace == namespace}
+    ``marker`` (set on the launch command, inherited by everything it starts); with ``whole``
+    False, every attempt of one launcher (see launcher_env.marked)."""
+    return {process.pid: process.rank is not None
+            for process in marked(marker, prefix=not whole, this_host_only=this_host_only)}
 
 
 @dataclass(frozen=True)
