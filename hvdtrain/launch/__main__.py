@@ -6,11 +6,11 @@ import sys
 from typing import Sequence
 
 import hvdtrain.launch
-from hvdtrain.launch import sbatch
+from hvdtrain import ranklog
 from hvdtrain.errors import EXIT_USAGE, reported
+from hvdtrain.launch import sbatch
 from hvdtrain.launch.console import PROGRAM, error
 from hvdtrain.launch.network import local_host_names, network_interfaces
-from hvdtrain import ranklog
 from hvdtrain.launch.options import (is_script_path, parse_options, program_command,
                                      run_dir_of)
 from hvdtrain.launch.paths import build_launch, describe, job_hosts

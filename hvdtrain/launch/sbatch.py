@@ -24,7 +24,8 @@ from hvdtrain.slurm import default_run_dir, requeue_decision
 
 def batch_options(options: LaunchOptions, env: Mapping[str, str]) -> tuple[LaunchOptions, str]:
     """The options of this launch (the script's flags, overridden by the variables given at
-    submission) and the run directory."""
+    submission) and the run directory; says which run of which job this is (a requeued job's
+    log shows each run)."""
     if not env.get("SLURM_JOB_ID"):
         raise UserError("--sbatch is for the body of an sbatch script, and SLURM_JOB_ID is not "
                         "set (submit the script with sbatch)")
