@@ -26,6 +26,8 @@ from typing import Callable
 from hvdtrain.launcher_env import processes
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
 def training_processes(match: str) -> dict[int, str]:
     """pid -> rank (or "pid N") of every Python process whose command line contains ``match``."""
     found = {}

@@ -320,6 +320,11 @@ def end_probes(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
             process.wait()
 
 
+#: How the launcher reaches another host outside Slurm, as horovodrun and mpirun do: never a
+#: password prompt, and a bounded wait for a host that does not answer.
+SSH = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
+
+
 def probe_command(python: str, args: Sequence[str]) -> list[str]:
     return [python, "-m", "hvdtrain.netcheck", *args]
 
@@ -345,7 +350,7 @@ def start_with_ssh(python: str, hosts: Sequence[str], local_names: Sequence[str]
         for host in hosts:
             command = probe_command(python, args)
             if host not in local_names:
-                command = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host,
+                command = [*SSH, host,
                            f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(command)}"]
             processes.append(subprocess.Popen(command, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True))

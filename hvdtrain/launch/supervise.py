@@ -13,6 +13,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from hvdtrain import netcheck
 from hvdtrain.errors import EXIT_PREEMPTED, EXIT_USAGE, signal_name, stop_status
 from hvdtrain.launch.console import say
 from hvdtrain.launch.paths import Launch
@@ -108,7 +109,7 @@ def rank_zero_host(hosts: list[str], local_names: set[str], python: str,
         command = ("srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={first}",
                    "--kill-on-bad-exit=0", "sh", "-c")
     else:  # ssh, as horovodrun and mpirun reach the hosts
-        command = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", first)
+        command = (*netcheck.SSH, first)
     return RankZeroHost(first, python, command)
 
 
