@@ -23,6 +23,7 @@ Every rank imports this first, so it also makes the rank's stdout and stderr wri
 import importlib
 import importlib.abc
 import importlib.util
+import io
 import os
 import sys
 import time
@@ -125,17 +126,48 @@ KERAS = _requested_keras(sys.argv, os.environ)
 _select_keras(KERAS)
 
 
+class _WholeLines(io.TextIOWrapper):
+    """A text stream that hands text to the OS when a write ends a line, and not before.
+
+    Python's own line buffering is not enough: it flushes after any write that *contains* a
+    newline, so ``print("a\\nb")`` (two writes: the text, then the newline) still reaches the
+    OS as ``a\\nb`` and ``\\n``, and a launcher's tag can land between them.
+    """
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if text.endswith("\n"):
+            self.flush()
+        return written
+
+    def close(self) -> None:
+        """Flush only: the file is the interpreter's own stream's (``sys.__stdout__``)."""
+        if not self.buffer.closed:
+            self.flush()
+
+
+def _whole_line_stream(stream: io.TextIOWrapper) -> io.TextIOWrapper:
+    """``stream``'s file with writes gathered into whole lines (the stream itself stays usable)."""
+    stream.flush()
+    whole_lines = _WholeLines(stream.buffer, encoding=stream.encoding, errors=stream.errors,
+                              newline="\n")
+    whole_lines.replaced = stream  # kept alive: a collected stream closes the file it shares
+    return whole_lines
+
+
 def _write_whole_lines() -> None:
     """One write per line on stdout and stderr, so a launcher's tags start lines.
 
     horovodrun starts every rank with PYTHONUNBUFFERED=1, so a print reached mpirun as two
     writes, the text and then the newline, and mpirun's --tag-output prefixes each write: the
-    next tag landed before the newline (``run dir: runs/cnn[1,0]<stdout>:``). Line buffering
-    keeps a line in one write and still sends every line the moment it ends.
+    next tag landed before the newline (``run dir: runs/cnn[1,0]<stdout>:``). Only the
+    interpreter's own unbuffered streams are replaced: a stream someone else installed (pytest's
+    capture) is theirs, and ``sys.__stdout__`` keeps the original.
     """
-    for stream in (sys.stdout, sys.stderr):
-        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
-            stream.reconfigure(write_through=False, line_buffering=True)
+    if sys.stdout is sys.__stdout__ and getattr(sys.stdout, "write_through", False):
+        sys.stdout = _whole_line_stream(sys.stdout)
+    if sys.stderr is sys.__stderr__ and getattr(sys.stderr, "write_through", False):
+        sys.stderr = _whole_line_stream(sys.stderr)
 
 
 _write_whole_lines()

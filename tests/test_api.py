@@ -3,6 +3,7 @@
 Collective tests run under `mpirun -np 2 pytest` as well as alone; the example jobs are
 integration tests (they start their own horovodrun / launcher jobs).
 """
+import io
 import json
 import re
 import subprocess
@@ -23,6 +24,45 @@ pytestmark = pytest.mark.timeout(300)
 def test_only_the_documented_names_are_public():
     assert sorted(hvdtrain.__all__) == ["Datasets", "Shard", "Task", "TrainConfig", "main", "run"]
     assert all(getattr(hvdtrain, name) for name in hvdtrain.__all__)
+
+
+class _Writes(io.RawIOBase):
+    """A file that records each write the OS would get."""
+
+    def __init__(self):
+        self.writes = []
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_a_rank_hands_its_output_to_the_launcher_in_whole_lines():
+    # horovodrun's PYTHONUNBUFFERED=1 makes stdout write through: print() is two writes (text,
+    # newline), and a tag between them splits a line. Text with a newline inside is the hard case.
+    file = _Writes()
+    stream = hvdtrain._whole_line_stream(io.TextIOWrapper(file, encoding="utf-8",
+                                                          write_through=True))
+    print("banner\nrun dir: runs/cnn", file=stream)
+    print("step 1", file=stream)
+    assert file.writes == [b"banner\nrun dir: runs/cnn\n", b"step 1\n"]
+    print("50%", end="", file=stream, flush=True)  # a progress bar's explicit flush still goes out
+    assert file.writes[-1] == b"50%"
+    stream.close()
+    assert not file.closed  # the interpreter's own stream still owns the file
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_importing_hvdtrain_replaces_only_unbuffered_streams(unbuffered):
+    env = clean_env(PYTHONUNBUFFERED=unbuffered)
+    result = subprocess.run([sys.executable, "-c", "import sys, hvdtrain; "
+                             "print(type(sys.stdout).__name__, type(sys.stderr).__name__)"],
+                            env=env, capture_output=True, text=True, timeout=60, check=True)
+    expected = "_WholeLines _WholeLines" if unbuffered else "TextIOWrapper TextIOWrapper"
+    assert result.stdout.split("\n")[0] == expected, result
     with pytest.raises(AttributeError):
         hvdtrain.no_such_name  # noqa: B018
 
