@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
 import time
 
 import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
 from hvdtrain import ranklog
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, no_step_report, report_once
 from hvdtrain.plots import plot_curves
 from hvdtrain.preemption import StopRequest
 from hvdtrain.rundir import RunDir
@@ -286,8 +285,11 @@ class StallWatchdog(keras.callbacks.Callback):
     that thread waits in a TCP send or receive the kernel keeps retrying for ~15 minutes, so the
     check never runs and the job hangs (measured on the local cluster: still running 150 s after
     the link went down with a 30 s limit). This watch has a thread of its own and no collective:
-    when no training step and no epoch boundary passed for the same limit, it prints one line and
-    exits the process with status 1, and the launcher (mpirun, srun) then ends the other ranks.
+    when no training step and no epoch boundary passed for its limit, rank 0 prints one line (the
+    others write it into their logs) and the rank exits with status 1, and the launcher (mpirun,
+    srun) then ends the other ranks. Its limit leaves horovod's inspector the first word when it
+    can speak (see ``runtime.horovod.watchdog_seconds``): it names the stalled rank; this watch
+    cannot.
 
     Armed from the first finished step (the first one includes tracing and compilation), paused
     during validation (no collectives, and a large validation set takes its time). Local: every
@@ -339,12 +341,8 @@ class StallWatchdog(keras.callbacks.Callback):
             last = self.last_progress
             if self.paused or last is None or time.monotonic() - last < self.limit_seconds:
                 continue
-            log = ranklog.current()
-            print(f"hvdtrain: rank {self.rank} on {socket.gethostname()}: no training step "
-                  f"finished in {self.limit_seconds:g} s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS): "
-                  "a peer stopped answering (a node or its network link down?); ending this rank "
-                  "so that the job ends" + (f"; its log: {log}" if log else ""),
-                  file=sys.stderr, flush=True)
+            report_once(no_step_report(self.rank, socket.gethostname(), self.limit_seconds,
+                                       ranklog.current()), self.rank)
             # Not an exception: the main thread is blocked in the collective that never returns.
             os._exit(1)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import traceback
@@ -43,6 +44,38 @@ def signal_name(number: int) -> str:
 
 #: What horovod's collectives raise on every rank once horovod has shut down.
 HOROVOD_SHUT_DOWN = "Horovod has been shut down"
+
+# Two failures every rank reaches at the same moment. Each line is written here and read back by
+# the launcher (hvdtrain.launch.failures), which says what rank 0's line says in its end line.
+SHUT_DOWN_REPORT = re.compile(r": rank (\d+): horovod shut the job down")
+NO_STEP_REPORT = re.compile(r"hvdtrain: rank (\d+) on (\S+): no training step finished in "
+                            r"([\d.]+) s")
+
+
+def shut_down_report(program: str, rank: int, log: str | None) -> str:
+    return (f"{program}: rank {rank}: horovod shut the job down: a rank failed (its error is "
+            "above) or stalled in a collective past the stall limit "
+            f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS){_its_log(log)}")
+
+
+def no_step_report(rank: int, host: str, seconds: float, log: str | None) -> str:
+    return (f"hvdtrain: rank {rank} on {host}: no training step finished in {seconds:g} s: a "
+            "peer stopped answering (a node or its network link down?); ending this rank so "
+            f"that the job ends{_its_log(log)}")
+
+
+def _its_log(log: str | None) -> str:
+    return f"; its log: {log}" if log else ""
+
+
+def report_once(line: str, rank: int) -> None:
+    """A failure every rank reports at the same moment, printed once: by rank 0, while each
+    other rank writes it only into its own log (64 ranks, one line; each log still says what
+    its rank saw)."""
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        ranklog.note(line)
 
 
 class UserError(Exception):
@@ -99,15 +132,11 @@ def reported(program: str, rank: Callable[[], int] = launch_rank) -> Iterator[No
         # A rank's log keeps what it printed before failing (on its node, after the launcher
         # and its terminal are gone): every failure line names it.
         log = ranklog.current()
-        its_log = f"; its log: {log}" if log else ""
+        its_log = _its_log(log)
         if HOROVOD_SHUT_DOWN in str(error):
             # Horovod ends every rank's pending collective with this when a rank failed or
-            # stalled past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS. Any rank may be the stuck one
-            # (rank 0 too), so each rank that sees it says so in one line; the launcher then
-            # stops the rest.
-            print(f"{program}: rank {this_rank}: horovod shut the job down: a rank failed (its "
-                  "error is above) or stalled in a collective past the stall limit "
-                  f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS){its_log}", file=sys.stderr, flush=True)
+            # stalled past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: every rank reaches it together.
+            report_once(shut_down_report(program, this_rank, log), this_rank)
             sys.exit(1)
         if this_rank == 0 or os.environ.get("HVDTRAIN_TRACEBACKS") == "all":
             traceback.print_exc()

@@ -28,6 +28,13 @@ def current() -> str | None:
     return _current
 
 
+def note(line: str) -> None:
+    """Write ``line`` into this process's rank log only, not to the console (none: nothing)."""
+    if _current is not None:
+        with open(_current, "a") as log:
+            log.write(line + "\n")
+
+
 def start(run_dir: str, rank: int, header: str = "") -> str:
     """Copy this process's stdout and stderr into its rank log from now on; returns the path.
 

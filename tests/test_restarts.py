@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,11 +73,12 @@ def test_a_killed_rank_is_restarted_and_the_job_resumes_to_the_end(tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
     assert launcher.returncode == 0, output[-4000:]
-    restarts = re.findall(r"hvdtrain\.launch: job exited (\d+) \(([^)]*)\); every rank's output: "
+    restarts = re.findall(r"hvdtrain\.launch: job exited (\d+): rank 1 on (\S+) (.*); its log: "
                           r"(\S+); restart (\d) of 1", output)
-    # The killed rank said nothing: the launcher names where every rank's output is kept.
-    assert restarts == [("137", "a rank ended on SIGKILL", f"{run_dir}/logs/rank-<K>.log",
-                         "1")], output[-4000:]
+    # The killed rank said nothing: the launcher names it, its host (as mpirun does) and its log.
+    assert restarts == [("137", socket.gethostname(), "ended on SIGKILL (killed: the "
+                         "out-of-memory killer, or by hand)", f"{run_dir}/logs/rank-1.log", "1")], \
+        output[-4000:]
     resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", output)
     assert resumed and int(resumed.group(1)) >= epochs_before - 1, output[-4000:]
     epochs = [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())]

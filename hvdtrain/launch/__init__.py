@@ -12,6 +12,10 @@ horovod's build, the GPUs per node and the rank count; each problem is one line 
 Signals: SIGUSR1, SIGTERM and SIGINT are forwarded to the ranks (SIGUSR1 is Slurm's warning before
 the time limit; the ranks write a checkpoint and exit 75). The exit status is the job's.
 
+Failures: the job's output passes through the launcher, which ends a failed job with one line
+naming the rank(s) and host at fault and the log to read (``job exited 137: rank 3 on node2 ended
+on SIGKILL ...; its log: RUN_DIR/logs/rank-3.log``).
+
 Restarts: with ``--max-restarts N`` a job that failed (a rank died or crashed) is started again in
 the same allocation, up to N times; an hvdtrain job resumes from its last checkpoint. A user error
 (exit 2), a preemption stop (75) and a stop signal end the job without a restart.
@@ -27,5 +31,6 @@ the launcher requeues the job (``scontrol requeue``, at most --max-requeues time
 #   network    across hosts, the interfaces that connect them all
 #   paths      the command of each launch path: horovodrun, mpirun, srun
 #   supervise  signals forwarded, the exit verdict, restarts, leftovers of an attempt
+#   failures   the job's output relayed, and read for why it failed (the one end line)
 #   sbatch     as the body of an sbatch script: the job's variables, requeue after USR1
 #   watcher    ends the job if the launcher itself dies

@@ -10,12 +10,15 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
 
 from hvdtrain import netcheck
 from hvdtrain.errors import EXIT_PREEMPTED, EXIT_USAGE, signal_name, stop_status
 from hvdtrain.launch.console import say
+from hvdtrain.launch.failures import JobOutput, relay
 from hvdtrain.launch.paths import Launch
 from hvdtrain.launch.probe import ask
 from hvdtrain.launcher_env import marked
@@ -187,8 +190,10 @@ class SignalForwarder:
             if self.received:
                 return None
             name, value = marker.split("=", 1)
+            # Its output comes through the launcher (see relay_output), which reads why it failed.
             process = subprocess.Popen(launch.argv, env={**os.environ, **launch.env, name: value},
-                                       start_new_session=True, preexec_fn=prepare_child)
+                                       start_new_session=True, preexec_fn=prepare_child,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             self._job_pid, self._marker = process.pid, marker
             return process
         finally:
@@ -273,6 +278,23 @@ def wait_for_job(process: subprocess.Popen, marker: str, rank_zero: RankZeroHost
         return 1
 
 
+def relay_output(process: subprocess.Popen, output: JobOutput) -> list[threading.Thread]:
+    """Copy the job's stdout and stderr to the launcher's own, reading each line into
+    ``output``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return [relay(process.stdout, sys.stdout.buffer, output),
+            relay(process.stderr, sys.stderr.buffer, output)]
+
+
+def finish_relays(relays: list[threading.Thread], seconds: float = 5.0) -> None:
+    """Let the relays copy the job's last lines: they end when every writer of the pipes has
+    (a process the job left on another host may hold one: not waited for beyond ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    for thread in relays:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
 def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
                  rank_zero: RankZeroHost | None = None, logs_dir: str | None = None) -> int:
     """Run the job; after a failure worth another attempt, run it again, up to ``max_restarts``
@@ -287,18 +309,28 @@ def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
             return stop_status(signals.first)
         if not restarts:
             say(shlex.join(launch.argv))
+        output = JobOutput()
+        relays = relay_output(process, output)
         status = signals.wait(process, rank_zero)
         if status == 0:
+            finish_relays(relays)
             return status
         left = end_attempt(process.pid, marker)
+        finish_relays(relays)
         if left:
             say(f"process(es) {' '.join(map(str, left))} of the failed job would not exit")
         verdict = judge_exit(status, signals.first)
         ended = f"job exited {status} ({verdict.reason})"
-        if verdict.restart and logs_dir and os.path.isdir(logs_dir):
-            # A rank that was killed or crashed may have said nothing on the console: its own
-            # log keeps what it printed up to the end, on any node.
-            ended += f"; every rank's output: {os.path.join(logs_dir, 'rank-<K>.log')}"
+        if verdict.restart:
+            # One line for the whole failure, whatever the job's size: what its output said
+            # (see failures.py), or at least where each rank's log is (a rank that was killed
+            # may have said nothing on the console; its log has what it printed, on any node).
+            logs = logs_dir if logs_dir and os.path.isdir(logs_dir) else None
+            said = output.verdict(logs)
+            if said:
+                ended = f"job exited {status}: {said}"
+            elif logs:
+                ended += f"; every rank's output: {os.path.join(logs, 'rank-<K>.log')}"
         if not max_restarts:
             if verdict.restart:
                 say(ended)

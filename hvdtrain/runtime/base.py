@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable, Sequence, TypeVar
 
@@ -94,10 +95,26 @@ def placement(host_of_rank: list[str]) -> str:
     groups: dict[str, list[int]] = {}
     for rank, host in enumerate(host_of_rank):
         groups.setdefault(host, []).append(rank)
-    return " ".join(f"{host}[{_ranges(ranks)}]" for host, ranks in groups.items())
+    return " ".join(f"{host}[{rank_ranges(ranks)}]" for host, ranks in groups.items())
 
 
-def _ranges(numbers: list[int]) -> str:
+def host_of_each_rank(placement_text: str) -> dict[int, str]:
+    """``placement``'s text read back ({0: 'node1', ...}): the launcher reads it in the banner."""
+    return {rank: host for host, ranges in re.findall(r"(\S+?)\[([\d,-]+)\]", placement_text)
+            for rank in ranks_in(ranges)}
+
+
+def ranks_in(ranges: str) -> list[int]:
+    """[0, 1, 2, 3, 6] for '0-3,6' (``rank_ranges`` read back)."""
+    ranks = []
+    for part in ranges.split(","):
+        first, _, last = part.partition("-")
+        ranks.extend(range(int(first), int(last or first) + 1))
+    return ranks
+
+
+def rank_ranges(numbers: list[int]) -> str:
+    """'0-3,6' for [0, 1, 2, 3, 6] (sorted numbers)."""
     parts, start = [], numbers[0]
     for previous, current in zip(numbers, numbers[1:] + [None]):
         if current != previous + 1:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import horovod.tensorflow as hvd_tf
 import tensorflow as tf
@@ -29,6 +29,22 @@ else:
 
 #: Seconds a rank may wait in a collective for a peer before horovod ends the job.
 STALL_SHUTDOWN_SECONDS = 300
+
+
+def watchdog_seconds(environ: Mapping[str, str]) -> float | None:
+    """How long a rank's stall watchdog waits for a training step (None: it does not watch).
+
+    Horovod, which names the stalled rank, must end a stall it can see before the watchdog
+    does. It inspects every HOROVOD_STALL_CHECK_TIME_SECONDS (W, 60) and first takes a waiting
+    tensor out of its response cache (up to 2 W), so it acts by its limit + 3 W (measured on 2
+    nodes, W=2, limit 6: after 8 s); the watchdog gives it one inspection more.
+    """
+    if environ.get("HOROVOD_STALL_CHECK_DISABLE") == "1":
+        return None
+    limit = float(environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "") or 0)
+    if limit <= 0:
+        return None
+    return limit + 4 * float(environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", "") or 60)
 
 
 def build_info() -> dict:
@@ -188,10 +204,7 @@ class HorovodRuntime(Runtime):
     def stall_limit_seconds(self) -> float | None:
         # Horovod's own limit, which the user may have changed (the launcher's
         # --stall-check-shutdown-seconds sets it); its stall check off means no limit either.
-        if self.world.size == 1 or os.environ.get("HOROVOD_STALL_CHECK_DISABLE") == "1":
-            return None
-        limit = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0") or 0)
-        return limit if limit > 0 else None
+        return None if self.world.size == 1 else watchdog_seconds(os.environ)
 
     def barrier(self) -> None:
         # Horovod 0.28 has no TensorFlow barrier op; a one-element allreduce is one.

@@ -1,0 +1,178 @@
+"""Why a job failed, in the launcher's one end line: read from the job's output as it is relayed.
+
+A failure at scale is seen by many processes at once, and each knows part of it. The launcher
+relays every line the job prints (``relay``) and keeps the facts (``JobOutput.read``):
+
+* rank 0's banner: which host holds which ranks (``placement: node1[0-1] node2[2-3]``);
+* horovod's stall inspector, on rank 0: the ranks that never joined a collective (``Missing
+  ranks:``, then ``3!: [tensor, ...]`` per rank, the ``!`` on those past the shutdown limit: a
+  rank only late, without it, is no cause);
+* mpirun: a rank that ended on a signal (``mpirun noticed that process rank 3 with PID 26385 on
+  node node2 exited on signal 9 (Killed).``), a node whose daemon it lost (``Remote daemon:
+  [[8800,0],1] on node node2``, or ssh's ``Connection to node2 closed by remote host.``);
+  horovodrun's Gloo: ``Process 3 exit with status code 255.``; srun: ``srun: error: node2: task
+  3: Killed`` (the first such line: srun ends the others after it);
+* hvdtrain's reports that every rank reaches together (``errors.report_once``: horovod shut the
+  job down, no training step finished), which rank 0 alone prints: the end line says what they
+  say, so they are kept from the console (rank 0's log has them).
+
+``JobOutput.verdict`` turns them into "rank 3 on node2 ended on SIGKILL ...; its log: ...".
+The formats above are the ones OpenMPI 4.1, horovod 0.28.1, OpenSSH and Slurm 22.05's srun printed
+on the local cluster (tests/test_failures.py keeps excerpts); a line in another format is relayed
+and simply not read.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import IO
+
+from hvdtrain.errors import NO_STEP_REPORT, SHUT_DOWN_REPORT, signal_name
+from hvdtrain.runtime.base import host_of_each_rank, rank_ranges, ranks_in
+
+#: The prefix horovodrun/mpirun put on a rank's line: ``[1,3]<stderr>:``; horovodrun's Gloo
+#: ``[3]<stderr>:``. Group 1 is the rank.
+_TAG = re.compile(r"^\[(?:\d+,)?(\d+)\]<std(?:out|err)>:")
+_PLACEMENT = re.compile(r"^placement: (.+)$")
+_MISSING_RANKS = re.compile(r"Missing ranks:$")
+_MISSING_RANK = re.compile(r"^(\d+)(!?): \[")
+_SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
+_LOST_DAEMON = re.compile(r"Remote daemon: \[\[\d+,\d+\],\d+\] on node (\S+)")
+_SSH_CLOSED = re.compile(r"^Connection to (\S+) closed by remote host")
+_GLOO_EXIT = re.compile(r"^Process (\d+) exit with status code (\d+)\.")
+_SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$")
+
+
+@dataclass
+class JobOutput:
+    """What the job's output said about its ranks and its failure, line by line."""
+
+    host_of_rank: dict[int, str] = field(default_factory=dict)
+    stalled: set[int] = field(default_factory=set)
+    signalled: dict[int, tuple[str, int]] = field(default_factory=dict)
+    """rank -> (host, signal number), as mpirun saw them end."""
+    lost_hosts: list[str] = field(default_factory=list)
+    first_to_fail: tuple[list[int], str | None, str] | None = None
+    """(ranks, host, how) of the first rank(s) horovodrun's Gloo or srun saw fail."""
+    no_step: tuple[str, str, str] | None = None
+    """(rank, host, seconds) of rank 0's stall-watchdog report."""
+    shut_down: bool = False
+    _listing_missing_ranks: set[str] = field(default_factory=set)
+    """The tags (``[1,0]<stderr>:``) whose next lines continue a ``Missing ranks:`` list: the
+    job's two streams are read on two threads, and other ranks' lines may come in between."""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def read(self, line: str) -> bool:
+        """Take what ``line`` says; False for a report the end line will say instead (keep it
+        from the console), True for every other line (relay it)."""
+        tag = _TAG.match(line)
+        text = line[tag.end():] if tag else line
+        with self._lock:
+            return self._read(tag.group(0) if tag else "", text.rstrip("\r\n"))
+
+    def _read(self, tag: str, text: str) -> bool:
+        if tag in self._listing_missing_ranks:
+            missing = _MISSING_RANK.match(text)
+            if missing:
+                if missing.group(2):
+                    self.stalled.add(int(missing.group(1)))
+                return True
+            self._listing_missing_ranks.discard(tag)
+        if _MISSING_RANKS.search(text):
+            self._listing_missing_ranks.add(tag)
+        elif placement := _PLACEMENT.match(text):
+            self.host_of_rank = host_of_each_rank(placement.group(1))
+        elif signalled := _SIGNALLED.search(text):
+            self.signalled[int(signalled.group(1))] = (signalled.group(2),
+                                                       int(signalled.group(3)))
+        elif lost := (_LOST_DAEMON.search(text) or _SSH_CLOSED.match(text)):
+            if lost.group(1) not in self.lost_hosts:
+                self.lost_hosts.append(lost.group(1))
+        elif (ended := _GLOO_EXIT.match(text)) and ended.group(2) != "0":
+            self.first_to_fail = self.first_to_fail or (
+                [int(ended.group(1))], None, f"exit status {ended.group(2)}")
+        elif ended := _SRUN_TASK.match(text):
+            self.first_to_fail = self.first_to_fail or (ranks_in(ended.group(2)), ended.group(1),
+                                                        ended.group(3).lower())
+        elif no_step := NO_STEP_REPORT.search(text):
+            self.no_step = no_step.group(1, 2, 3)
+            return False
+        elif SHUT_DOWN_REPORT.search(text):
+            self.shut_down = True
+            return False
+        return True
+
+    def _where(self, ranks: list[int], host: str | None = None) -> str:
+        """'rank 3 on node2', 'ranks 2-3 on node2', 'ranks 1,3 on node1, node2' (the hosts from
+        rank 0's placement line, unless ``host`` is known)."""
+        hosts = [host] if host else sorted({self.host_of_rank[rank] for rank in ranks
+                                            if rank in self.host_of_rank})
+        return _ranks(ranks) + (f" on {', '.join(hosts)}" if hosts else "")
+
+    def verdict(self, logs_dir: str | None) -> str | None:
+        """The failure in words with the log(s) to read, or None when the output said nothing
+        the launcher understands (it then names every rank's log)."""
+        logs = logs_dir.rstrip("/") if logs_dir else None
+        if self.lost_hosts:
+            hosts = self.lost_hosts
+            ranks = sorted(rank for rank, host in self.host_of_rank.items() if host in hosts)
+            said = (f"{', '.join(hosts)} stopped answering (crashed, or its network is down)"
+                    + (f" with {_ranks(ranks)} on it" if ranks else ""))
+            return said + _logs(logs, ranks)
+        if self.stalled:
+            ranks = sorted(self.stalled)
+            return (f"{self._where(ranks)} stalled: the other ranks waited for "
+                    f"{'it' if len(ranks) == 1 else 'them'} in a collective past horovod's stall "
+                    "limit (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)" + _logs(logs, ranks))
+        if self.signalled:
+            first = next(iter(self.signalled))  # the one mpirun noticed first
+            host, signum = self.signalled[first]
+            said = f"{self._where([first], host)} ended on {signal_name(signum)}"
+            if signum == signal.SIGKILL:
+                said += " (killed: the out-of-memory killer, or by hand)"
+            return said + _logs(logs, [first])
+        if self.first_to_fail:
+            ranks, host, how = self.first_to_fail
+            return f"{self._where(ranks, host)} failed first ({how})" + _logs(logs, ranks)
+        if self.no_step:
+            rank, host, seconds = self.no_step
+            return (f"no training step finished in {seconds} s on rank {rank} on {host}: a peer "
+                    "stopped answering (a node or its network link down?)"
+                    + _logs(logs, [int(rank)]))
+        if self.shut_down:
+            return ("horovod shut the job down: a rank failed or stalled in a collective"
+                    + _logs(logs, [0]))
+        return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
+
+
+def _logs(logs_dir: str | None, ranks: list[int]) -> str:
+    if not logs_dir or not ranks:
+        return ""
+    if len(ranks) == 1:
+        return f"; its log: {logs_dir}/rank-{ranks[0]}.log"
+    return f"; their logs: {logs_dir}/rank-<K>.log for K in {rank_ranges(ranks)}"
+
+
+def relay(source: IO[bytes], destination: IO[bytes], output: JobOutput) -> threading.Thread:
+    """Copy the job's lines from ``source`` to ``destination`` as they come, reading each into
+    ``output``; on a thread of its own, which ends when every writer of the pipe is gone."""
+    def copy() -> None:
+        for line in iter(source.readline, b""):
+            if output.read(line.decode(errors="replace")):
+                try:
+                    destination.write(line)
+                    destination.flush()
+                except (BrokenPipeError, ValueError):  # the launcher's own console is gone
+                    pass
+        source.close()
+
+    thread = threading.Thread(target=copy, name="hvdtrain-relay", daemon=True)
+    thread.start()
+    return thread
+
