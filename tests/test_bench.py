@@ -183,8 +183,11 @@ def test_the_thread_profile_finds_a_busy_process_and_its_busy_thread(capsys):
         busy.wait()
     line, = capsys.readouterr().out.splitlines()
     assert line.startswith("rank 3: ")
+    total = float(line.split(": ")[1].split(" cores")[0])
     main_thread = float(line.split("main thread ")[1].split(";")[0])
-    assert main_thread >= 0.5  # a spinning main thread, on a core of its own
+    # The spinning main thread is found, and it is where the process's time went. How much of a
+    # core it got depends on what else runs (make test's two lanes on 2 cores: 0.36 once).
+    assert main_thread > 0.05 and main_thread >= 0.9 * total, line
     assert threads.main(["--seconds", "0", "--match", marker]) == 1  # nothing left to find
 
 
