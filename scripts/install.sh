@@ -14,7 +14,8 @@
 #   HVDTRAIN_VENV         where the venv goes (default: .venv in the repository; `make` passes its
 #                         VENV here)
 #   HVDTRAIN_TF_FLAVOR    cpu (default) or gpu: gpu installs tensorflow[and-cuda] and builds
-#                         horovod with NCCL (needs the CUDA toolkit / nvcc on the machine)
+#                         horovod with NCCL, which needs a CUDA 12 toolkit and NCCL on the machine:
+#                         scripts/gpu_toolchain.py checks them before anything is downloaded
 #   HVDTRAIN_WHEEL_CACHE  where compiled horovod wheels are kept (default ~/.cache/hvdtrain/wheels)
 #   PYTHON                the interpreter to build the venv from (default: python3.11)
 set -euo pipefail
@@ -50,6 +51,13 @@ esac
 command -v "$python" >/dev/null 2>&1 || die "$python not found; hvdtrain needs Python 3.11 (set PYTHON=...)"
 "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
   || die "$python is $("$python" -V 2>&1); the pinned stack needs Python 3.11"
+# The GPU build compiles horovod's CUDA code and links NCCL from the machine (the CUDA wheels do
+# not carry what it needs): find both, or stop in one line per missing piece, before any download.
+gpu_build_env=()
+if [[ $flavor == gpu ]]; then
+  gpu_variables=$("$python" "$repo_root/scripts/gpu_toolchain.py") || exit 1
+  mapfile -t gpu_build_env <<<"$gpu_variables"
+fi
 missing=()
 # Debian ships `python3 -m venv` without ensurepip, so venv creation fails until this is installed.
 if [[ ! -x $venv/bin/python ]] && ! "$python" -c 'import ensurepip' >/dev/null 2>&1; then
@@ -126,7 +134,7 @@ if [[ $(installed_version horovod) != "$HOROVOD_VERSION" ]]; then
                HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
                MAKEFLAGS="-j$(nproc)")
     if [[ $flavor == gpu ]]; then
-      build_env+=(HOROVOD_GPU_OPERATIONS=NCCL)
+      build_env+=(HOROVOD_GPU_OPERATIONS=NCCL "${gpu_build_env[@]}")
     fi
     env "${build_env[@]}" "$venv/bin/python" -m pip --disable-pip-version-check wheel \
         --no-build-isolation --no-deps --no-cache-dir -w "$build_dir" "horovod==$HOROVOD_VERSION" \
@@ -150,7 +158,11 @@ pip install --no-deps --no-build-isolation -e "$repo_root"
 [[ -z $(installed_version "$other_tf_distribution") ]] \
   || die "$other_tf_distribution is installed beside $tf_distribution in $venv; remove the venv and run again"
 check_build=$("$venv/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $check_build"
-for feature in TensorFlow MPI Gloo; do
+features=(TensorFlow MPI Gloo)
+if [[ $flavor == gpu ]]; then
+  features+=(NCCL)  # a build that fell back to CPU operations is no GPU install
+fi
+for feature in "${features[@]}"; do
   grep -Eq "\[X\] $feature\b" <<<"$check_build" \
     || die "horovod was built without $feature (horovodrun --check-build):"$'\n'"$check_build"
 done
@@ -158,4 +170,4 @@ done
 # What was installed, for `make` (the file's age) and for tests (its contents).
 printf 'flavor=%s\ntensorflow=%s==%s\nhorovod=%s\n' \
   "$flavor" "$tf_distribution" "$TF_VERSION" "$HOROVOD_VERSION" >"$stamp"
-say "ok: $("$venv/bin/python" -c 'import tensorflow as tf, horovod, tf_keras; print(f"TensorFlow {tf.__version__}, tf_keras {tf_keras.__version__}, horovod {horovod.__version__}")' 2>/dev/null) ($tf_distribution) with MPI + Gloo in $venv"
+say "ok: $("$venv/bin/python" -c 'import tensorflow as tf, horovod, tf_keras; print(f"TensorFlow {tf.__version__}, tf_keras {tf_keras.__version__}, horovod {horovod.__version__}")' 2>/dev/null) ($tf_distribution) with $(IFS=+; echo "${features[*]:1}" | sed 's/+/ + /g') in $venv"
