@@ -18,6 +18,10 @@
 #                         scripts/gpu_toolchain.py checks them before anything is downloaded
 #   HVDTRAIN_WHEEL_CACHE  where compiled horovod wheels are kept (default ~/.cache/hvdtrain/wheels)
 #   PYTHON                the interpreter to build the venv from (default: python3.11)
+#   HVDTRAIN_STACK        pinned (default: all of the above) or existing: on a stack someone else
+#                         built (an NGC TensorFlow image, a site's modules), install hvdtrain alone
+#                         into PYTHON's environment (default: python3) and check that stack with
+#                         `python -m hvdtrain.stack`; no venv, no apt-get, no build
 set -euo pipefail
 
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,6 +38,20 @@ HOROVOD_VERSION=0.28.1
 
 say() { printf '[install] %s\n' "$*"; }
 die() { printf 'install: %s\n' "$*" >&2; exit 1; }
+
+case "${HVDTRAIN_STACK:-pinned}" in
+  pinned) ;;
+  existing)
+    # Without its dependencies: tf_keras' pin would make pip replace the stack's TensorFlow.
+    # The check names what is missing instead, one line each (exit 2).
+    python=${PYTHON:-python3}
+    command -v "$python" >/dev/null 2>&1 || die "$python not found (set PYTHON=... to the stack's Python)"
+    say "installing hvdtrain alone into $("$python" -c 'import sys; print(sys.prefix)') (HVDTRAIN_STACK=existing)"
+    "$python" -m pip --disable-pip-version-check --quiet install --no-deps -e "$repo_root" \
+      || die "pip could not install hvdtrain into $python's environment"
+    exec "$python" -m hvdtrain.stack ;;
+  *) die "HVDTRAIN_STACK must be pinned or existing, got '$HVDTRAIN_STACK'" ;;
+esac
 
 # The CPU wheel carries no CUDA plugins, so CPU ranks start without TensorFlow's CUDA warnings.
 # Both wheels install the same `tensorflow` package files, so exactly one of them may be present.
