@@ -14,9 +14,14 @@
 #   HVDTRAIN_VENV         where the venv goes (default: .venv in the repository; `make` passes its
 #                         VENV here)
 #   HVDTRAIN_TF_FLAVOR    cpu (default) or gpu: gpu installs tensorflow[and-cuda] and builds
-#                         horovod with NCCL (needs the CUDA toolkit / nvcc on the machine)
+#                         horovod with NCCL, which needs a CUDA 12 toolkit and NCCL on the machine:
+#                         scripts/gpu_toolchain.py checks them before anything is downloaded
 #   HVDTRAIN_WHEEL_CACHE  where compiled horovod wheels are kept (default ~/.cache/hvdtrain/wheels)
 #   PYTHON                the interpreter to build the venv from (default: python3.11)
+#   HVDTRAIN_STACK        pinned (default: all of the above) or existing: on a stack someone else
+#                         built (an NGC TensorFlow image, a site's modules), install hvdtrain alone
+#                         into PYTHON's environment (default: python3) and check that stack with
+#                         `python -m hvdtrain.stack`; no venv, no apt-get, no build
 set -euo pipefail
 
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,6 +39,20 @@ HOROVOD_VERSION=0.28.1
 say() { printf '[install] %s\n' "$*"; }
 die() { printf 'install: %s\n' "$*" >&2; exit 1; }
 
+case "${HVDTRAIN_STACK:-pinned}" in
+  pinned) ;;
+  existing)
+    # Without its dependencies: tf_keras' pin would make pip replace the stack's TensorFlow.
+    # The check names what is missing instead, one line each (exit 2).
+    python=${PYTHON:-python3}
+    command -v "$python" >/dev/null 2>&1 || die "$python not found (set PYTHON=... to the stack's Python)"
+    say "installing hvdtrain alone into $("$python" -c 'import sys; print(sys.prefix)') (HVDTRAIN_STACK=existing)"
+    "$python" -m pip --disable-pip-version-check --quiet install --no-deps -e "$repo_root" \
+      || die "pip could not install hvdtrain into $python's environment"
+    exec "$python" -m hvdtrain.stack ;;
+  *) die "HVDTRAIN_STACK must be pinned or existing, got '$HVDTRAIN_STACK'" ;;
+esac
+
 # The CPU wheel carries no CUDA plugins, so CPU ranks start without TensorFlow's CUDA warnings.
 # Both wheels install the same `tensorflow` package files, so exactly one of them may be present.
 case "$flavor" in
@@ -50,6 +69,13 @@ esac
 command -v "$python" >/dev/null 2>&1 || die "$python not found; hvdtrain needs Python 3.11 (set PYTHON=...)"
 "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
   || die "$python is $("$python" -V 2>&1); the pinned stack needs Python 3.11"
+# The GPU build compiles horovod's CUDA code and links NCCL from the machine (the CUDA wheels do
+# not carry what it needs): find both, or stop in one line per missing piece, before any download.
+gpu_build_env=()
+if [[ $flavor == gpu ]]; then
+  gpu_variables=$("$python" "$repo_root/scripts/gpu_toolchain.py") || exit 1
+  mapfile -t gpu_build_env <<<"$gpu_variables"
+fi
 missing=()
 # Debian ships `python3 -m venv` without ensurepip, so venv creation fails until this is installed.
 if [[ ! -x $venv/bin/python ]] && ! "$python" -c 'import ensurepip' >/dev/null 2>&1; then
@@ -126,7 +152,7 @@ if [[ $(installed_version horovod) != "$HOROVOD_VERSION" ]]; then
                HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
                MAKEFLAGS="-j$(nproc)")
     if [[ $flavor == gpu ]]; then
-      build_env+=(HOROVOD_GPU_OPERATIONS=NCCL)
+      build_env+=(HOROVOD_GPU_OPERATIONS=NCCL "${gpu_build_env[@]}")
     fi
     env "${build_env[@]}" "$venv/bin/python" -m pip --disable-pip-version-check wheel \
         --no-build-isolation --no-deps --no-cache-dir -w "$build_dir" "horovod==$HOROVOD_VERSION" \
@@ -150,7 +176,11 @@ pip install --no-deps --no-build-isolation -e "$repo_root"
 [[ -z $(installed_version "$other_tf_distribution") ]] \
   || die "$other_tf_distribution is installed beside $tf_distribution in $venv; remove the venv and run again"
 check_build=$("$venv/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $check_build"
-for feature in TensorFlow MPI Gloo; do
+features=(TensorFlow MPI Gloo)
+if [[ $flavor == gpu ]]; then
+  features+=(NCCL)  # a build that fell back to CPU operations is no GPU install
+fi
+for feature in "${features[@]}"; do
   grep -Eq "\[X\] $feature\b" <<<"$check_build" \
     || die "horovod was built without $feature (horovodrun --check-build):"$'\n'"$check_build"
 done
@@ -158,4 +188,4 @@ done
 # What was installed, for `make` (the file's age) and for tests (its contents).
 printf 'flavor=%s\ntensorflow=%s==%s\nhorovod=%s\n' \
   "$flavor" "$tf_distribution" "$TF_VERSION" "$HOROVOD_VERSION" >"$stamp"
-say "ok: $("$venv/bin/python" -c 'import tensorflow as tf, horovod, tf_keras; print(f"TensorFlow {tf.__version__}, tf_keras {tf_keras.__version__}, horovod {horovod.__version__}")' 2>/dev/null) ($tf_distribution) with MPI + Gloo in $venv"
+say "ok: $("$venv/bin/python" -c 'import tensorflow as tf, horovod, tf_keras; print(f"TensorFlow {tf.__version__}, tf_keras {tf_keras.__version__}, horovod {horovod.__version__}")' 2>/dev/null) ($tf_distribution) with $(IFS=+; echo "${features[*]:1}" | sed 's/+/ + /g') in $venv"

@@ -25,6 +25,7 @@ class Build:
     tensorflow: bool
     mpi: bool
     gloo: bool
+    nccl: bool = False
     gpus: int = 0
     error: str | None = None
     """Why the horovod TensorFlow extension did not load (e.g. built against another TF)."""

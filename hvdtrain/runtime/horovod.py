@@ -50,7 +50,7 @@ def watchdog_seconds(environ: Mapping[str, str]) -> float | None:
 def build_info() -> dict:
     """What this horovod was compiled with (importing this module proves its TF extension loads)."""
     return {"tensorflow": True, "mpi": bool(hvd_tf.mpi_built()),
-            "gloo": bool(hvd_tf.gloo_built())}
+            "gloo": bool(hvd_tf.gloo_built()), "nccl": bool(hvd_tf.nccl_built())}
 
 
 @functools.cache

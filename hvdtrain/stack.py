@@ -1,0 +1,154 @@
+"""What a stack hvdtrain did not install gives it: ``python -m hvdtrain.stack``.
+
+``scripts/install.sh`` builds hvdtrain's own pinned stack. On a stack someone else built (an NGC
+TensorFlow container, a site's modules) ``HVDTRAIN_STACK=existing`` installs hvdtrain alone,
+without its dependencies (pip would otherwise replace that TensorFlow to satisfy ``tf_keras``'s
+pin), and runs this check in the same interpreter: one line per problem and exit status 2, or one
+line saying what was found. The facts come from the launcher's own probe (``launch.probe.build``:
+horovod's TensorFlow extension, its controllers, the GPUs), plus the versions and the tools around
+them; the rules (``problems``) are pure.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+
+from hvdtrain.errors import EXIT_USAGE
+from hvdtrain.launch.probe import ask
+
+#: The one combination hvdtrain's tests run on (README, Version matrix).
+VERIFIED_TENSORFLOW = "2.18"
+#: hvdtrain selects Keras 2 with TF_USE_LEGACY_KERAS, which TensorFlow reads from 2.16 on.
+OLDEST_TENSORFLOW = (2, 16)
+#: What hvdtrain imports besides TensorFlow and horovod (setup.cfg; mpi4py for the horovod backend).
+REQUIREMENTS = {"numpy": "numpy", "sklearn": "scikit-learn", "matplotlib": "matplotlib",
+                "mpi4py": "mpi4py"}
+PROGRAM = "hvdtrain.stack"
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What this interpreter has."""
+
+    python: tuple[int, int]
+    tensorflow: str | None
+    tf_keras: str | None
+    keras: str | None
+    horovod: str | None
+    horovod_error: str | None
+    """Why horovod's TensorFlow extension did not load (built against another TensorFlow...)."""
+    mpi: bool = False
+    gloo: bool = False
+    nccl: bool = False
+    gpus: int = 0
+    mpirun: str | None = None
+    missing: tuple[str, ...] = ()
+    """hvdtrain's own requirements that are not installed (their pip names)."""
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(char for char in minor if char.isdigit()) or 0)
+
+
+def gather() -> Stack:
+    """This interpreter's stack. horovod is loaded in a child, as a rank would load it: with
+    Keras 2 when tf_keras is there, else Keras 3 (hvdtrain chooses at import)."""
+    tensorflow = next(filter(None, map(_version, ("tensorflow", "tensorflow-cpu",
+                                                  "tensorflow-gpu"))), None)
+    horovod, tf_keras = _version("horovod"), _version("tf_keras")
+    built = {}
+    if tensorflow and horovod:
+        keras = {"HVDTRAIN_KERAS": "2" if tf_keras else "3", "TF_CPP_MIN_LOG_LEVEL": "3"}
+        answer, stderr = ask(sys.executable, ["build"], timeout=300, env={**os.environ, **keras})
+        built = answer or {"error": (stderr.strip().splitlines() or ["no answer"])[-1]}
+    return Stack(python=sys.version_info[:2], tensorflow=tensorflow, tf_keras=tf_keras,
+                 keras=_version("keras"), horovod=horovod, horovod_error=built.get("error"),
+                 mpi=built.get("mpi", False), gloo=built.get("gloo", False),
+                 nccl=built.get("nccl", False), gpus=built.get("gpus", 0),
+                 mpirun=shutil.which("mpirun"),
+                 missing=tuple(name for module, name in REQUIREMENTS.items()
+                               if importlib.util.find_spec(module) is None))
+
+
+def problems(stack: Stack) -> list[str]:
+    """What keeps hvdtrain's horovod path from running on this stack, one line each."""
+    found = []
+    if not (3, 10) <= stack.python <= (3, 12):
+        found.append(f"Python {stack.python[0]}.{stack.python[1]}: hvdtrain runs on 3.10-3.12")
+    if stack.tensorflow is None:
+        found.append("no TensorFlow in this environment: use the stack's own Python (the one "
+                     "`import tensorflow` works in), or hvdtrain's install (HVDTRAIN_STACK unset)")
+        return found
+    tensorflow = _minor(stack.tensorflow)
+    if tensorflow < OLDEST_TENSORFLOW:
+        found.append(f"TensorFlow {stack.tensorflow}: hvdtrain needs 2.16 or newer (its Keras "
+                     "selection, TF_USE_LEGACY_KERAS)")
+    if stack.tf_keras and _minor(stack.tf_keras) != tensorflow:
+        found.append(f"tf_keras {stack.tf_keras} beside TensorFlow {stack.tensorflow}: they must "
+                     f"match: pip install --no-deps 'tf_keras=={tensorflow[0]}.{tensorflow[1]}.*'")
+    if stack.tf_keras is None and (stack.keras is None or _minor(stack.keras) < (3, 0)):
+        found.append(f"no Keras hvdtrain can use: pip install --no-deps "
+                     f"'tf_keras=={tensorflow[0]}.{tensorflow[1]}.*' (Keras 2, the default)")
+    rebuild = ("HOROVOD_WITH_TENSORFLOW=1 pip install --no-build-isolation --no-cache-dir "
+               "horovod==0.28.1")
+    if stack.horovod is None:
+        found.append(f"no horovod in this environment: {rebuild} (with "
+                     "HOROVOD_GPU_OPERATIONS=NCCL on GPUs), or an image that has it")
+    elif stack.horovod_error:
+        found.append(f"horovod {stack.horovod} does not load with TensorFlow {stack.tensorflow} "
+                     f"({stack.horovod_error}): rebuild it against this TensorFlow: {rebuild}")
+    else:
+        if not (stack.mpi or stack.gloo):
+            found.append(f"horovod {stack.horovod} has neither MPI nor Gloo: rebuild it with "
+                         "HOROVOD_WITH_MPI=1 or HOROVOD_WITH_GLOO=1")
+        if stack.mpi and not stack.gloo and stack.mpirun is None:
+            found.append("horovod has only MPI, and there is no mpirun on PATH: load the MPI "
+                         "module it was built with")
+        if stack.gpus and not stack.nccl:
+            found.append(f"{stack.gpus} GPU(s) here, but horovod was built without NCCL: "
+                         "gradients would be averaged through host memory; rebuild with "
+                         "HOROVOD_GPU_OPERATIONS=NCCL")
+    if stack.missing:
+        found.append(f"hvdtrain's own requirements are missing: pip install "
+                     f"{' '.join(stack.missing)}")
+    return found
+
+
+def describe(stack: Stack) -> str:
+    """The stack in one line, with what it was not tested on."""
+    keras = (f"tf_keras {stack.tf_keras}" if stack.tf_keras
+             else f"Keras {stack.keras} only (run with --keras 3)")
+    controllers = [name for name, built in (("MPI", stack.mpi), ("Gloo", stack.gloo),
+                                            ("NCCL", stack.nccl)) if built]
+    line = (f"TensorFlow {stack.tensorflow}, {keras}, horovod {stack.horovod} "
+            f"({' + '.join(controllers)}), {stack.gpus} GPU(s)")
+    if not stack.tensorflow.startswith(VERIFIED_TENSORFLOW + "."):
+        line += f"; hvdtrain's tests run on TensorFlow {VERIFIED_TENSORFLOW} only"
+    return line
+
+
+def main() -> int:
+    stack = gather()
+    found = problems(stack)
+    for problem in found:
+        print(f"{PROGRAM}: {problem}", file=sys.stderr)
+    if found:
+        return EXIT_USAGE
+    print(f"{PROGRAM}: ok: {describe(stack)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
