@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
 from typing import Callable, Iterator
 
@@ -68,14 +69,21 @@ def _its_log(log: str | None) -> str:
     return f"; its log: {log}" if log else ""
 
 
+#: How long the other ranks give rank 0 to print a report they all reached, before they exit.
+REPORT_GRACE_SECONDS = 2.0
+
+
 def report_once(line: str, rank: int) -> None:
     """A failure every rank reports at the same moment, printed once: by rank 0, while each
     other rank writes it only into its own log (64 ranks, one line; each log still says what
-    its rank saw)."""
+    its rank saw). The first rank to exit makes mpirun end the others, so the other ranks wait
+    ``REPORT_GRACE_SECONDS`` first: rank 0 may see the failure a moment later (its stall
+    watchdog looks once a second) and must not be ended before its line is out."""
     if rank == 0:
         print(line, file=sys.stderr, flush=True)
     else:
         ranklog.note(line)
+        time.sleep(REPORT_GRACE_SECONDS)
 
 
 class UserError(Exception):
