@@ -39,6 +39,11 @@ HOROVOD_VERSION=0.28.1
 say() { printf '[install] %s\n' "$*"; }
 die() { printf 'install: %s\n' "$*" >&2; exit 1; }
 
+# setuptools announces every editable install with an 11-line "BuildBackendWarning: Editable
+# installation." block (folders named like the package may shadow it: not a problem of this
+# checkout); it would be most of what the README's first command prints.
+quiet_editable="ignore:Editable installation"
+
 case "${HVDTRAIN_STACK:-pinned}" in
   pinned) ;;
   existing)
@@ -47,8 +52,8 @@ case "${HVDTRAIN_STACK:-pinned}" in
     python=${PYTHON:-python3}
     command -v "$python" >/dev/null 2>&1 || die "$python not found (set PYTHON=... to the stack's Python)"
     say "installing hvdtrain alone into $("$python" -c 'import sys; print(sys.prefix)') (HVDTRAIN_STACK=existing)"
-    "$python" -m pip --disable-pip-version-check --quiet install --no-deps -e "$repo_root" \
-      || die "pip could not install hvdtrain into $python's environment"
+    PYTHONWARNINGS=$quiet_editable "$python" -m pip --disable-pip-version-check --quiet install \
+        --no-deps -e "$repo_root" || die "pip could not install hvdtrain into $python's environment"
     exec "$python" -m hvdtrain.stack ;;
   *) die "HVDTRAIN_STACK must be pinned or existing, got '$HVDTRAIN_STACK'" ;;
 esac
@@ -171,7 +176,7 @@ if [[ $(installed_version horovod) != "$HOROVOD_VERSION" ]]; then
 fi
 
 # --- 4. hvdtrain itself, then verify -----------------------------------------------------------
-pip install --no-deps --no-build-isolation -e "$repo_root"
+PYTHONWARNINGS=$quiet_editable pip install --no-deps --no-build-isolation -e "$repo_root"
 
 [[ -z $(installed_version "$other_tf_distribution") ]] \
   || die "$other_tf_distribution is installed beside $tf_distribution in $venv; remove the venv and run again"

@@ -83,6 +83,10 @@ def test_install_sh_existing_installs_hvdtrain_alone_and_names_what_the_stack_la
                                           PYTHON=str(stack / "bin" / "python")))
     assert result.returncode == 2, result
     assert result.stdout.startswith(f"[install] installing hvdtrain alone into {stack} "), result
+    # The check's line alone: not setuptools' editable-install notice.
+    assert result.stderr.splitlines() == [
+        line for line in result.stderr.splitlines() if line.startswith("hvdtrain.stack: ")], \
+        result.stderr
     assert result.stderr.splitlines()[-1].startswith(
         "hvdtrain.stack: no TensorFlow in this environment"), result.stderr
     listed = subprocess.run([stack / "bin" / "python", "-m", "pip", "list", "--format=freeze"],
