@@ -30,6 +30,7 @@ BadImagePolicy = Literal["skip", "fail"]
 TfrecordSharding = Literal["file", "example"]
 EmbeddedData = Literal["digits", "synthetic"]
 KerasVersion = Literal["2", "3"]
+Tracker = Literal["off", "mlflow"]
 
 
 def selected_keras() -> str:
@@ -124,6 +125,18 @@ class TrainConfig:
     """Write TensorBoard logs (rank 0 only) under <run_dir>/tensorboard."""
     export: bool = True
     """Save the trained model (without optimizer state) as <run_dir>/model.keras at the end."""
+    track: Tracker = "off"
+    """Mirror the run into an experiment tracker from rank 0. 'mlflow': the config and the plan
+    (world size, global batch, scaled learning rate) as parameters, every epoch's metrics with
+    the epoch as step, the outputs (config, metrics, curves, model) as artifacts; one MLflow run
+    per run directory across resume and requeue (its id in <run_dir>/tracking.json). Needs
+    `pip install 'hvdtrain[mlflow]'`."""
+    tracking_uri: str | None = None
+    """The MLflow tracking server (http://host:5000, databricks, ...). Default:
+    MLFLOW_TRACKING_URI, else MLflow's own default."""
+    experiment: str | None = None
+    """The MLflow experiment the run goes into (created when missing). Default:
+    MLFLOW_EXPERIMENT_NAME, else the job's name."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -20,7 +20,7 @@ from typing import Callable
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
-from hvdtrain import KERAS, STARTED, __version__, ranklog
+from hvdtrain import KERAS, STARTED, __version__, ranklog, tracking
 from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
                                 MetricsLog, Progress, StallWatchdog, TensorBoardLog,
                                 Throughput,
@@ -86,6 +86,7 @@ def keras_name() -> str:
 def run(program: str, config: TrainConfig, runtime: Runtime, task: Task) -> TrainingResult:
     """Data -> plan -> banner -> fit: a whole job once the runtime is up."""
     check_keras(config)
+    tracking.check_available(config.track, runtime)
     request = StopRequest()
     with StopSignals(runtime.world.rank, request):  # a stop signal is recorded, never fatal
         if task.datasets is None:
@@ -312,12 +313,15 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     # rows an interrupted run wrote after its last checkpoint).
     earlier_rows = run_dir.read_json("metrics.json", []) if world.is_chief and restored_from else []
     rows = [row for row in earlier_rows if row.get("epoch", 0) <= initial_epoch]
+    if restored_from:
+        runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done")
+    tracker = tracking.start(program, config, runtime, run_dir, tracking.flat_params({
+        "config": config.to_dict(), "plan": plan.to_dict(), "world": dataclasses.asdict(world),
+        "run": {"program": program, "precision": precision, **_versions()}}), rows)
     run_dir.write_json("config.json", {
         "program": program, "config": config.to_dict(), "plan": plan.to_dict(),
         "world": dataclasses.asdict(world), "precision": precision,
         "resumed_from": restored_from, "versions": _versions()})
-    if restored_from:
-        runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done")
 
     # --- fit ------------------------------------------------------------------------------------
     def save_on_stop(epoch: int, mid_epoch: bool) -> None:
@@ -353,6 +357,8 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         # never a missing row.
         callbacks += [MetricsLog(run_dir, rows, request, throughput),
                       SaveCheckpoint(checkpoints, request)]
+        if tracker:  # after the checkpoint: the tracker holds checkpointed epochs only
+            callbacks.append(tracking.TrackEpochs(tracker, rows, request))
         if config.tensorboard:
             callbacks.append(TensorBoardLog(run_dir.tensorboard, profile_batch=0))
     # A signal that came before training (while listing data or building the model): stop now,
@@ -362,16 +368,19 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     if request.agreed:
         request.epoch = initial_epoch
     elif trains:
-        model.fit(train, epochs=config.epochs, initial_epoch=initial_epoch,
-                  steps_per_epoch=plan.steps_per_epoch, validation_data=validation,
-                  callbacks=callbacks, verbose=_verbosity(world),
-                  shuffle=False)  # the pipelines shuffle (Keras 3 warns that it cannot)
+        with tracking.failure_marked(tracker):
+            model.fit(train, epochs=config.epochs, initial_epoch=initial_epoch,
+                      steps_per_epoch=plan.steps_per_epoch, validation_data=validation,
+                      callbacks=callbacks, verbose=_verbosity(world),
+                      shuffle=False)  # the pipelines shuffle (Keras 3 warns that it cannot)
     else:
         runtime.print0(f"{initial_epoch} of {config.epochs} epochs already done; nothing to train")
 
     # --- finish ---------------------------------------------------------------------------------
     if request.agreed:
         runtime.print0(describe_stop(request))
+        if tracker:
+            tracker.finish("KILLED", model_file=None)  # a rerun reopens it
         # Nobody leaves before rank 0 has written the checkpoint: the ranks exit non-zero, and
         # mpirun kills the rest of a job as soon as one rank does so.
         runtime.barrier()
@@ -383,11 +392,15 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         note = export(model, run_dir)
         if note:
             runtime.print0(note)
+    if tracker:
+        tracker.finish("FINISHED", model_file=exported(run_dir))
     return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows, 0)
 
 
-def exported(run_dir: RunDir) -> bool:
-    return any(tf.io.gfile.exists(run_dir.file(name)) for name in (MODEL_FILE, WEIGHTS_FILE))
+def exported(run_dir: RunDir) -> str | None:
+    """The file an earlier export wrote (model.keras or the weights), or None."""
+    return next((name for name in (MODEL_FILE, WEIGHTS_FILE)
+                 if tf.io.gfile.exists(run_dir.file(name))), None)
 
 
 def export(model: keras.Model, run_dir: RunDir) -> str | None:

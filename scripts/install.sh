@@ -133,9 +133,11 @@ fi
 # The constraints file pins every transitive version that was verified together.
 constraints=("-c" "$repo_root/scripts/constraints.txt")
 say "installing $tf_requirement, tf_keras, mpi4py and the rest of the pinned stack"
+# mlflow: for --track mlflow, and the tracking server its tests start (a user's own environment
+# needs only the client: pip install 'hvdtrain[mlflow]').
 pip install "${constraints[@]}" "$tf_requirement" \
   mpi4py scikit-learn matplotlib pytest pytest-timeout \
-  packaging cloudpickle psutil pyyaml cffi
+  packaging cloudpickle psutil pyyaml cffi mlflow
 # tf_keras requires `tensorflow` by that name and nothing else; with the CPU wheel installed under
 # its own name, resolving that requirement would put the CUDA build over the same files.
 pip install "${constraints[@]}" --no-deps "tf_keras==$TF_KERAS_VERSION"
