@@ -7,6 +7,7 @@ the first step, on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -48,18 +50,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` on 127.0.0.1 (SQLite store, local artifact store): its URI."""
-    home = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
+@contextlib.contextmanager
+def running_server(home: Path, port: int) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real `mlflow server` on 127.0.0.1:port (SQLite store and artifacts under ``home``):
+    (its URI, its process)."""
     uri = f"http://127.0.0.1:{port}"
-    log = (home / "server.log").open("w")
-    server = subprocess.Popen(
-        [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{home}/mlflow.db",
-         "--artifacts-destination", str(home / "artifacts"), "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=clean_env())
+    with (home / "server.log").open("a") as log:
+        server = subprocess.Popen(
+            [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+             "--backend-store-uri", f"sqlite:///{home}/mlflow.db",
+             "--artifacts-destination", str(home / "artifacts"), "--workers", "1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=clean_env())
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -72,15 +73,25 @@ def mlflow_server(tmp_path_factory):
             if server.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"mlflow server did not start:\n{(home / 'server.log').read_text()}")
             time.sleep(0.5)
-        yield uri
+        yield uri, server
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
+        stop(server)
+
+
+def stop(server: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signum)
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("mlflow"), free_port()) as (uri, _):
+        yield uri
 
 
 def client_of(uri: str):
@@ -201,3 +212,46 @@ def test_without_mlflow_installed_the_flag_is_refused_in_one_line(tmp_path):
                      "named 'mlflow'): pip install 'hvdtrain[mlflow]' (or mlflow-skinny) into "
                      "this environment"], result.stdout[-3000:]
     assert not run_dir.exists()
+
+
+@integration
+@pytest.mark.timeout(300)
+def test_a_server_lost_mid_run_costs_one_line_and_the_rerun_fills_the_gap(tmp_path):
+    """The server killed after the first epoch: training goes on to exit 0 with one line; the
+    server back (same store, same port) and the run resumed, every epoch is in it once."""
+    home, port, run_dir, log = tmp_path / "server", free_port(), tmp_path / "run", tmp_path / "log"
+    home.mkdir()
+    job = [sys.executable, "-m", "hvdtrain.cnn", "--preset", "tiny", "--track", "mlflow",
+           "--tracking-uri", f"http://127.0.0.1:{port}", "--experiment", "lost-server",
+           "--run-dir", str(run_dir)]
+    with running_server(home, port) as (uri, server), log.open("w") as sink:
+        trainer = subprocess.Popen([*job, "--epochs", "40"], env=clean_env(), stdout=sink,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (run_dir / "metrics.json").exists():
+                if trainer.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"no epoch finished:\n{log.read_text()[-3000:]}")
+                time.sleep(0.05)
+            stop(server, signal.SIGKILL)
+            trainer.wait(timeout=150)
+        finally:
+            if trainer.poll() is None:
+                os.killpg(trainer.pid, signal.SIGKILL)
+                trainer.wait()
+    output = log.read_text()
+    assert trainer.returncode == 0, output[-3000:]
+    lost = [line for line in output.splitlines() if line.startswith("hvdtrain: tracking:")]
+    assert len(lost) == 1 and f"MLflow at {uri} failed" in lost[0] \
+        and "training goes on without it" in lost[0], output[-3000:]
+    assert "Traceback" not in output
+    assert len(json.loads((run_dir / "metrics.json").read_text())) == 40
+
+    with running_server(home, port):
+        resumed = run_job([*job, "--epochs", "41"], timeout=120).stdout
+        assert "(resumed) in experiment 'lost-server'" in resumed, resumed[-3000:]
+        run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+        client = client_of(uri)
+        steps = sorted(m.step for m in client.get_metric_history(run_id, "loss"))
+        assert client.get_run(run_id).info.status == "FINISHED"
+    assert steps == list(range(1, 42))
