@@ -1,6 +1,9 @@
 """Pictures a run leaves behind (drawn off-screen; written through RunDir, so by rank 0 only)."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import numpy as np
 
 
@@ -58,12 +61,29 @@ def plot_reconstructions(originals: np.ndarray, reconstructions: np.ndarray, tit
 
 
 def pyplot():
+    if "MPLCONFIGDIR" not in os.environ and not _writable_config_home():
+        # A read-only home (a container image's /root, some compute nodes): matplotlib would
+        # say so in four lines and use a directory of its own; the process' temporary directory
+        # (the rank's scratch, removed at exit) says nothing.
+        os.environ["MPLCONFIGDIR"] = os.path.join(tempfile.gettempdir(), "matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")  # no display on cluster nodes
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _writable_config_home() -> bool:
+    """Whether matplotlib's default configuration directory is (or can be made) writable."""
+    config = os.path.join(os.environ.get("XDG_CONFIG_HOME")
+                          or os.path.join(os.path.expanduser("~"), ".config"), "matplotlib")
+    while not os.path.exists(config):
+        parent = os.path.dirname(config)
+        if parent == config:
+            return False
+        config = parent
+    return os.access(config, os.W_OK)
 
 
 def save_figure(figure, path: str) -> None:

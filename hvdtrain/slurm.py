@@ -247,6 +247,9 @@ BATCH_VARIABLES = {
     "HVDTRAIN_VIA": "what starts the ranks: horovodrun, mpirun or srun (default {via})",
     "HVDTRAIN_NETWORK_INTERFACE": "the interface(s) the ranks talk over (eth0, or eth0,ib0; "
                                   "default: the launcher checks which connect every node)",
+    "HVDTRAIN_CONTAINER": "run every rank in this image (a SquashFS for Charliecloud's ch-run, "
+                          "or what srun --container-image takes where Slurm has pyxis); "
+                          "implies HVDTRAIN_VIA=srun",
     "HVDTRAIN_MAX_REQUEUES": "requeues after which a preempted job stops instead (default "
                              "{max_requeues}; counts Slurm's own requeues too; raise it for a job "
                              "that needs more time-limit windows)",

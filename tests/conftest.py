@@ -144,5 +144,13 @@ def mpirun_job(np: int, module: str, *args: str, timeout: float = 300, check: bo
                    check=check, env=env)
 
 
+def apt_install(*packages: str) -> subprocess.CompletedProcess:
+    """apt-get install PACKAGES (as root), waiting for an install another test runs: for the
+    tools Debian packages and a test needs (Charliecloud, skopeo)."""
+    return subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=300", "install", "-y", "-qq",
+                           "--no-install-recommends", *packages], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+
+
 def have_command(name: str) -> bool:
     return shutil.which(name) is not None

@@ -370,6 +370,16 @@ def test_a_templates_variables_override_its_flags():
         batch_options(options(sbatch=True), {})
 
 
+def test_a_templates_container_runs_through_srun_unless_told_otherwise():
+    job = {"SLURM_JOB_ID": "7", "HVDTRAIN_CONTAINER": "/work/img.sqfs"}
+    batch = batch_options(options(sbatch=True, via="mpirun"), job)[0]
+    assert (batch.container, batch.via) == ("/work/img.sqfs", "srun")
+    told = batch_options(options(sbatch=True, via="mpirun"), {**job, "HVDTRAIN_VIA": "mpirun"})[0]
+    assert told.via == "mpirun"  # and container.prepare refuses it in one line
+    assert batch_options(options(sbatch=True, via="mpirun"), {"SLURM_JOB_ID": "7"})[0] \
+        .container is None
+
+
 # --- restarts ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("status, stop_signal, restart, reason", [
     (137, None, True, "a rank ended on SIGKILL"),  # kill -9, the OOM killer

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, VENV_BIN, clean_env, integration, run_job
+from conftest import REPO, VENV_BIN, apt_install, clean_env, have_command, integration, run_job
 from hvdtrain.launcher_env import processes
 
 pytestmark = [integration, pytest.mark.timeout(600)]
@@ -92,6 +92,7 @@ def assert_nothing_left() -> None:
     assert "hvdtrain tests/cluster/cluster-local.sh" not in Path("/etc/hosts").read_text()
     assert not Path("/etc/ssh/ssh_config.d/hvdtrain-cluster.conf").exists()
     assert not Path("/run/hvdtrain-cluster").exists()
+    assert not list(Path("/tmp").glob("hvdtrain-cluster-tmpfs.*"))
 
 
 @pytest.fixture
@@ -625,3 +626,88 @@ def test_usr1_preemption_of_a_two_node_job_requeues_and_resumes(cluster_env, run
     assert output.count("placement: node1[0-1] node2[2-3]") == 2
     epochs = [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())]
     assert epochs == list(range(1, 13)), epochs
+
+
+# --- in a container image (containers/build.sh), with Charliecloud ------------------------------
+CONTAINER_ENV = {"PMIX_MCA_gds": "hash", "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def container_build(cluster_env, tmp_path_factory):
+    """containers/build.sh, started as this module starts: its minutes of downloads, unpacking
+    and mksquashfs overlap the tests before the container tests, which mostly wait on daemons
+    and timeouts (at the lowest priority, so it does not slow their ranks). Yields the running
+    build (its output directory and log); the container tests wait for it."""
+    if not have_command("ch-run"):
+        install = apt_install("charliecloud-runtime")
+        assert install.returncode == 0, install.stdout + install.stderr
+    out = tmp_path_factory.mktemp("images")
+    log = (out / "build.log").open("w")
+    # --reuse-caches: the pip cache and compiled horovod of this machine's own install (the
+    # image is the same; a clean build compiles horovod again, ~4 minutes more).
+    build = subprocess.Popen(["nice", "-n", "19", "bash", str(REPO / "containers" / "build.sh"),
+                              "--out", str(out), "--formats", "squash", "--reuse-caches"],
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    yield build, out
+    if build.poll() is None:
+        os.killpg(build.pid, signal.SIGTERM)
+        build.wait(timeout=120)
+    log.close()
+
+
+@pytest.fixture
+def container_image(container_build) -> Path:
+    build, out = container_build
+    try:
+        build.wait(timeout=1500)
+    except subprocess.TimeoutExpired:
+        log = (out / "build.log").read_text()
+        pytest.fail(f"containers/build.sh did not finish:\n{log[-3000:]}")
+    log = (out / "build.log").read_text()
+    assert build.returncode == 0, log[-3000:]
+    print(log)
+    return out / "hvdtrain-cpu.sqfs"
+
+
+@pytest.mark.timeout(1800)
+def test_srun_ch_run_trains_in_the_image_on_both_nodes(cluster_env, container_image, run_dir,
+                                                       tmp_path):
+    """What the README shows for Charliecloud by hand: srun starts ch-run for every rank."""
+    started = time.monotonic()
+    script, log = tmp_path / "job.sh", tmp_path / "slurm.out"
+    script.write_text(
+        "#!/bin/bash\nset -euo pipefail\ncd " + str(REPO) + "\n"
+        "export PMIX_MCA_gds=hash OMPI_MCA_btl_vader_single_copy_mechanism=none\n"
+        # Each node's eth1 connects nothing (cluster_up): by hand, a user names the interface
+        # (the launcher's network check finds it itself).
+        "export OMPI_MCA_btl_tcp_if_include=eth0 OMPI_MCA_oob_tcp_if_include=eth0\n"
+        # ch-run needs $USER, which a login shell has and this test's environment may not.
+        'export USER="${USER:-$(id -un)}"\n'
+        f"srun --mpi=pmix ch-run --set-env --bind=/work --cd=$PWD {container_image} -- "
+        f'python {PROBE} "$@"\n')
+    job_id = sbatch(cluster_env, log, "-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
+                    str(script), "--run-dir", str(run_dir), *JOB_ARGS)
+    output = wait_for_job(cluster_env, job_id, log)
+    check_job(output, run_dir)
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["versions"]["python"] == "3.11.2", config["versions"]  # the image's Debian one
+    print(f"srun ch-run: {time.monotonic() - started:.0f} s")
+
+
+@pytest.mark.timeout(900)
+def test_the_template_runs_the_ranks_in_the_image(cluster_env, container_image, run_dir,
+                                                  tmp_path):
+    """slurm/multinode.sh, unedited, with HVDTRAIN_CONTAINER: the launcher (on this machine's
+    Python) checks the image's horovod in the image, then srun wraps every rank in ch-run."""
+    started = time.monotonic()
+    log = tmp_path / "slurm.out"
+    env = {**cluster_env, "HVDTRAIN_MODULE": str(PROBE), "HVDTRAIN_RUN_DIR": str(run_dir),
+           "HVDTRAIN_CONTAINER": str(container_image)}
+    job_id = sbatch(env, log, "-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
+                    "slurm/multinode.sh", "--run-dir", str(run_dir), *JOB_ARGS)
+    output = wait_for_job(env, job_id, log)
+    assert (f"srun --mpi=pmix --ntasks=4 --kill-on-bad-exit=1 ch-run --set-env --bind=/work "
+            f"--bind=/tmp --cd={REPO} {container_image} -- python -m hvdtrain.script "
+            f"{PROBE}") in output, output[-3000:]
+    check_job(output, run_dir)
+    print(f"sbatch slurm/multinode.sh with HVDTRAIN_CONTAINER: {time.monotonic() - started:.0f} s")

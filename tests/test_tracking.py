@@ -139,7 +139,8 @@ def test_a_preempted_and_resumed_job_is_one_mlflow_run(mlflow_server, tmp_path):
     second = run_job(job, timeout=300).stdout
     assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run_id
     # One line each, rank 0's, and nothing else of MLflow's on the console.
-    page = f"{mlflow_server}/#/experiments/{client.get_run(run_id).info.experiment_id}/runs/{run_id}"
+    experiment_id = client.get_run(run_id).info.experiment_id
+    page = f"{mlflow_server}/#/experiments/{experiment_id}/runs/{run_id}"
     assert tracking_lines(first) == [
         f"tracking: MLflow run {run_id} (new) in experiment 'hvdtrain.cnn' at {page}"
     ], first[-3000:]
@@ -208,9 +209,9 @@ def test_without_mlflow_installed_the_flag_is_refused_in_one_line(tmp_path):
                      env=clean_env(PYTHONPATH=str(tmp_path / "site")))
     assert result.returncode == 2, result.stdout[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert lines == ["hvdtrain.cnn: error: --track mlflow needs the mlflow package (ImportError: No module "
-                     "named 'mlflow'): pip install 'hvdtrain[mlflow]' (or mlflow-skinny) into "
-                     "this environment"], result.stdout[-3000:]
+    assert lines == ["hvdtrain.cnn: error: --track mlflow needs the mlflow package (ImportError: "
+                     "No module named 'mlflow'): pip install 'hvdtrain[mlflow]' (or "
+                     "mlflow-skinny) into this environment"], result.stdout[-3000:]
     assert not run_dir.exists()
 
 

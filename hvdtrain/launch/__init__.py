@@ -20,6 +20,9 @@ Restarts: with ``--max-restarts N`` a job that failed (a rank died or crashed) i
 the same allocation, up to N times; an hvdtrain job resumes from its last checkpoint. A user error
 (exit 2), a preemption stop (75) and a stop signal end the job without a restart.
 
+Containers: with ``--container IMAGE`` (and ``--via srun``) every rank runs in the image, through
+Slurm's pyxis plugin (``srun --container-image``) or Charliecloud (``ch-run IMAGE -- python ...``).
+
 In an sbatch script (``--sbatch``, as the templates in slurm/ run it): the HVDTRAIN_* variables
 given at submission override the script's flags, the run directory defaults to
 runs/<job name>-<job id>, and after Slurm's time-limit warning (SIGUSR1) the ranks checkpoint and
@@ -30,6 +33,7 @@ the launcher requeues the job (``scontrol requeue``, at most --max-requeues time
 #   preflight  what would make the launch fail, asked of the ranks' Python (probe)
 #   network    across hosts, the interfaces that connect them all
 #   paths      the command of each launch path: horovodrun, mpirun, srun
+#   container  --container: the ranks in an image, with pyxis or Charliecloud
 #   supervise  signals forwarded, the exit verdict, restarts, leftovers of an attempt
 #   failures   the job's output relayed, and read for why it failed (the one end line)
 #   sbatch     as the body of an sbatch script: the job's variables, requeue after USR1

@@ -8,7 +8,7 @@ from typing import Sequence
 import hvdtrain.launch
 from hvdtrain import ranklog
 from hvdtrain.errors import EXIT_USAGE, reported
-from hvdtrain.launch import sbatch
+from hvdtrain.launch import container, sbatch
 from hvdtrain.launch.console import PROGRAM, error
 from hvdtrain.launch.network import local_host_names, network_interfaces
 from hvdtrain.launch.options import (is_script_path, parse_options, program_command,
@@ -28,12 +28,17 @@ def run(argv: Sequence[str] | None = None) -> int:
     if options.sbatch:  # the body of an sbatch script: the job's variables, its run directory
         options, batch_run_dir = sbatch.batch_options(options, os.environ)
         os.environ["HVDTRAIN_RUN_DIR"] = batch_run_dir  # where a script of your own finds it
+    # With --container the probes run in the image (Charliecloud), or not at all (pyxis: each
+    # would be a job step importing the image; the ranks report a broken image themselves).
+    options, probe_on = container.prepare(options)
+    probes = not options.container or probe_on is not None
+    python = options.container_python if options.container else options.python
     program_command(options)  # a missing script or module is reported before the ~3 s probe
-    if not is_script_path(options.program):
-        check_module(options.python, options.program)
+    if probes and not is_script_path(options.program):
+        check_module(python, options.program, on=probe_on)
     allocation = Allocation.from_env(os.environ)
     running_as_root = os.geteuid() == 0
-    build = None if options.skip_preflight else probe_build(options.python)
+    build = None if options.skip_preflight or not probes else probe_build(python, on=probe_on)
     if build is not None:
         problems = preflight(build, allocation, options.np, options,
                              running_as_root=running_as_root, env=os.environ)

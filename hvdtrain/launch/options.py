@@ -90,12 +90,22 @@ class LaunchOptions:
     """The interface(s) the ranks talk over, eth0 or eth0,ib0 (default: the ones the network
     check finds connecting every host; passed to horovodrun, mpirun's btl/oob_tcp_if_include,
     Gloo and NCCL)."""
+    container: str | None = None
+    """Run every rank in this container image (with --via srun): a SquashFS file or an image
+    directory for Charliecloud, or what pyxis takes (./image.sqsh, docker://...). The job's files
+    are seen at the same paths (see hvdtrain.launch.container)."""
+    container_runtime: Literal["auto", "charliecloud", "pyxis"] = "auto"
+    """How --container runs: pyxis where srun has --container-image, else Charliecloud's
+    ch-run --join on every node."""
+    container_python: str = "python"
+    """The ranks' interpreter inside --container (the image's python on its PATH)."""
 
 
 #: Where --help starts a new section (at this field), and the one short flag.
 _SECTIONS = {"sbatch": "in an sbatch script",
              "timeline_filename": "horovod tuning (passed to every rank)",
-             "hosts": "several hosts"}
+             "hosts": "several hosts",
+             "container": "containers (Slurm's pyxis, or Charliecloud)"}
 _SHORT_FLAGS = {"hosts": "-H"}
 _POSITIONAL = ("program", "program_args")
 
@@ -144,19 +154,20 @@ def program_command(options: LaunchOptions) -> list[str]:
     The ranks start in the launcher's working directory (horovodrun, mpirun and srun all keep
     it), so a relative script path means the same there as here.
     """
+    python = options.container_python if options.container else options.python
     if is_script_path(options.program):
         if not os.path.isfile(options.program):
             raise UserError(f"no such script: {options.program} (a script path runs as `python "
                             "PATH`, a module name like hvdtrain.cnn as `python -m MODULE`)")
         if options.keras == "3":
-            return [options.python, options.program, *options.program_args]
+            return [python, options.program, *options.program_args]
         # horovod.tensorflow.keras needs Keras 2; hvdtrain.script selects it, then runs the
         # script exactly as `python script.py args` would.
-        return [options.python, "-m", "hvdtrain.script", options.program, *options.program_args]
+        return [python, "-m", "hvdtrain.script", options.program, *options.program_args]
     if not MODULE_NAME.fullmatch(options.program):
         raise UserError(f"{options.program!r} is neither a module name (like hvdtrain.cnn) nor "
                         "a script path (like train.py)")
-    return [options.python, "-m", options.program, *options.program_args]
+    return [python, "-m", options.program, *options.program_args]
 
 
 def run_dir_of(options: LaunchOptions, env: Mapping[str, str]) -> str | None:

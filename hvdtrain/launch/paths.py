@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from hvdtrain.errors import UserError
+from hvdtrain.launch import container
 from hvdtrain.launch.options import VIAS, LaunchOptions, program_command
 from hvdtrain.launcher_env import is_identity
 from hvdtrain.slurm import Allocation
@@ -102,10 +103,16 @@ def srun_command(plan: Plan) -> list[str]:
     if plan.interfaces:  # srun passes the environment on; each rank's MPI reads these
         plan.env["OMPI_MCA_btl_tcp_if_include"] = plan.interfaces
         plan.env["OMPI_MCA_oob_tcp_if_include"] = plan.interfaces
+    flags, program = [], plan.program
+    if plan.options.container:
+        runtime = plan.options.container_runtime
+        flags, program = container.wrap(runtime, plan.options.container, plan.program,
+                                        container.job_roots(plan.options), os.getcwd())
+        plan.env.update(container.rank_env(runtime, os.environ))
     # A rank that dies must end the step: by default srun lets the others run on, and they
     # would wait in their next allreduce forever.
     return ["srun", "--mpi=pmix", f"--ntasks={plan.np}", "--kill-on-bad-exit=1", *plan.binding,
-            *plan.program]
+            *flags, *program]
 
 
 #: --via NAME -> the function that writes its command.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from hvdtrain.errors import UserError
 from hvdtrain.launch.probe import ask
@@ -31,12 +31,12 @@ class Build:
     """Why the horovod TensorFlow extension did not load (e.g. built against another TF)."""
 
 
-def check_module(python: str, module: str) -> None:
+def check_module(python: str, module: str, on: Sequence[str] | None = None) -> None:
     """Refuse a module the ranks' ``python -m`` would not find: a mistyped name fails the same
     way on every attempt. A check that cannot finish in time, or a Python without hvdtrain,
     lets the ranks find out."""
     try:
-        answer, _ = ask(python, ["module", module], timeout=60)
+        answer, _ = ask(python, ["module", module], timeout=60, on=on or ())
     except subprocess.TimeoutExpired:
         return
     except OSError as error:
@@ -46,10 +46,11 @@ def check_module(python: str, module: str) -> None:
                         "name, or pass a script path")
 
 
-def probe_build(python: str) -> Build:
-    """Ask the ranks' interpreter what horovod was built with, and how many GPUs this node has."""
+def probe_build(python: str, on: Sequence[str] | None = None) -> Build:
+    """Ask the ranks' interpreter what horovod was built with, and how many GPUs this node has
+    (``on``: what runs it in the ranks' container)."""
     try:
-        answer, stderr = ask(python, ["build"], timeout=300,
+        answer, stderr = ask(python, ["build"], timeout=300, on=on or (),
                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     except (OSError, subprocess.TimeoutExpired) as error:
         raise UserError(f"could not run {python} to check the horovod build: {error}") from None

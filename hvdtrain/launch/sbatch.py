@@ -30,7 +30,9 @@ def batch_options(options: LaunchOptions, env: Mapping[str, str]) -> tuple[Launc
         raise UserError("--sbatch is for the body of an sbatch script, and SLURM_JOB_ID is not "
                         "set (submit the script with sbatch)")
     program = env.get("HVDTRAIN_MODULE") or options.program
-    via = env.get("HVDTRAIN_VIA") or options.via
+    image = env.get("HVDTRAIN_CONTAINER") or options.container
+    # Containers start through srun (pyxis, or ch-run per task): a container names the path.
+    via = env.get("HVDTRAIN_VIA") or ("srun" if image else options.via)
     if via not in VIAS:
         raise UserError(f"HVDTRAIN_VIA must be one of {', '.join(VIAS)}, got {via!r}")
     run_dir = env.get("HVDTRAIN_RUN_DIR") or default_run_dir(env)
@@ -42,7 +44,7 @@ def batch_options(options: LaunchOptions, env: Mapping[str, str]) -> tuple[Launc
     # (and finds the directory in HVDTRAIN_RUN_DIR).
     run_dir_args = [] if is_script_path(program) else ["--run-dir", run_dir]
     changed = dataclasses.replace(
-        options, program=program, via=via,
+        options, program=program, via=via, container=image,
         program_args=(*run_dir_args, *extra_args, *options.program_args),
         max_restarts=whole_number(env, "HVDTRAIN_MAX_RESTARTS", options.max_restarts),
         max_requeues=whole_number(env, "HVDTRAIN_MAX_REQUEUES", options.max_requeues),

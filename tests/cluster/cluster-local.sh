@@ -100,10 +100,24 @@ CLUSTER_NAME=hvdtcluster
 CTLD_ADDR=$HOST_ADDR
 CTLD_PORT=6917
 SLURMD_PORT=6918
-NODE_TMPFS=$STATE_DIR/tmp/%n
-# Its own subdirectories, beside lib.sh's: ns/ holds the nodes' UTS namespaces, tmp/NODE their
-# TmpFS, ssh/ the keys.
-OWN_SUBDIRS=("ns root 755" "tmp root 755" "ssh root 700")
+# Each node's TmpFS, where Slurm's PMIx plugin keeps a job step's files for the node: under /tmp
+# as on a real node (Slurm's default TmpFS), so that a container sharing the node's /tmp (ch-run)
+# sees them; one directory per node, since the nodes here share one /tmp. up makes its parent
+# with mktemp (a name nobody could have planted) and records it in tmpfs-root; down removes it.
+TMPFS_RECORD=$STATE_DIR/tmpfs-root
+TMPFS_PATTERN="/tmp/$(basename -- "$STATE_DIR")-tmpfs.XXXXXX"
+# Its own subdirectories, beside lib.sh's: ns/ holds the nodes' UTS namespaces, ssh/ the keys.
+OWN_SUBDIRS=("ns root 755" "ssh root 700")
+
+# The TmpFS parent up made, if tmpfs-root names one: a directory of root's that matches the
+# pattern (the record lives in the checked state directory; the check keeps a bad one harmless).
+recorded_tmpfs_root() {
+  local path
+  path=$(cat "$TMPFS_RECORD" 2>/dev/null) || return 0
+  [[ $path == "${TMPFS_PATTERN%XXXXXX}"?????? && -d $path && ! -L $path \
+     && $(stat -c %u -- "$path") == 0 ]] && printf '%s\n' "$path"
+  return 0
+}
 
 netns_of() { printf 'hvdt-%s\n' "$1"; }
 veth_of() { printf 'hvdt-v%s\n' "${1#node}"; }
@@ -376,10 +390,18 @@ cmd_up() {
   local nodes=() node_addrs=() prefix
   mapfile -t nodes < <(node_names "$n")
   for node in "${nodes[@]}"; do node_addrs+=("$node" "$(addr_of "$node")"); done
+  local tmpfs_root
+  tmpfs_root=$(recorded_tmpfs_root)
+  if [[ -z $tmpfs_root ]]; then
+    tmpfs_root=$(mktemp -d "$TMPFS_PATTERN")
+    chmod 755 "$tmpfs_root"
+    echo "$tmpfs_root" >"$TMPFS_RECORD"
+  fi
+  NODE_TMPFS=$tmpfs_root/%n
   configure_slurm "${node_addrs[@]}"
   start_slurmctld
   for node in "${nodes[@]}"; do
-    ensure_dir "$STATE_DIR/tmp/$node" root 1777
+    ensure_dir "$tmpfs_root/$node" root 1777
     mapfile -t prefix < <(node_prefix "$node")
     start_slurmd "$node" "${prefix[@]}"
   done
@@ -452,6 +474,9 @@ down_locked() {
   grep -qxF "$HOSTS_BEGIN" /etc/hosts && write_hosts 0
   if ours "$SSH_CLIENT_CONF"; then rm -f "$SSH_CLIENT_CONF"; fi
   if [[ -e $STATE_DIR/made-run-sshd ]]; then rmdir /run/sshd 2>/dev/null || true; fi
+  local tmpfs_root
+  tmpfs_root=$(recorded_tmpfs_root)
+  [[ -n $tmpfs_root ]] && rm -rf --one-file-system -- "$tmpfs_root"
   remove_state_dir
 }
 

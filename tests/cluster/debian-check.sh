@@ -37,51 +37,9 @@ die() { printf 'debian-check: %s\n' "$*" >&2; exit 1; }
 
 [[ $(id -u) -eq 0 ]] || die "needs root (debootstrap, mount, chroot)"
 git -C "$repo" rev-parse --verify -q HEAD >/dev/null || die "$repo is not a git repository with a commit"
-if ! command -v debootstrap >/dev/null 2>&1; then
-  say "apt-get install debootstrap"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null \
-    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null; }
-fi
 
-# --- the Debian mirror and source files this machine uses -----------------------------------------
-source_files=()
-for file in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
-  [[ -f $file ]] && source_files+=("$file")
-done
-# Prints "URI SUITE" for every enabled `deb` entry, one-line and deb822 formats alike.
-deb_entries() {
-  local file
-  for file in "$@"; do
-    if [[ $file == *.sources ]]; then
-      awk 'BEGIN { RS = "" }
-           { types = ""; uris = ""; suites = ""; enabled = "yes"
-             n = split($0, lines, "\n")
-             for (i = 1; i <= n; i++) {
-               line = lines[i]
-               if (line ~ /^Types:/) { sub(/^Types:[ \t]*/, "", line); types = line }
-               else if (line ~ /^URIs:/) { sub(/^URIs:[ \t]*/, "", line); uris = line }
-               else if (line ~ /^Suites:/) { sub(/^Suites:[ \t]*/, "", line); suites = line }
-               else if (line ~ /^Enabled:/) { sub(/^Enabled:[ \t]*/, "", line); enabled = line }
-             }
-             if (enabled != "no" && (" " types " ") ~ / deb /) {
-               nu = split(uris, u, /[ \t]+/); ns = split(suites, s, /[ \t]+/)
-               for (a = 1; a <= nu; a++) for (b = 1; b <= ns; b++) print u[a], s[b]
-             } }' "$file"
-    else
-      awk '$1 == "deb" { i = 2
-                         if ($2 ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
-                         print $i, $(i + 1) }' "$file"
-    fi
-  done
-}
-mirror=$(deb_entries "${source_files[@]}" | awk '$2 == "bookworm" { print $1; exit }')
-[[ -n $mirror ]] || die "no 'deb ... bookworm' entry in this machine's apt sources (${source_files[*]:-none})"
-debian_source_files=()
-for file in "${source_files[@]}"; do
-  if deb_entries "$file" | awk '$2 ~ /^bookworm(-updates|-security|-backports)?$/ { found = 1 } END { exit !found }'; then
-    debian_source_files+=("$file")
-  fi
-done
+# shellcheck source=../../scripts/debian-root.sh
+source "$repo/scripts/debian-root.sh"
 
 # --- the root, and its teardown ------------------------------------------------------------------
 workdir=$(mktemp -d "${TMPDIR:-/tmp}/hvdtrain-debian-check.XXXXXX")
@@ -89,28 +47,12 @@ root=$workdir/root
 # Readable by every user (root's home is not), for the unprivileged run.
 clone=/srv/hvdtrain
 teardown() {
-  local status=$? proc pids=() mounts
-  # Processes still running inside the root (an interrupted build or job) hold its mounts.
-  for proc in /proc/[0-9]*; do
-    [[ $(readlink "$proc/root" 2>/dev/null) == "$root" ]] && pids+=("${proc#/proc/}")
-  done
-  if ((${#pids[@]})); then
-    kill -TERM "${pids[@]}" 2>/dev/null || true
-    sleep 2
-    kill -KILL "${pids[@]}" 2>/dev/null || true
-  fi
-  # Deepest first; a lazy unmount for what is still busy.
-  mounts=$(findmnt -rn -o TARGET | grep -F "$root/" | sort -r || true)
-  while read -r mount_point; do
-    [[ -n $mount_point ]] || continue
-    umount "$mount_point" 2>/dev/null || umount -l "$mount_point" || true
-  done <<<"$mounts"
-  if findmnt -rn -o TARGET | grep -qF "$root/"; then
-    # Never delete through a mount: /dev of this machine is bound in there.
-    printf 'debian-check: mounts remain under %s; not removing it:\n' "$root" >&2
-    findmnt -rn -o TARGET | grep -F "$root/" >&2
-  else
+  local status=$?
+  # Never delete through a mount: /dev of this machine is bound in there.
+  if release_root "$root"; then
     rm -rf --one-file-system "$workdir"
+  else
+    printf 'debian-check: mounts remain under %s; not removing it\n' "$root" >&2
   fi
   exit "$status"
 }
@@ -120,49 +62,13 @@ trap 'exit 143' TERM
 
 now() { date +%s; }
 started=$(now)
-say "debootstrap bookworm (minbase + python3 git ca-certificates) from $mirror into $root"
+say "debootstrap bookworm (minbase + python3 git ca-certificates) into $root"
 step=$(now)
-debootstrap --variant=minbase --include=python3,git,ca-certificates bookworm "$root" "$mirror" \
-  >"$workdir/debootstrap.log" 2>&1 || { tail -n 30 "$workdir/debootstrap.log" >&2; die "debootstrap failed"; }
+bootstrap_root "$root" "$workdir/debootstrap.log" python3,git,ca-certificates
 debootstrap_seconds=$(($(now) - step))
 say "debootstrap: ${debootstrap_seconds} s"
-
-# --- what reaching the archives needs, copied from this machine ------------------------------------
-copy_into_root() {  # copy_into_root PATH...: each existing file or directory to the same place
-  local path
-  for path in "$@"; do
-    [[ -e $path ]] || continue
-    mkdir -p "$root$(dirname "$path")"
-    cp -rL "$path" "$root$(dirname "$path")/"
-  done
-}
-if ((${#debian_source_files[@]})); then
-  rm -f "$root/etc/apt/sources.list"
-  copy_into_root "${debian_source_files[@]}"
-fi
-# Acquire settings only (proxy, validity of snapshot mirrors); hooks that run this machine's
-# programs (Invoke) would fail in a bare root.
-for file in /etc/apt/apt.conf /etc/apt/apt.conf.d/*; do
-  [[ -f $file ]] && grep -q 'Acquire::' "$file" && ! grep -q 'Invoke' "$file" && copy_into_root "$file"
-done
-copy_into_root /etc/resolv.conf /etc/hosts
-# Local CAs first, then the bundle built from them (the root's own bundle lacks them).
-copy_into_root /usr/local/share/ca-certificates /etc/ssl/certs/ca-certificates.crt
-pip_env=()
-for name in $(compgen -e); do
-  case "$name" in
-    PIP_*) pip_env+=("$name=${!name}") ;;
-    SSL_CERT_FILE|REQUESTS_CA_BUNDLE) pip_env+=("$name=${!name}"); copy_into_root "${!name}" ;;
-  esac
-done
-[[ -n ${PIP_CERT:-} ]] && copy_into_root "$PIP_CERT"
-copy_into_root /etc/pip.conf /etc/xdg/pip
-for path in "$HOME/.config/pip" "$HOME/.pip"; do
-  if [[ -e $path ]]; then
-    mkdir -p "$root/root/${path#"$HOME"/}"
-    cp -rL "$path/." "$root/root/${path#"$HOME"/}/"
-  fi
-done
+# What reaching the archives needs, copied from this machine (scripts/debian-root.sh).
+copy_host_access "$root"
 
 git clone -q "$repo" "$root$clone"
 say "cloned $(git -C "$repo" rev-parse --short HEAD) (committed HEAD of $repo) to $clone"
@@ -173,16 +79,11 @@ if $reuse_wheels; then
   say "NOT A CLEAN RUN: compiled horovod wheels copied from $host_wheels"
 fi
 
-mount -t proc proc "$root/proc"
-mount -t sysfs sysfs "$root/sys"
-# /dev with /dev/shm (OpenMPI's shared memory) and /dev/pts; rslave keeps unmounts from
-# propagating back to this machine.
-mount --rbind /dev "$root/dev"
-mount --make-rslave "$root/dev"
+mount_system "$root"
 
 in_root() {  # in_root SECONDS COMMAND: run COMMAND with bash in the root's clone, as root
   timeout --kill-after=30 "$1" chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb \
-    PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "${pip_env[@]}" \
+    PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "${PIP_ENV[@]}" \
     /bin/bash -c "cd $clone && $2"
 }
 in_root 60 'command -v make >/dev/null && echo "make is already there"; python3 -c "import ensurepip" 2>/dev/null && echo "python3-venv is already there"; python3 -V'
