@@ -17,6 +17,11 @@
 #   containers/build.sh [--out DIR] [--formats squash,oci] [--reuse-caches] [--repo DIR]
 #     --out DIR        where the images go (default: ./images)
 #     --formats LIST   squash, oci or both (default squash,oci)
+#     --squash-options "..."
+#                      mksquashfs's compression (default "-comp zstd -Xcompression-level 3":
+#                      a 2.2 GB venv packed in 8 s of CPU to 566 MB, where gzip took 177 s for
+#                      555 MB; squashfuse, Enroot and Linux >= 4.14 read zstd; "-comp gzip" for
+#                      older readers)
 #     --reuse-caches   use this machine's pip cache and compiled horovod wheels
 #                      (~/.cache/hvdtrain/wheels) instead of downloading and compiling again;
 #                      the image is the same, the build minutes shorter
@@ -29,11 +34,13 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=$PWD/images
 formats=squash,oci
 reuse_caches=false
+squash_options="-comp zstd -Xcompression-level 3"
 while (($#)); do
   case "$1" in
     --out) out=$(realpath -m "${2:?--out needs a directory}"); shift 2 ;;
     --formats) formats=${2:?--formats needs squash, oci or squash,oci}; shift 2 ;;
     --reuse-caches) reuse_caches=true; shift ;;
+    --squash-options) squash_options=${2:?--squash-options needs mksquashfs options}; shift 2 ;;
     --repo) repo=$(cd "${2:?--repo needs a directory}" && pwd); shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) printf 'containers/build.sh: unknown argument %s (see --help)\n' "$1" >&2; exit 2 ;;
@@ -114,7 +121,8 @@ rm -rf "$root"/var/lib/apt/lists/* "$root"/root/.cache "$root"/tmp/* "$root"/var
 name=hvdtrain-cpu
 if [[ ,$formats, == *,squash,* ]]; then
   say "mksquashfs -> $out/$name.sqfs"
-  mksquashfs "$root" "$out/$name.sqfs.partial" -noappend -quiet -no-progress -comp gzip \
+  # shellcheck disable=SC2086 # the options, split as words
+  mksquashfs "$root" "$out/$name.sqfs.partial" -noappend -quiet -no-progress $squash_options \
     -processors "$(nproc)" >/dev/null
   mv "$out/$name.sqfs.partial" "$out/$name.sqfs"
 fi

@@ -655,6 +655,11 @@ def container_build(cluster_env, tmp_path_factory):
     log.close()
 
 
+def top_directory(path: Path) -> str:
+    """/work for /work/main: what a container binds to see the repository."""
+    return "/" + path.parts[1]
+
+
 @pytest.fixture
 def container_image(container_build) -> Path:
     build, out = container_build
@@ -683,7 +688,8 @@ def test_srun_ch_run_trains_in_the_image_on_both_nodes(cluster_env, container_im
         "export OMPI_MCA_btl_tcp_if_include=eth0 OMPI_MCA_oob_tcp_if_include=eth0\n"
         # ch-run needs $USER, which a login shell has and this test's environment may not.
         'export USER="${USER:-$(id -un)}"\n'
-        f"srun --mpi=pmix ch-run --set-env --bind=/work --cd=$PWD {container_image} -- "
+        f"srun --mpi=pmix ch-run --set-env --bind={top_directory(REPO)} --cd=$PWD "
+        f"{container_image} -- "
         f'python {PROBE} "$@"\n')
     job_id = sbatch(cluster_env, log, "-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
                     str(script), "--run-dir", str(run_dir), *JOB_ARGS)
@@ -706,8 +712,10 @@ def test_the_template_runs_the_ranks_in_the_image(cluster_env, container_image, 
     job_id = sbatch(env, log, "-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
                     "slurm/multinode.sh", "--run-dir", str(run_dir), *JOB_ARGS)
     output = wait_for_job(env, job_id, log)
-    assert (f"srun --mpi=pmix --ntasks=4 --kill-on-bad-exit=1 ch-run --set-env --bind=/work "
-            f"--bind=/tmp --cd={REPO} {container_image} -- python -m hvdtrain.script "
+    # The working directory's top directory and the run directory's (under /tmp), each once.
+    binds = " ".join(f"--bind={top}" for top in dict.fromkeys([top_directory(REPO), "/tmp"]))
+    assert (f"srun --mpi=pmix --ntasks=4 --kill-on-bad-exit=1 ch-run --set-env {binds} "
+            f"--cd={REPO} {container_image} -- python -m hvdtrain.script "
             f"{PROBE}") in output, output[-3000:]
     check_job(output, run_dir)
     print(f"sbatch slurm/multinode.sh with HVDTRAIN_CONTAINER: {time.monotonic() - started:.0f} s")
