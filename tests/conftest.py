@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -142,6 +143,17 @@ def mpirun_job(np: int, module: str, *args: str, timeout: float = 300, check: bo
     """``python -m module args`` in N ranks on this host, started as horovodrun would."""
     return run_job([*mpirun_ranks(np), sys.executable, "-m", module, *args], timeout=timeout,
                    check=check, env=env)
+
+
+def wait_for_first_epoch(run_dir: Path, job: subprocess.Popen, log: Path,
+                         timeout: float = 240, poll_seconds: float = 0.1) -> None:
+    """Return once the job's first epoch is in ``run_dir/metrics.json``; fail the test (with the
+    job's output) if the job ends first or takes longer than ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not (run_dir / "metrics.json").exists():
+        if job.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the job ended or never finished an epoch:\n{log.read_text()[-3000:]}")
+        time.sleep(poll_seconds)
 
 
 def apt_install(*packages: str) -> subprocess.CompletedProcess:

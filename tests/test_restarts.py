@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, integration, run_job
+from conftest import clean_env, integration, run_job, wait_for_first_epoch
 from hvdtrain.launcher_env import processes
 
 pytestmark = [integration]
@@ -167,11 +167,7 @@ def test_a_stop_signal_to_the_launcher_checkpoints_stops_and_a_rerun_resumes(
              "--no-tensorboard", "--run-dir", str(run_dir)],
             env=clean_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (run_dir / "metrics.json").exists():
-            if launcher.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the job ended or never finished an epoch:\n{log.read_text()[-3000:]}")
-            time.sleep(0.1)
+        wait_for_first_epoch(run_dir, launcher, log)
         launcher.send_signal(signum)
         launcher.wait(timeout=120)
         ranks_left = ranks_of(run_dir)  # at the moment the launcher is gone

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import VENV_BIN, clean_env, integration, run_job
+from conftest import VENV_BIN, clean_env, integration, run_job, wait_for_first_epoch
 from hvdtrain.tracking import changed_params, epoch_metrics, flat_params
 
 LAUNCH = [sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via", "mpirun",
@@ -117,11 +117,7 @@ def test_a_preempted_and_resumed_job_is_one_mlflow_run(mlflow_server, tmp_path):
         launcher = subprocess.Popen(job, env=clean_env(), stdout=sink, stderr=subprocess.STDOUT,
                                     start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (run_dir / "metrics.json").exists():
-            if launcher.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the job ended or never finished an epoch:\n{log.read_text()[-3000:]}")
-            time.sleep(0.1)
+        wait_for_first_epoch(run_dir, launcher, log)
         launcher.send_signal(signal.SIGUSR1)  # Slurm's warning before the time limit
         launcher.wait(timeout=120)
     finally:
@@ -229,11 +225,7 @@ def test_a_server_lost_mid_run_costs_one_line_and_the_rerun_fills_the_gap(tmp_pa
         trainer = subprocess.Popen([*job, "--epochs", "40"], env=clean_env(), stdout=sink,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            deadline = time.monotonic() + 120
-            while not (run_dir / "metrics.json").exists():
-                if trainer.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"no epoch finished:\n{log.read_text()[-3000:]}")
-                time.sleep(0.05)
+            wait_for_first_epoch(run_dir, trainer, log, timeout=120, poll_seconds=0.05)
             stop(server, signal.SIGKILL)
             trainer.wait(timeout=150)
         finally:
