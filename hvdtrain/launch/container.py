@@ -21,6 +21,7 @@ ones. The ranks' interpreter is the image's ``python`` (``--container-python``).
 """
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import os
 import shutil
@@ -28,6 +29,7 @@ import subprocess
 from typing import Mapping, Sequence
 
 from hvdtrain.errors import UserError
+from hvdtrain.launch.options import LaunchOptions, run_dir_of
 
 #: Top directories that belong to the image: binding a host directory over one would hide it.
 IMAGE_OWNED = frozenset({"", "bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32",
@@ -115,11 +117,9 @@ def probe_prefix(runtime: str, image: str, roots: Sequence[str], workdir: str
     return (*charliecloud_prefix(image, roots, workdir), "sh", "-c")
 
 
-def prepare(options):
+def prepare(options: LaunchOptions) -> tuple[LaunchOptions, tuple[str, ...] | None]:
     """``options`` with the container runtime decided, and what runs the launcher's probes in
     the image (None: run them here; or, with pyxis, not at all: see ``probes``)."""
-    import dataclasses
-
     if not options.container:
         return options, None
     if options.via != "srun":
@@ -134,10 +134,8 @@ def prepare(options):
                                  job_roots(options), os.getcwd())
 
 
-def job_roots(options) -> list[str]:
+def job_roots(options: LaunchOptions) -> list[str]:
     """What a container must share with this machine: the top directories of the working
     directory and of the run directory."""
-    from hvdtrain.launch.options import run_dir_of
-
     run_dir = run_dir_of(options, os.environ)
     return shared_roots([os.getcwd(), *([run_dir] if run_dir else [])])
