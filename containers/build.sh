@@ -26,6 +26,12 @@
 #                      (~/.cache/hvdtrain/wheels) instead of downloading and compiling again;
 #                      the image is the same, the build minutes shorter
 #     --repo DIR       the git repository whose committed HEAD goes in (default: this one)
+#     --mount-point /DIR
+#                      one more top directory for the image to have (repeatable): ch-run binds
+#                      the job's directories only onto directories the image has, and a
+#                      SquashFS image is read-only; the usual ones are there already (/work,
+#                      /scratch, /project(s), /lustre, /gpfs, /data, /shared, /fsx, /home, /mnt,
+#                      /srv, /tmp)
 set -euo pipefail
 # All of it in one compound command, read before any of it runs: an edit to this file during a
 # build (minutes) cannot change what the running build does next.
@@ -34,6 +40,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=$PWD/images
 formats=squash,oci
 reuse_caches=false
+mount_points=(work scratch project projects lustre gpfs data shared fsx home mnt srv)
 squash_options="-comp zstd -Xcompression-level 3"
 while (($#)); do
   case "$1" in
@@ -42,6 +49,10 @@ while (($#)); do
     --reuse-caches) reuse_caches=true; shift ;;
     --squash-options) squash_options=${2:?--squash-options needs mksquashfs options}; shift 2 ;;
     --repo) repo=$(cd "${2:?--repo needs a directory}" && pwd); shift 2 ;;
+    --mount-point)
+      [[ ${2:-} =~ ^/[A-Za-z0-9._-]+/?$ ]] \
+        || { printf 'containers/build.sh: --mount-point takes a top directory like /check, got %s\n' "${2:-nothing}" >&2; exit 2; }
+      mount_points+=("$(basename "$2")"); shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) printf 'containers/build.sh: unknown argument %s (see --help)\n' "$1" >&2; exit 2 ;;
   esac
@@ -107,7 +118,9 @@ for command in python horovodrun hvdtrain-launch hvdtrain-cnn hvdtrain-autoencod
 done
 # Where clusters keep the job's files: ch-run binds only onto directories the image has, and
 # the launcher binds the working directory's top directory at the same path.
-mkdir -p "$root"/{work,scratch,project,projects,lustre,gpfs,data,shared,fsx,home,mnt,srv}
+for mount_point in "${mount_points[@]}"; do
+  mkdir -p "$root/$mount_point"
+done
 image_path="$venv_bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 mkdir -p "$root/ch"
 printf 'PATH=%s\n' "$image_path" >"$root/ch/environment"

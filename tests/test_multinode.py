@@ -645,8 +645,11 @@ def container_build(cluster_env, tmp_path_factory):
     log = (out / "build.log").open("w")
     # --reuse-caches: the pip cache and compiled horovod of this machine's own install (the
     # image is the same; a clean build compiles horovod again, ~4 minutes more).
+    # --mount-point: the repository's top directory, which a clone may have anywhere (/check,
+    # say) and which ch-run binds only onto a directory the image has.
     build = subprocess.Popen(["nice", "-n", "19", "bash", str(REPO / "containers" / "build.sh"),
-                              "--out", str(out), "--formats", "squash", "--reuse-caches"],
+                              "--out", str(out), "--formats", "squash", "--reuse-caches",
+                              "--mount-point", top_directory(REPO)],
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     yield build, out
     if build.poll() is None:
@@ -719,3 +722,22 @@ def test_the_template_runs_the_ranks_in_the_image(cluster_env, container_image, 
             f"{PROBE}") in output, output[-3000:]
     check_job(output, run_dir)
     print(f"sbatch slurm/multinode.sh with HVDTRAIN_CONTAINER: {time.monotonic() - started:.0f} s")
+
+
+@pytest.mark.timeout(300)
+def test_a_directory_the_image_cannot_bind_onto_is_one_line(container_image, tmp_path):
+    """A run directory under a top directory the image lacks: ch-run would fail in every rank
+    ("can't mkdir ... Read-only file system"); the launcher says so once, before anything."""
+    absent = Path(f"/hvdtrain-absent-{os.getpid()}")
+    assert not absent.exists()
+    result = subprocess.run(
+        [PYTHON, "-m", "hvdtrain.launch", "--via", "srun", "--container", str(container_image),
+         "hvdtrain.cnn", "--run-dir", str(absent / "run")],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "USER": os.environ.get("USER", "root")})
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert (f"has no {absent} to bind this machine's onto" in lines[0]
+            and f"containers/build.sh --mount-point {absent}" in lines[0]), lines
+    assert not absent.exists()

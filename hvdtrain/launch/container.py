@@ -16,8 +16,10 @@ Two runtimes, one choice (``--container-runtime``, default ``auto``):
 
 Both see the job's files at the same paths as outside: the top directory of the working
 directory and of the run directory (``/work`` for ``/work/me/project``) is bound in at the same
-place. ch-run can only bind onto a directory the image has; containers/build.sh makes the usual
-ones. The ranks' interpreter is the image's ``python`` (``--container-python``).
+place. ch-run can only bind onto a directory the image has (a SquashFS image is read-only), so
+the launcher looks for them in the image first; containers/build.sh makes the usual ones and
+``--mount-point DIR`` adds a site's own. The ranks' interpreter is the image's ``python``
+(``--container-python``).
 """
 from __future__ import annotations
 
@@ -83,6 +85,33 @@ def charliecloud_prefix(image: str, roots: Sequence[str], workdir: str) -> list[
     return ["ch-run", "--set-env", *binds, f"--cd={workdir}", image, "--"]
 
 
+def missing_mount_points(image: str, roots: Sequence[str]) -> list[str]:
+    """The directories of ``roots`` that ``image`` lacks, asked of the image itself with ch-run
+    (a directory image or a SquashFS file alike); ``UserError`` when ch-run cannot start it."""
+    look = 'for d; do [ -d "$d" ] || echo "$d"; done'
+    try:
+        result = subprocess.run(["ch-run", image, "--", "/bin/sh", "-c", look, "sh", *roots],
+                                capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"--container: ch-run did not start {image} in 120 s") from None
+    if result.returncode != 0:
+        said = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+        raise UserError(f"--container: ch-run cannot start {image}: {said}")
+    return result.stdout.split()
+
+
+def check_mount_points(image: str, roots: Sequence[str]) -> None:
+    """One line when the image has nowhere to bind one of ``roots`` (ch-run would fail in every
+    rank with "can't mkdir ... Read-only file system")."""
+    missing = missing_mount_points(image, roots)
+    if missing:
+        flags = " ".join(f"--mount-point {root}" for root in missing)
+        raise UserError(f"--container: {image} has no {', '.join(missing)} to bind this "
+                        f"machine's onto (ch-run binds only onto directories an image has); "
+                        f"rebuild it with containers/build.sh {flags}, or work under a "
+                        "directory it has (/work, /scratch, /home, ...)")
+
+
 def rank_env(runtime: str, environ: Mapping[str, str]) -> dict[str, str]:
     """Variables the ranks need in this runtime (srun passes the environment on)."""
     if runtime != "charliecloud":
@@ -128,10 +157,13 @@ def prepare(options: LaunchOptions) -> tuple[LaunchOptions, tuple[str, ...] | No
         raise UserError(f"--container needs --via srun (got --via {options.via})")
     options = dataclasses.replace(options,
                                   container_runtime=detect_runtime(options.container_runtime))
+    roots = job_roots(options)
     if options.container_runtime == "charliecloud":
         os.environ.setdefault("USER", getpass.getuser())  # ch-run refuses to start without it
-    return options, probe_prefix(options.container_runtime, options.container,
-                                 job_roots(options), os.getcwd())
+        # Enroot unpacks a writable root and makes mount points itself; ch-run cannot.
+        check_mount_points(options.container, roots)
+    return options, probe_prefix(options.container_runtime, options.container, roots,
+                                 os.getcwd())
 
 
 def job_roots(options: LaunchOptions) -> list[str]:
