@@ -32,8 +32,9 @@ train: $(STAMP)
 # `make test` is `make test-unit test-mpi` in two lanes at once, because neither pass alone keeps
 # 2 cores busy: the tests against the local clusters mostly wait (daemons, timeouts, requeues)
 # while the rest mostly compute. The cluster files share one cluster (and take it down), so they
-# stay in one lane, in order, with the fault tests to even the lanes out; the other lane runs the
-# rest, then the mpirun pass. Each lane prints whole lines under its name, and its slowest tests.
+# stay in one lane, in order, with the fault tests (test_faults.py, ~4.5 min alone) to even the
+# lanes out; the other lane runs the rest, then the mpirun pass (CI of 3020927: 30:03 against
+# 28:13, before the bad-input tests, ~1 min, moved to test_bad_input.py in the other lane). Each lane prints whole lines under its name, and its slowest tests.
 CLUSTER_LANE := tests/test_multinode.py tests/test_slurm.py tests/test_cluster_safety.py tests/test_faults.py
 # -u: pytest's lines reach the lane's prefixer as they are written, not in 8 KiB blocks.
 PYTEST := $(PYTHON) -u -m pytest

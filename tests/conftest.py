@@ -166,3 +166,12 @@ def apt_install(*packages: str) -> subprocess.CompletedProcess:
 
 def have_command(name: str) -> bool:
     return shutil.which(name) is not None
+
+
+def one_error(result: subprocess.CompletedProcess, program: str = "hvdtrain.cnn") -> str:
+    """The single error line of a failed run, checking there is exactly one and no traceback."""
+    errors = [l for l in result.stdout.splitlines() if f"{program}: error" in l]
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert len(errors) == 1, result.stdout[-4000:]
+    assert "Traceback" not in result.stdout, result.stdout[-4000:]
+    return errors[0]
