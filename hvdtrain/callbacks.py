@@ -161,12 +161,14 @@ class TensorBoardLog(keras.callbacks.TensorBoard):
 
 
 class Throughput(keras.callbacks.Callback):
-    """Per-epoch wall time, process CPU time and global samples per second of the training part."""
+    """Per-epoch wall time, process CPU time and global samples per second of the training part,
+    and the world size the epoch ran on (a resumed run may run on another)."""
 
-    def __init__(self, global_batch_size: int):
+    def __init__(self, global_batch_size: int, num_workers: int = 1):
         super().__init__()
         self._supports_tf_logs = True  # as PreemptionCheck: batch hooks read no metrics
         self.global_batch_size = global_batch_size
+        self.num_workers = num_workers
         self.timings: dict[str, float] = {}
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -192,9 +194,10 @@ class Throughput(keras.callbacks.Callback):
             self.timings["resident_mb"] = resident
 
     def row(self, epoch: int, logs: dict | None) -> dict:
-        """One row of metrics.json: the 1-based epoch, its (averaged) metrics, its timings."""
-        return {"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items()},
-                **self.timings}
+        """One row of metrics.json: the 1-based epoch, the workers it ran on, its (averaged)
+        metrics, its timings."""
+        return {"epoch": epoch + 1, "workers": self.num_workers,
+                **{k: float(v) for k, v in (logs or {}).items()}, **self.timings}
 
 
 def resident_megabytes() -> float | None:

@@ -11,7 +11,13 @@ Conventions (the README's "Scaling" section says the same for users):
 * One optimizer *update* consumes ``global_batch_size * grad_accum_steps`` samples. The learning
   rate is scaled by that number relative to ``--batch-size`` (linearly, by square root, or not).
 * The learning-rate schedule counts *steps* (batches), as ``optimizer.iterations`` does: horovod
-  advances it on every backward pass, also those that only accumulate.
+  advances it on every backward pass, also those that only accumulate. A resume sets that count
+  to epochs done x this plan's steps per epoch, so the schedule is a function of training progress
+  (epochs), whatever the world size was when the checkpoint was written.
+* A resume on another world size re-plans from the same flags (``resize_notes`` says what moved):
+  with ``global`` the global batch, the update size and so the learning rate stay; with
+  ``per-worker`` the global batch follows the workers and the rate is rescaled by the scaling
+  rule, exactly as for a fresh start at that size.
 * Every worker runs the same number of steps per epoch, computed from the *global* sample count,
   so a shard that is one sample shorter than another can never leave a rank waiting.
 """
@@ -79,6 +85,23 @@ class TrainingPlan:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+#: What a resume on another world size can change, as the banner names it.
+RESIZE_FIELDS = (("num_workers", "worker(s)"), ("global_batch_size", "global batch"),
+                 ("per_worker_batch_size", "batch per worker"),
+                 ("learning_rate", "learning rate"), ("steps_per_epoch", "steps per epoch"))
+
+
+def resize_notes(previous: dict | None, plan: TrainingPlan) -> list[str]:
+    """What differs between the plan a checkpoint was written under (config.json's ``plan``,
+    or None) and this one: ``['worker(s) 4 -> 2', 'global batch 128 -> 64', ...]``."""
+    if not previous:
+        return []
+    current = plan.to_dict()
+    return [f"{label} {previous[name]:g} -> {current[name]:g}"
+            for name, label in RESIZE_FIELDS
+            if name in previous and previous[name] != current[name]]
 
 
 def per_worker_batch(batch_size: int, batch_policy: str, num_workers: int) -> int:

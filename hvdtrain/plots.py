@@ -9,7 +9,7 @@ import numpy as np
 
 NOT_CURVES = frozenset({"epoch", "samples_per_sec", "train_seconds", "epoch_seconds",
                         "cpu_seconds", "first_step_seconds", "resident_mb", "learning_rate",
-                        "skipped_samples"})
+                        "skipped_samples", "workers"})
 """Columns of metrics.json that are timings, memory or bookkeeping, not training metrics."""
 
 

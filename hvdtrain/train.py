@@ -30,7 +30,7 @@ from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, 
 from hvdtrain.config import ImageConfig, TrainConfig
 from hvdtrain.data import ImageDatasets, build_pipelines, choose_data_cache, load_listing
 from hvdtrain.errors import UserError, as_one_line, stop_status
-from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch
+from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch, resize_notes
 from hvdtrain.preemption import PreemptionCheck, StopRequest, StopSignals, describe_stop
 from hvdtrain.rundir import MODEL_FILE, RunDir, ensure_writable, is_url
 from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
@@ -314,7 +314,13 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     earlier_rows = run_dir.read_json("metrics.json", []) if world.is_chief and restored_from else []
     rows = [row for row in earlier_rows if row.get("epoch", 0) <= initial_epoch]
     if restored_from:
-        runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done")
+        # The plan the checkpoint was written under: a resume on another world size (a lost
+        # node, a requeue into a bigger allocation) says what moved with it.
+        earlier = run_dir.read_json("config.json", {}) if world.is_chief else {}
+        resized = resize_notes(earlier.get("plan"), plan)
+        runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done"
+                       + (f"; resized: {', '.join(resized)} (the schedule follows the epochs)"
+                          if resized else ""))
     tracker = tracking.start(program, config, runtime, run_dir, tracking.flat_params({
         "config": config.to_dict(), "plan": plan.to_dict(), "world": dataclasses.asdict(world),
         "run": {"program": program, "precision": precision, **_versions()}}), rows)
@@ -329,7 +335,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
             checkpoints.save(resume_epoch=epoch if mid_epoch else epoch + 1)
             request.saved = True
 
-    throughput = Throughput(plan.global_batch_size)
+    throughput = Throughput(plan.global_batch_size, plan.num_workers)
     callbacks = [
         *runtime.sync_callbacks(),  # first: the callbacks after it read averaged metrics
         throughput,

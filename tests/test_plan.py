@@ -81,3 +81,22 @@ def test_banner_states_the_numbers():
     assert "0.001 x 4 = 0.004" in text
     assert "steps per epoch: 78" in text
 
+
+
+def test_a_resume_on_another_world_size_names_what_moved():
+    from hvdtrain.plan import resize_notes
+
+    four = plan(num_workers=4, num_train_samples=100_000)
+    two = plan(num_workers=2, num_train_samples=100_000)
+    assert resize_notes(four.to_dict(), two) == [
+        "worker(s) 4 -> 2", "global batch 128 -> 64", "learning rate 0.004 -> 0.002",
+        f"steps per epoch {four.steps_per_epoch} -> {two.steps_per_epoch}"]
+    # With a global batch the update and its rate stay; only each worker's share moves.
+    kept = [plan(batch_policy="global", batch_size=64, num_workers=n) for n in (4, 2)]
+    assert resize_notes(kept[0].to_dict(), kept[1]) == ["worker(s) 4 -> 2",
+                                                         "batch per worker 16 -> 32"]
+    assert resize_notes(two.to_dict(), two) == [] and resize_notes(None, two) == []
+    # The schedule's shape is a function of progress: warm-up and total steps scale with the
+    # steps per epoch, so a given epoch sits at the same fraction of both.
+    assert (four.warmup_steps / four.steps_per_epoch, four.total_steps / four.steps_per_epoch) \
+        == (two.warmup_steps / two.steps_per_epoch, two.total_steps / two.steps_per_epoch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, integration, run_job, wait_for_first_epoch
+from conftest import clean_env, integration, mpirun_job, run_job, wait_for_first_epoch
 from hvdtrain.launcher_env import processes
 
 pytestmark = [integration]
@@ -188,3 +189,63 @@ def test_a_stop_signal_to_the_launcher_checkpoints_stops_and_a_rerun_resumes(
                      "--run-dir", str(run_dir)], timeout=200)
     resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", rerun.stdout)
     assert resumed and int(resumed.group(1)) >= int(stopped.group(1)) - 1, rerun.stdout[-2000:]
+
+
+def back_to_epoch(run_dir: Path, epoch: int) -> None:
+    """Leave ``run_dir`` as a job that died right after epoch ``epoch``'s checkpoint would: the
+    later checkpoints gone from CheckpointManager's index (TensorFlow's own call), and with them
+    the epoch a resume starts at (metrics.json's later rows are dropped by the resume)."""
+    import tensorflow as tf
+
+    directory = str(run_dir / "checkpoints")
+    state = tf.train.get_checkpoint_state(directory)
+    kept = [index for index, path in enumerate(state.all_model_checkpoint_paths)
+            if int(path.rsplit("-", 1)[1]) <= epoch]  # ckpt-N: the N-th save, after epoch N
+    paths = [state.all_model_checkpoint_paths[index] for index in kept]
+    assert paths and paths[-1].endswith(f"ckpt-{epoch}"), paths
+    # With their timestamps, or CheckpointManager lists none of them.
+    tf.compat.v1.train.update_checkpoint_state(
+        directory, paths[-1], all_model_checkpoint_paths=paths,
+        all_model_checkpoint_timestamps=[state.all_model_checkpoint_timestamps[i] for i in kept],
+        last_preserved_timestamp=state.last_preserved_timestamp)
+
+
+@pytest.mark.timeout(600)
+def test_a_run_resized_mid_way_matches_an_uninterrupted_one(tmp_path):
+    """A checkpoint written by 2 workers resumes on 1 (a lost node), and one written by 1 on 2
+    (a requeue into a bigger allocation, under Keras 3): the same epochs, each once, each with
+    the world it ran on, and the learning rate an uninterrupted run had at the same epoch (with
+    a global batch the update, and so the rate, does not depend on the world)."""
+    flags = ["--preset", "tiny", "--tensorboard", "--batch-policy", "global", "--batch-size",
+             "32", "--warmup-epochs", "1", "--lr-decay", "cosine", "--epochs", "4"]
+
+    def run(np_: int, run_dir: Path, *extra: str) -> str:
+        return mpirun_job(np_, "hvdtrain.cnn", *flags, *extra, "--run-dir", str(run_dir),
+                          timeout=240).stdout
+
+    def rows(run_dir: Path) -> list[dict]:
+        return json.loads((run_dir / "metrics.json").read_text())
+
+    uninterrupted, shrunk, grown = tmp_path / "uninterrupted", tmp_path / "shrunk", tmp_path / "grown"
+    run(2, uninterrupted)
+    shutil.copytree(uninterrupted, shrunk)
+    back_to_epoch(shrunk, 2)
+    shrunk_output = run(1, shrunk)
+    run(1, grown, "--keras", "3")
+    back_to_epoch(grown, 2)
+    grown_output = run(2, grown, "--keras", "3")
+
+    assert ("2 epoch(s) done; resized: worker(s) 2 -> 1, batch per worker 16 -> 32 (the "
+            "schedule follows the epochs)") in shrunk_output, shrunk_output[-3000:]
+    assert ("2 epoch(s) done; resized: worker(s) 1 -> 2, batch per worker 32 -> 16 (the "
+            "schedule follows the epochs)") in grown_output, grown_output[-3000:]
+    expected = rows(uninterrupted)
+    assert [(row["epoch"], row["workers"]) for row in expected] == [(e, 2) for e in (1, 2, 3, 4)]
+    for run_dir, workers in ((shrunk, [2, 2, 1, 1]), (grown, [1, 1, 2, 2])):
+        got = rows(run_dir)
+        assert [(row["epoch"], row["workers"]) for row in got] == list(zip((1, 2, 3, 4),
+                                                                           workers)), got
+        # The rate after each epoch: warm-up to the peak, then cosine towards zero.
+        assert [row["learning_rate"] for row in got] == pytest.approx(
+            [row["learning_rate"] for row in expected], rel=1e-5), (got, expected)
+        assert got[-1]["val_accuracy"] > 0.5, got[-1]
