@@ -118,6 +118,9 @@ class Allocation:
     """Tasks (ranks) per host, in host order."""
     gpus_per_host: int | None = None
     job_id: str | None = None
+    dropped: tuple[str, ...] = ()
+    """Hosts of the job left out (--min-nodes: they stopped answering); the launch paths then
+    name the hosts they use, since srun and mpirun would otherwise take the whole job's."""
 
     @property
     def num_tasks(self) -> int:
@@ -244,6 +247,12 @@ BATCH_VARIABLES = {
     "HVDTRAIN_PYTHON": "interpreter with hvdtrain installed (default .venv/bin/python)",
     "HVDTRAIN_MAX_RESTARTS": "times the launcher restarts a failed job (a rank died) inside this "
                              "allocation (default 0)",
+    "HVDTRAIN_MIN_NODES": "with HVDTRAIN_MAX_RESTARTS: after a node is lost, restart on the "
+                          "nodes left while at least this many are (submit with --no-kill, "
+                          "and -N MIN-MAX to take what is free; default 0: off)",
+    "HVDTRAIN_HEALTH_CHECK": "1: before the job, check every node's GPUs or CPU share, the "
+                             "links between nodes and the ranks' numbers (hvdtrain.health); a "
+                             "failure ends the job with exit 2",
     "HVDTRAIN_VIA": "what starts the ranks: horovodrun, mpirun or srun (default {via})",
     "HVDTRAIN_NETWORK_INTERFACE": "the interface(s) the ranks talk over (eth0, or eth0,ib0; "
                                   "default: the launcher checks which connect every node)",

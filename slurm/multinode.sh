@@ -17,6 +17,12 @@
 #   HVDTRAIN_PYTHON        interpreter with hvdtrain installed (default .venv/bin/python)
 #   HVDTRAIN_MAX_RESTARTS  times the launcher restarts a failed job (a rank died) inside this
 #                          allocation (default 0)
+#   HVDTRAIN_MIN_NODES     with HVDTRAIN_MAX_RESTARTS: after a node is lost, restart on the
+#                          nodes left while at least this many are (submit with --no-kill, and
+#                          -N MIN-MAX to take what is free; default 0: off)
+#   HVDTRAIN_HEALTH_CHECK  1: before the job, check every node's GPUs or CPU share, the links
+#                          between nodes and the ranks' numbers (hvdtrain.health); a failure
+#                          ends the job with exit 2
 #   HVDTRAIN_VIA           what starts the ranks: horovodrun, mpirun or srun (default mpirun)
 #   HVDTRAIN_NETWORK_INTERFACE
 #                          the interface(s) the ranks talk over (eth0, or eth0,ib0; default: the

@@ -110,11 +110,13 @@ def test_every_flag_reaches_the_launch_options():
         "--autotune-log-file", "a.csv", "--fusion-threshold-mb", "32", "--cycle-time-ms", "0.5",
         "--stall-check-warning-seconds", "30", "--stall-check-shutdown-seconds", "90",
         "--no-stall-check", "--binding-args", "--bind-to core", "--allow-run-as-root",
-        "--max-restarts", "2", "-H", "node1:2", "--network-interface", "eth0", "--keras", "3",
+        "--max-restarts", "2", "--min-nodes", "1", "-H", "node1:2", "--network-interface", "eth0",
+        "--keras", "3",
         "hvdtrain.cnn", "--preset", "tiny", "--epochs", "2"], "doc")
     assert parsed == LaunchOptions(
         program="hvdtrain.cnn", program_args=("--preset", "tiny", "--epochs", "2"), np=3,
-        via="mpirun", controller="mpi", python=PY, max_restarts=2, timeline_filename="t.json",
+        via="mpirun", controller="mpi", python=PY, max_restarts=2, min_nodes=1,
+        timeline_filename="t.json",
         autotune=True,
         autotune_log_file="a.csv", fusion_threshold_mb=32.0, cycle_time_ms=0.5,
         stall_check_warning_seconds=30, stall_check_shutdown_seconds=90, stall_check=False,
@@ -349,11 +351,12 @@ def test_a_template_gives_run_dir_to_a_module_only_by_the_launchers_rule(tmp_pat
 def test_a_templates_variables_override_its_flags():
     env = {"SLURM_JOB_ID": "7", "HVDTRAIN_VIA": "srun", "HVDTRAIN_RUN_DIR": "/scratch/r",
            "HVDTRAIN_ARGS": "--epochs 5 --run-name 'a b'", "HVDTRAIN_MAX_RESTARTS": "2",
-           "HVDTRAIN_MAX_REQUEUES": "9", "HVDTRAIN_NETWORK_INTERFACE": "ib0"}
+           "HVDTRAIN_MAX_REQUEUES": "9", "HVDTRAIN_NETWORK_INTERFACE": "ib0",
+           "HVDTRAIN_MIN_NODES": "2", "HVDTRAIN_HEALTH_CHECK": "1"}
     batch, run_dir = batch_options(options(sbatch=True, via="mpirun", max_requeues=3,
                                            program_args=("--epochs", "6")), env)
-    assert (batch.via, run_dir, batch.max_restarts, batch.max_requeues,
-            batch.network_interface) == ("srun", "/scratch/r", 2, 9, "ib0")
+    assert (batch.via, run_dir, batch.max_restarts, batch.max_requeues, batch.network_interface,
+            batch.min_nodes, batch.health_check) == ("srun", "/scratch/r", 2, 9, "ib0", 2, True)
     # The flags after the script come last, so they win over HVDTRAIN_ARGS.
     assert batch.program_args == ("--run-dir", "/scratch/r", "--epochs", "5", "--run-name",
                                   "a b", "--epochs", "6")
@@ -363,6 +366,7 @@ def test_a_templates_variables_override_its_flags():
     for name, value, message in (("HVDTRAIN_MAX_REQUEUES", "three", "must be a whole number"),
                                  ("HVDTRAIN_MAX_RESTARTS", "-1", "must be a whole number"),
                                  ("HVDTRAIN_VIA", "ssh", "HVDTRAIN_VIA must be one of"),
+                                 ("HVDTRAIN_HEALTH_CHECK", "yes", "must be 0 or 1"),
                                  ("HVDTRAIN_ARGS", "'unclosed", "HVDTRAIN_ARGS")):
         with pytest.raises(UserError, match=message):
             batch_options(options(sbatch=True), {"SLURM_JOB_ID": "7", name: value})
@@ -533,3 +537,91 @@ def test_a_short_stall_limit_shortens_horovods_inspection_interval():
     told = horovod_tuning_env(options(stall_check_shutdown_seconds=30,
                                       stall_check_warning_seconds=10))
     assert told["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "10"
+
+
+# --- --min-nodes: restart on the hosts left ------------------------------------------------------
+TWO_NODES = Allocation(("node1", "node2"), (2, 2), job_id="7")
+
+
+@pytest.mark.parametrize("flags, allocation, message", [
+    ({"min_nodes": 2, "max_restarts": 1}, None, "--min-nodes needs several hosts"),
+    ({"min_nodes": 2, "hosts": "a:1,b:1"}, None, "give --max-restarts too"),
+    ({"min_nodes": 3, "hosts": "a:1,b:1", "max_restarts": 1}, None,
+     "--min-nodes 3 is more than the 2 host(s) of --hosts a:1,b:1"),
+    ({"min_nodes": 3, "max_restarts": 1}, TWO_NODES,
+     "--min-nodes 3 is more than the allocation's 2 node(s)"),
+])
+def test_min_nodes_that_cannot_work_is_one_line(flags, allocation, message):
+    from hvdtrain.launch.survivors import check_min_nodes
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        check_min_nodes(options(**flags), allocation)
+    check_min_nodes(options(min_nodes=2, hosts="a:1,b:1,c:1", max_restarts=1), None)
+    check_min_nodes(options(min_nodes=1, max_restarts=1), TWO_NODES)
+
+
+def test_the_hosts_that_stop_answering_are_dropped_until_too_few_are_left():
+    from hvdtrain.launch.survivors import Survivors
+
+    gone: set[str] = set()
+    survivors = Survivors(options(min_nodes=2, hosts="node1:2,node2:2,node3:2", np=6,
+                                  max_restarts=3), None,
+                          rebuild=lambda opts, allocation: build_launch(opts, allocation, gpus=0),
+                          ask=lambda host: "ssh: Connection refused" if host in gone else None)
+    assert survivors.after_failure() is None  # every host answers: restart as before
+    gone.add("node3")
+    launch, words = survivors.after_failure()
+    assert words == ("on the 2 host(s) left (node1:2,node2:2, 4 rank(s)) since node3 is gone "
+                     "(ssh: Connection refused),")
+    assert launch.argv[1:5] == ("-np", "4", "-H", "node1:2,node2:2")
+    gone.add("node1")
+    with pytest.raises(UserError, match=re.escape(
+            "node1 is gone (ssh: Connection refused); 1 host(s) left, fewer than --min-nodes 2: "
+            "not restarting")):
+        survivors.after_failure()
+
+
+@pytest.mark.parametrize("via, names_the_hosts", [
+    ("srun", ("--nodes=2", "--nodelist=node1,node3", "--overlap")),
+    ("mpirun", ("-H", "node1:1,node3:1", "--mca", "plm_slurm_args", "--overlap")),
+    ("horovodrun", ("-H", "node1:1,node3:1", "--mpi-args=--mca plm_slurm_args --overlap"))])
+def test_in_slurm_the_restart_names_the_nodes_left(via, names_the_hosts):
+    from hvdtrain.launch.survivors import Survivors
+
+    allocation = Allocation(("node1", "node2", "node3"), (1, 1, 1), job_id="8")
+    before = build_launch(options(via=via), allocation, gpus=0).argv
+    assert "--nodelist=node1,node3" not in before and "node1:1,node3:1" not in before
+    survivors = Survivors(options(via=via, min_nodes=2, max_restarts=1), allocation,
+                          rebuild=lambda opts, alloc: build_launch(opts, alloc, gpus=0),
+                          ask=lambda host: "srun: error: Unable to contact" if host == "node2"
+                          else None)
+    launch, words = survivors.after_failure()
+    assert survivors.allocation.dropped == ("node2",)
+    start = next(i for i, arg in enumerate(launch.argv) if arg == names_the_hosts[0])
+    assert launch.argv[start:start + len(names_the_hosts)] == names_the_hosts, launch.argv
+    assert words.startswith("on the 2 host(s) left (node1:1,node3:1, 2 rank(s)) since node2 is")
+
+
+def test_a_host_that_does_not_resolve_does_not_answer():
+    from hvdtrain.launch.survivors import host_problem
+
+    problem = host_problem("hvdtrain-no-such-host.invalid")
+    assert problem and problem.startswith("ssh: ") and "hvdtrain-no-such-host.invalid" in problem
+
+
+def test_a_restart_after_a_host_is_dropped_runs_the_rebuilt_launch(capsys):
+    """run_attempts with real processes: the first attempt fails, the survivors' launch runs."""
+    from hvdtrain.launch.paths import Launch
+    from hvdtrain.launch.supervise import SignalForwarder, run_attempts
+
+    class Dropped:
+        def after_failure(self):
+            return ((Launch(("sh", "-c", "echo on-the-rest"), {}), None),
+                    "on the hosts left since node3 is gone (test),")
+
+    status = run_attempts(Launch(("sh", "-c", "exit 1"), {}), 1, SignalForwarder(),
+                          survivors=Dropped())
+    captured = capsys.readouterr()
+    assert status == 0 and "on-the-rest" in captured.out, captured
+    assert ("job exited 1 (a rank failed); restart 1 of 1 on the hosts left since node3 is gone "
+            "(test), in 3 s") in captured.err, captured

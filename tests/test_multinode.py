@@ -11,6 +11,9 @@ rank-seeded initial weights and a report of what every rank saw) and must show:
 * >= 0.95 validation accuracy on the digits;
 * only rank 0's files in the run directory (besides each rank's own log).
 
+The health check runs on the same 2 nodes; at the end the cluster grows to 3 nodes x 1 rank for
+a lost node (--min-nodes: through the launcher over ssh, and through sbatch --no-kill).
+
 Runs as root only (namespaces, sshd, slurmd); elsewhere it skips with the reason.
 """
 from __future__ import annotations
@@ -333,6 +336,17 @@ def job_processes(run_dir: Path) -> list[str]:
             if str(run_dir) in " ".join(process.argv)]
 
 
+def crash_node(node: str) -> None:
+    """Every process in the node's namespace dies at once (ranks, orted, sshd, slurmd)."""
+    pids = subprocess.run(["ip", "netns", "pids", f"hvdt-{node}"], capture_output=True,
+                          text=True, check=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def wait_until(condition, timeout: float, what: str) -> float:
     """Seconds until ``condition()`` held; fails after ``timeout``."""
     started = time.monotonic()
@@ -354,8 +368,11 @@ def launch_on_node1(run_dir: Path, *launcher_args: str) -> list[str]:
 
 
 def wait_for_epoch(log: Path, epoch: int, timeout: float = 240) -> None:
-    wait_until(lambda: f"Epoch {epoch}/" in log.read_text(), timeout,
-               f"epoch {epoch} in {log}:\n{log.read_text()[-3000:]}")
+    """Until ``log`` (which a job still pending has not made yet) shows the epoch's start."""
+    def text() -> str:
+        return log.read_text() if log.exists() else ""
+    wait_until(lambda: f"Epoch {epoch}/" in text(), timeout,
+               f"epoch {epoch} in {log}:\n{text()[-3000:]}")
 
 
 def epochs_done(run_dir: Path) -> int:
@@ -489,34 +506,6 @@ def test_a_rank_killed_on_node2_ends_the_job_in_one_line_naming_it(cluster_env, 
     faulted_run.faulted()
 
 
-def test_a_crashed_node_ends_the_job_naming_it(cluster_env, faulted_run, tmp_path):
-    log = tmp_path / "job.out"
-    job = faulted_run.start(log)
-    try:
-        faulted_run.wait_for_training(log)
-        # node2 crashes: every process in its namespace (ranks, orted, sshd, slurmd) dies.
-        node2 = subprocess.run(["ip", "netns", "pids", "hvdt-node2"], capture_output=True,
-                               text=True, check=True).stdout.split()
-        for pid in node2:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        seconds = wait_until(lambda: job.poll() is not None, 60, "the job to end")
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    output = log.read_text()
-    assert job.returncode not in (0, None), output[-3000:]
-    assert one_failure_line(output) == (
-        "node2 stopped answering (crashed, or its network is down) with ranks 2-3 on it; their "
-        f"logs: {faulted_run.path}/logs/rank-<K>.log for K in 2-3")
-    wait_until(lambda: not job_processes(faulted_run.path), 30,
-               f"orphans: {job_processes(faulted_run.path)}")
-    print(f"node2 crashed: the job ended {seconds:.0f} s later")
-    cluster_up()  # node2 "reboots": its sshd and slurmd start again
-    faulted_run.faulted()
-
-
 def test_a_link_down_ends_the_job_instead_of_hanging(cluster_env, faulted_run, tmp_path):
     # Linux retries the allreduce's TCP segments for ~15 minutes; horovod's stall check is stuck
     # behind them. The ranks' stall watchdog (limit below) and the launcher end the job. The
@@ -626,6 +615,37 @@ def test_usr1_preemption_of_a_two_node_job_requeues_and_resumes(cluster_env, run
     assert output.count("placement: node1[0-1] node2[2-3]") == 2
     epochs = [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())]
     assert epochs == list(range(1, 13)), epochs
+
+
+# --- the health check across the nodes ------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_the_health_check_names_a_slow_node_and_a_rank_computing_other_numbers(cluster_env,
+                                                                               tmp_path):
+    """node2's link out shaped to 100 Mbit/s (tc tbf) and rank 3 (on node2) told to nudge its
+    result (the check's test-only variable): --health-check before a job names both, one line
+    each, and ends with exit 2 before the job starts."""
+    run_dir = tmp_path / "run"
+    shape = ["tc", "-n", "hvdt-node2", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+             "100mbit", "burst", "64kb", "latency", "400ms"]
+    subprocess.run(shape, check=True, capture_output=True, timeout=30)
+    try:
+        started = time.monotonic()
+        result = run_job(on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:2,node2:2",
+                                  "--health-check", *LONG_JOB, "--run-dir", str(run_dir)),
+                         timeout=240, check=False,
+                         env={**cluster_env, "HVDTRAIN_HEALTH_TEST_PERTURB_RANK": "3"})
+        seconds = time.monotonic() - started
+    finally:
+        subprocess.run(["tc", "-n", "hvdt-node2", "qdisc", "del", "dev", "eth0", "root"],
+                       capture_output=True, timeout=30)
+    said = [line for line in result.stdout.splitlines() if "hvdtrain.health:" in line]
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert said[0].startswith("hvdtrain.health: failed: rank 3 on node2 computed "), said
+    assert re.fullmatch(r"hvdtrain\.health: warning: node2: [\d.]+ Mbit/s out against "
+                        r"[\d.]+ [GM]bit/s median", said[1]), said
+    assert said[2].startswith("hvdtrain.health: FAILED: 4 rank(s) on 2 node(s)"), said
+    assert len(said) == 3 and "Epoch" not in result.stdout and not run_dir.exists()
+    print(f"health check, 2 nodes x 2 ranks: {seconds:.0f} s; {said[1]}")
 
 
 # --- in a container image (containers/build.sh), with Charliecloud ------------------------------
@@ -741,3 +761,115 @@ def test_a_directory_the_image_cannot_bind_onto_is_one_line(container_image, tmp
     assert (f"has no {absent} to bind this machine's onto" in lines[0]
             and f"containers/build.sh --mount-point {absent}" in lines[0]), lines
     assert not absent.exists()
+
+
+# --- a lost node: --min-nodes restarts on the nodes left (3 nodes x 1 rank) -----------------------
+THREE_HOSTS = "node1:1,node2:1,node3:1"
+
+
+@pytest.fixture
+def three_nodes(cluster_env):
+    """The cluster with a third node (cluster-local.sh resizes: down, then up with 3); module
+    teardown takes it down as usual."""
+    up = subprocess.run(["bash", str(CLUSTER), "up", "--nodes", "3", "--isolated-iface"],
+                        capture_output=True, text=True, timeout=900)
+    assert up.returncode == 0, (up.stdout + up.stderr)[-3000:]
+    return cluster_env
+
+
+def check_went_on_without_node3(output: str, run_dir: Path, epochs: int, channel: str) -> str:
+    """One restart line naming node3 as gone (asked over ``channel``), every epoch once, the
+    first on 3 workers and the last on 2, and the end; the restart line."""
+    restarts = re.findall(r"^hvdtrain\.launch: job exited \d+.*; restart 1 of 2 on the 2 "
+                          r"host\(s\) left \(node1:1,node2:1, 2 rank\(s\)\) since node3 is gone "
+                          rf"\({channel}: .*\), in 3 s .*$", output, re.MULTILINE)
+    assert len(restarts) == 1, output[-4000:]
+    rows = json.loads((run_dir / "metrics.json").read_text())
+    assert [row["epoch"] for row in rows] == list(range(1, epochs + 1)), rows
+    workers = [row["workers"] for row in rows]
+    assert workers[0] == 3 and workers[-1] == 2 and workers == sorted(workers, reverse=True)
+    assert f"done: {epochs} epoch(s)" in output
+    return restarts[0]
+
+
+def node_loss_job(run_dir: Path, min_nodes: int, epochs: int) -> list[str]:
+    return on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", THREE_HOSTS, "--min-nodes",
+                    str(min_nodes), "--max-restarts", "2", "hvdtrain.cnn", "--preset", "tiny",
+                    "--tensorboard", "--epochs", str(epochs), "--run-dir", str(run_dir))
+
+
+@pytest.mark.timeout(600)
+def test_a_crashed_node_is_dropped_and_the_job_finishes_on_the_nodes_left(three_nodes, run_dir,
+                                                                          tmp_path):
+    log, epochs = tmp_path / "job.out", 12
+    job = start_job(node_loss_job(run_dir, 2, epochs), log, three_nodes)
+    try:
+        wait_for_epoch(log, 3)
+        crash_node("node3")
+        crashed = time.monotonic()
+        back = wait_until(lambda: "resized: worker(s) 3 -> 2" in log.read_text(), 240,
+                          f"the resume on 2 nodes:\n{log.read_text()[-3000:]}")
+        wait_until(lambda: job.poll() is not None, 300, "the job to end")
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+    output = log.read_text()
+    assert job.returncode == 0, output[-4000:]
+    restart = check_went_on_without_node3(output, run_dir, epochs, "ssh")
+    print(f"node3 crashed: the resume on node1 and node2 {back:.0f} s later, the job done "
+          f"{time.monotonic() - crashed:.0f} s later; restart line: {restart}")
+    wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
+
+
+@pytest.mark.timeout(600)
+def test_fewer_nodes_left_than_min_nodes_ends_the_job_in_one_line(three_nodes, run_dir,
+                                                                   tmp_path):
+    log = tmp_path / "job.out"
+    job = start_job(node_loss_job(run_dir, 3, 400), log, three_nodes)
+    try:
+        wait_for_epoch(log, 3)
+        crash_node("node3")
+        wait_until(lambda: job.poll() is not None, 240, "the job to end")
+    finally:
+        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
+    output = log.read_text()
+    assert job.returncode not in (0, None), output[-3000:]
+    # The crash named once, with the rank it took and its log, then why there is no restart.
+    assert re.fullmatch(
+        r"node3 stopped answering \(crashed, or its network is down\) with rank 2 on it; its "
+        rf"log: {re.escape(str(run_dir))}/logs/rank-2\.log; node3 is gone \(ssh: .*\); 2 "
+        r"host\(s\) left, fewer than --min-nodes 3: not restarting", one_failure_line(output)), \
+        output[-3000:]
+    assert "resuming from" not in output
+    wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
+
+
+@pytest.mark.timeout(900)
+def test_sbatch_no_kill_goes_on_without_the_crashed_node(three_nodes, run_dir, tmp_path):
+    """The multinode template, unedited, submitted with --no-kill -N 2-3 and
+    HVDTRAIN_MIN_NODES=2: node3 crashes mid-training, Slurm keeps the job, the launcher restarts
+    it on node1 and node2, and the job COMPLETES with every epoch once."""
+    log, epochs = tmp_path / "slurm.out", 12
+    env = {**three_nodes, "HVDTRAIN_RUN_DIR": str(run_dir), "HVDTRAIN_MIN_NODES": "2",
+           "HVDTRAIN_MAX_RESTARTS": "2"}
+    # --ntasks: with --ntasks-per-node (the template's), Slurm 22.05 fixes the task count from
+    # the smallest node count and allocated 2 nodes of 3 idle ones.
+    job_id = sbatch(env, log, "--no-kill", "-N", "2-3", "--ntasks=3", "--ntasks-per-node=1",
+                    "--cpus-per-task=1", "slurm/multinode.sh", "--preset", "tiny", "--tensorboard",
+                    "--epochs", str(epochs))
+    wait_for_epoch(log, 3)
+    assert f"job {job_id} run 0 on node[1-3]" in log.read_text(), log.read_text()[-3000:]
+    crash_node("node3")
+    crashed = time.monotonic()
+    back = wait_until(lambda: "resized: worker(s) 3 -> 2" in log.read_text(), 300,
+                      f"the resume on 2 nodes:\n{log.read_text()[-3000:]}")
+    wait_until(lambda: f"done: {epochs} epoch(s)" in log.read_text(), 300,
+               f"the end of training:\n{log.read_text()[-3000:]}")
+    trained = time.monotonic() - crashed
+    # The job stays COMPLETING until Slurm declares node3 down (SlurmdTimeout, 120 s here):
+    # what an administrator, or that timeout, does.
+    subprocess.run(["scontrol", "update", "nodename=node3", "state=down", "reason=crashed"],
+                   check=True, capture_output=True, timeout=30, env=env)
+    output = wait_for_job(env, job_id, log)
+    restart = check_went_on_without_node3(output, run_dir, epochs, "srun")
+    print(f"sbatch --no-kill: node3 crashed; the resume on node1 and node2 {back:.0f} s later, "
+          f"training done {trained:.0f} s later; restart line: {restart}")

@@ -18,7 +18,13 @@ on SIGKILL ...; its log: RUN_DIR/logs/rank-3.log``).
 
 Restarts: with ``--max-restarts N`` a job that failed (a rank died or crashed) is started again in
 the same allocation, up to N times; an hvdtrain job resumes from its last checkpoint. A user error
-(exit 2), a preemption stop (75) and a stop signal end the job without a restart.
+(exit 2), a preemption stop (75) and a stop signal end the job without a restart. With
+``--min-nodes N`` (and ``--hosts``) a host that stopped answering is dropped before the restart,
+and the job resumes on the hosts left, at the smaller world size, while at least N are left.
+
+Health: ``--health-check`` runs hvdtrain.health on every rank first (each node's GPUs or CPU
+share, the links between nodes, the same numbers on every rank): a failure is its lines and exit
+2; ``--health-check-only`` runs the check alone.
 
 Containers: with ``--container IMAGE`` (and ``--via srun``) every rank runs in the image, through
 Slurm's pyxis plugin (``srun --container-image``) or Charliecloud (``ch-run IMAGE -- python ...``).
@@ -35,6 +41,8 @@ the launcher requeues the job (``scontrol requeue``, at most --max-requeues time
 #   paths      the command of each launch path: horovodrun, mpirun, srun
 #   container  --container: the ranks in an image, with pyxis or Charliecloud
 #   supervise  signals forwarded, the exit verdict, restarts, leftovers of an attempt
+#   survivors  --min-nodes: the hosts that still answer, after a failure
+#   health_check  --health-check: hvdtrain.health on every rank, before the job
 #   failures   the job's output relayed, and read for why it failed (the one end line)
 #   sbatch     as the body of an sbatch script: the job's variables, requeue after USR1
 #   watcher    ends the job if the launcher itself dies

@@ -10,6 +10,7 @@ from hvdtrain import ranklog
 from hvdtrain.errors import EXIT_USAGE, reported
 from hvdtrain.launch import container, sbatch
 from hvdtrain.launch.console import PROGRAM, error
+from hvdtrain.launch.health_check import health_options, run_health_check
 from hvdtrain.launch.network import local_host_names, network_interfaces
 from hvdtrain.launch.options import (is_script_path, parse_options, program_command,
                                      run_dir_of)
@@ -18,6 +19,7 @@ from hvdtrain.launch.preflight import (check_module, count_gpus_without_tensorfl
                                        probe_build)
 from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, SignalForwarder, rank_zero_host,
                                        run_attempts)
+from hvdtrain.launch.survivors import Survivors, check_min_nodes
 from hvdtrain.launch.watcher import watching
 from hvdtrain.slurm import Allocation
 
@@ -37,6 +39,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if probes and not is_script_path(options.program):
         check_module(python, options.program, on=probe_on)
     allocation = Allocation.from_env(os.environ)
+    check_min_nodes(options, allocation)
     running_as_root = os.geteuid() == 0
     build = None if options.skip_preflight or not probes else probe_build(python, on=probe_on)
     if build is not None:
@@ -56,12 +59,30 @@ def run(argv: Sequence[str] | None = None) -> int:
     if options.dry_run:
         print(describe(launch))
         return 0
+    if options.health_check or options.health_check_only:
+        gpus_per_node = allocation.gpus_per_host if allocation and allocation.gpus_per_host \
+            is not None else gpus
+        status = run_health_check(build_launch(health_options(options, gpus_per_node),
+                                               allocation, gpus, running_as_root, interfaces,
+                                               environment))
+        if status or options.health_check_only:
+            return status
     run_dir = run_dir_of(options, os.environ)  # None: a job the launcher cannot tell
-    rank_zero = rank_zero_host(job_hosts(options, allocation), local_host_names(),
-                               options.python, in_allocation=allocation is not None)
+
+    def rank_zero_of(hosts_options, hosts_allocation):
+        return rank_zero_host(job_hosts(hosts_options, hosts_allocation), local_host_names(),
+                              options.python, in_allocation=hosts_allocation is not None)
+
+    def relaunch(hosts_options, hosts_allocation):  # --min-nodes: the job on the hosts left
+        return (build_launch(hosts_options, hosts_allocation, gpus, running_as_root, interfaces,
+                             environment), rank_zero_of(hosts_options, hosts_allocation))
+
+    survivors = Survivors(options, allocation, relaunch) if options.min_nodes else None
     with watching(options.python):
-        status = run_attempts(launch, options.max_restarts, signals, rank_zero,
-                              logs_dir=run_dir and os.path.join(run_dir, ranklog.LOGS))
+        status = run_attempts(launch, options.max_restarts, signals,
+                              rank_zero_of(options, allocation),
+                              logs_dir=run_dir and os.path.join(run_dir, ranklog.LOGS),
+                              survivors=survivors)
     if options.sbatch:
         sbatch.requeue_if_stopped(status, options, run_dir, os.environ)
     return status

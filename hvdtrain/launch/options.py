@@ -21,6 +21,8 @@ from hvdtrain.launch.console import PROGRAM
 Via = Literal["horovodrun", "mpirun", "srun"]
 #: What can start the ranks (one entry each in ``hvdtrain.launch.paths.LAUNCH_PATHS``).
 VIAS: tuple[str, ...] = typing.get_args(Via)
+#: What --health-check runs on every rank.
+HEALTH_PROGRAM = "hvdtrain.health"
 #: A name ``python -m`` can run: dotted identifiers.
 MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
@@ -54,6 +56,17 @@ class LaunchOptions:
     """Start a failed job (a rank died or crashed) again in the same allocation up to this many
     times, a few seconds apart; not after a user error (exit 2), a preemption stop (75) or a
     stop signal (see hvdtrain.launch.supervise.judge_exit)."""
+    min_nodes: int = 0
+    """With --hosts and --max-restarts: after a failure, drop the hosts that no longer answer
+    ssh and restart on the rest (every slot of theirs, from the last checkpoint) when at least
+    this many are left; fewer: end with one line (see hvdtrain.launch.survivors). 0: off."""
+    health_check: bool = False
+    """Before the job, run hvdtrain.health on every rank through the same launch: each node's
+    GPUs (or CPU share), the links between nodes, the same numbers on every rank; a failure ends
+    the launch with its lines and exit 2, a slow link is a warning."""
+    health_check_only: bool = False
+    """Run that check and nothing else (then MODULE|SCRIPT may be left out): a quick test of an
+    allocation or a set of hosts."""
     sbatch: bool = False
     """Run as the body of an sbatch script (the templates in slurm/ exec this): the HVDTRAIN_*
     variables given at submission override these flags (see hvdtrain.slurm.BATCH_VARIABLES), the
@@ -123,9 +136,13 @@ def parse_options(argv: Sequence[str] | None, description: str) -> LaunchOptions
             section = parser.add_argument_group(_SECTIONS[field.name])
         add_flag(section, LaunchOptions, field, field.default, docs[field.name],
                  short=_SHORT_FLAGS.get(field.name))
-    parser.add_argument("program", help=docs["program"])
+    parser.add_argument("program", nargs="?", help=docs["program"])
     parser.add_argument("program_args", nargs=argparse.REMAINDER, help=docs["program_args"])
     args = vars(parser.parse_args(argv))
+    if args["program"] is None:
+        if not args["health_check_only"]:
+            parser.error("the following arguments are required: MODULE|SCRIPT")
+        args["program"] = HEALTH_PROGRAM
     return LaunchOptions(**{**args, "program_args": tuple(args["program_args"])})
 
 

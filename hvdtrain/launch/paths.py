@@ -67,6 +67,8 @@ def horovodrun_command(plan: Plan) -> list[str]:
     if not os.path.exists(horovodrun):
         horovodrun = shutil.which("horovodrun") or "horovodrun"
     argv = [horovodrun, "-np", str(plan.np), "-H", plan.hosts]
+    if lost_node_mpirun_args(plan):  # with the equal sign, as horovodrun's help asks
+        argv.append(f"--mpi-args={shlex.join(lost_node_mpirun_args(plan))}")
     if options.controller:
         argv.append(f"--{options.controller}")
     if plan.interfaces:  # horovodrun passes it on to mpirun's MCA options or to Gloo
@@ -76,12 +78,22 @@ def horovodrun_command(plan: Plan) -> list[str]:
     return argv + plan.program
 
 
+def lost_node_mpirun_args(plan: Plan) -> list[str]:
+    """mpirun's extra arguments inside an allocation that lost a node (--min-nodes): OpenMPI
+    starts its daemons with an srun step, which waited forever for the CPUs the failed step still
+    held in Slurm's books (tried on the local Slurm); --overlap lets it share them."""
+    if plan.allocation is None or not plan.allocation.dropped:
+        return []
+    return ["--mca", "plm_slurm_args", "--overlap"]
+
+
 def mpirun_command(plan: Plan) -> list[str]:
     # Inside an allocation OpenMPI reads hosts and slots itself and starts remote daemons
     # through Slurm; -np keeps the count explicit. Outside, -H names the hosts' slots.
     argv = ["mpirun", "-np", str(plan.np)]
-    if plan.allocation is None:
+    if plan.allocation is None or plan.allocation.dropped:  # not every host of the allocation
         argv += ["-H", plan.hosts]
+    argv += lost_node_mpirun_args(plan)
     if plan.interfaces:
         argv += ["--mca", "btl_tcp_if_include", plan.interfaces,
                  "--mca", "oob_tcp_if_include", plan.interfaces]
@@ -109,10 +121,16 @@ def srun_command(plan: Plan) -> list[str]:
         flags, program = container.wrap(runtime, plan.options.container, plan.program,
                                         container.job_roots(plan.options), os.getcwd())
         plan.env.update(container.rank_env(runtime, os.environ))
+    # Hosts left out (--min-nodes) are named away: srun would take the job's node count and
+    # list from its environment. --overlap: the failed step may still hold its CPUs in Slurm's
+    # books until the lost node is declared down.
+    hosts = ([f"--nodes={len(plan.allocation.hosts)}",
+              f"--nodelist={','.join(plan.allocation.hosts)}", "--overlap"]
+             if plan.allocation.dropped else [])
     # A rank that dies must end the step: by default srun lets the others run on, and they
     # would wait in their next allreduce forever.
-    return ["srun", "--mpi=pmix", f"--ntasks={plan.np}", "--kill-on-bad-exit=1", *plan.binding,
-            *flags, *program]
+    return ["srun", "--mpi=pmix", *hosts, f"--ntasks={plan.np}", "--kill-on-bad-exit=1",
+            *plan.binding, *flags, *program]
 
 
 #: --via NAME -> the function that writes its command.

@@ -48,6 +48,8 @@ def batch_options(options: LaunchOptions, env: Mapping[str, str]) -> tuple[Launc
         program_args=(*run_dir_args, *extra_args, *options.program_args),
         max_restarts=whole_number(env, "HVDTRAIN_MAX_RESTARTS", options.max_restarts),
         max_requeues=whole_number(env, "HVDTRAIN_MAX_REQUEUES", options.max_requeues),
+        min_nodes=whole_number(env, "HVDTRAIN_MIN_NODES", options.min_nodes),
+        health_check=switch(env, "HVDTRAIN_HEALTH_CHECK", options.health_check),
         network_interface=env.get("HVDTRAIN_NETWORK_INTERFACE") or options.network_interface)
     say(f"job {env['SLURM_JOB_ID']} run {env.get('SLURM_RESTART_COUNT') or 0} on "
         f"{env.get('SLURM_JOB_NODELIST', '?')}: {program} "
@@ -62,6 +64,15 @@ def whole_number(env: Mapping[str, str], name: str, default: int) -> int:
     if not value.isdigit():
         raise UserError(f"{name} must be a whole number, got {value!r}")
     return int(value)
+
+
+def switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name)
+    if not value:
+        return default
+    if value not in ("0", "1"):
+        raise UserError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def requeue_if_stopped(status: int, options: LaunchOptions, run_dir: str,

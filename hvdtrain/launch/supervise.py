@@ -16,11 +16,12 @@ import time
 from dataclasses import dataclass
 
 from hvdtrain import netcheck
-from hvdtrain.errors import EXIT_PREEMPTED, EXIT_USAGE, signal_name, stop_status
+from hvdtrain.errors import EXIT_PREEMPTED, EXIT_USAGE, UserError, signal_name, stop_status
 from hvdtrain.launch.console import say
 from hvdtrain.launch.failures import JobOutput, relay
 from hvdtrain.launch.paths import Launch
 from hvdtrain.launch.probe import ask
+from hvdtrain.launch.survivors import Survivors
 from hvdtrain.launcher_env import marked
 
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -296,10 +297,13 @@ def finish_relays(relays: list[threading.Thread], seconds: float = 5.0) -> None:
 
 
 def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
-                 rank_zero: RankZeroHost | None = None, logs_dir: str | None = None) -> int:
+                 rank_zero: RankZeroHost | None = None, logs_dir: str | None = None,
+                 survivors: Survivors | None = None) -> int:
     """Run the job; after a failure worth another attempt, run it again, up to ``max_restarts``
     times. The exit status is the last attempt's. ``rank_zero``: rank 0's host, when not this
-    one (see wait_for_job); ``logs_dir``: where the ranks keep their logs, named when it fails."""
+    one (see wait_for_job); ``logs_dir``: where the ranks keep their logs, named when it fails;
+    ``survivors`` (--min-nodes): before a restart, the hosts that stopped answering are dropped
+    (its ``rebuild`` gives the launch and rank 0's host for the rest)."""
     restarts = 0
     while True:
         marker = f"{ATTEMPT_VARIABLE}={os.getpid()}.{restarts}"
@@ -344,8 +348,18 @@ def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
         if left:  # they would compete with the new ranks for the GPUs and the run directory
             say(f"{ended}; not restarting beside processes of the failed attempt")
             return status
+        where = ""
+        if survivors is not None:
+            try:
+                shrunk = survivors.after_failure()
+            except UserError as error:
+                say(f"{ended}; {error}")
+                return status
+            if shrunk is not None:
+                (launch, rank_zero), words = shrunk
+                where = f" {words}"
         restarts += 1
-        say(f"{ended}; restart {restarts} of {max_restarts} in {RESTART_DELAY_SECONDS:g} s "
+        say(f"{ended}; restart {restarts} of {max_restarts}{where} in {RESTART_DELAY_SECONDS:g} s "
             "(an hvdtrain job resumes from its last checkpoint)")
         if signals.pause(RESTART_DELAY_SECONDS):
             say(f"{signal_name(signals.first)} before the restart; not restarting")

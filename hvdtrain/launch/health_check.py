@@ -1,0 +1,57 @@
+"""``--health-check`` / ``--health-check-only``: hvdtrain.health on every rank, through the job's
+own launch, before the job (see hvdtrain.health for what it checks).
+
+The launcher shows the check's own lines only (rank 0's findings and its summary), not
+mpirun's or srun's page about a non-zero exit: a failed check is its lines and exit 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+from typing import Callable
+
+from hvdtrain.errors import EXIT_USAGE, UserError
+from hvdtrain.launch.console import error
+from hvdtrain.launch.options import HEALTH_PROGRAM, LaunchOptions
+from hvdtrain.launch.paths import Launch
+
+#: Seconds for the whole check: every rank's Python and TensorFlow start, a matrix product, and
+#: two transfers over every link of the ring.
+HEALTH_SECONDS = 300.0
+MARK = f"{HEALTH_PROGRAM}: "
+
+
+def health_options(options: LaunchOptions, gpus_per_node: int) -> LaunchOptions:
+    """The job's options with hvdtrain.health as the program (and no restarts)."""
+    if options.controller == "gloo":
+        raise UserError("--health-check talks MPI between the ranks: use --controller mpi")
+    return dataclasses.replace(
+        options, program=HEALTH_PROGRAM, max_restarts=0,
+        program_args=("--gpus-per-rank", "1" if gpus_per_node else "0"))
+
+
+def run_health_check(launch: Launch, timeout: float = HEALTH_SECONDS,
+                     print_line: Callable[[str], None] = print) -> int:
+    """Run the check; print its lines; its exit status (EXIT_USAGE when it failed, or when it
+    could not run or finish, with one line saying so)."""
+    process = subprocess.Popen(launch.argv, env={**os.environ, **launch.env},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        error(f"the health check did not finish in {timeout:g} s (a rank that does not "
+            "start, or a link that carries nothing?)")
+        return EXIT_USAGE
+    said = [line[line.index(MARK):] for line in output.splitlines() if MARK in line]
+    for line in said:
+        print_line(line)
+    if process.returncode == 0 or (said and process.returncode == EXIT_USAGE):
+        return process.returncode
+    last = next((line for line in reversed(output.splitlines()) if line.strip()), "no output")
+    error(f"the health check could not run (exit {process.returncode}): {last.strip()}")
+    return EXIT_USAGE
