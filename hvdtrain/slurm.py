@@ -249,7 +249,7 @@ BATCH_VARIABLES = {
                              "allocation (default 0)",
     "HVDTRAIN_MIN_NODES": "with HVDTRAIN_MAX_RESTARTS: after a node is lost, restart on the "
                           "nodes left while at least this many are (submit with --no-kill, "
-                          "and -N MIN-MAX to take what is free; default 0: off)",
+                          "or Slurm ends the job with the node; default 0: off)",
     "HVDTRAIN_HEALTH_CHECK": "1: before the job, check every node's GPUs or CPU share, the "
                              "links between nodes and the ranks' numbers (hvdtrain.health); a "
                              "failure ends the job with exit 2",

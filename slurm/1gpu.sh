@@ -18,8 +18,8 @@
 #   HVDTRAIN_MAX_RESTARTS  times the launcher restarts a failed job (a rank died) inside this
 #                          allocation (default 0)
 #   HVDTRAIN_MIN_NODES     with HVDTRAIN_MAX_RESTARTS: after a node is lost, restart on the
-#                          nodes left while at least this many are (submit with --no-kill, and
-#                          -N MIN-MAX to take what is free; default 0: off)
+#                          nodes left while at least this many are (submit with --no-kill, or
+#                          Slurm ends the job with the node; default 0: off)
 #   HVDTRAIN_HEALTH_CHECK  1: before the job, check every node's GPUs or CPU share, the links
 #                          between nodes and the ranks' numbers (hvdtrain.health); a failure
 #                          ends the job with exit 2
