@@ -55,27 +55,30 @@ def run(argv: Sequence[str] | None = None) -> int:
     # Remote ranks carry the attempt's marker too (mpirun passes it with -x), so rank 0's host
     # can say whether rank 0 still runs.
     environment = os.environ if options.dry_run else {**os.environ, ATTEMPT_VARIABLE: ""}
-    launch = build_launch(options, allocation, gpus, running_as_root, interfaces, environment)
+
+    def launch_for(job_options, job_allocation):  # the job, the health check, a restart
+        return build_launch(job_options, job_allocation, gpus, running_as_root, interfaces,
+                            environment)
+
+    launch = launch_for(options, allocation)
     if options.dry_run:
         print(describe(launch))
         return 0
     if options.health_check or options.health_check_only:
-        gpus_per_node = allocation.gpus_per_host if allocation and allocation.gpus_per_host \
-            is not None else gpus
-        status = run_health_check(build_launch(health_options(options, gpus_per_node),
-                                               allocation, gpus, running_as_root, interfaces,
-                                               environment))
+        gpus_per_node = (allocation.gpus_per_host if allocation and allocation.gpus_per_host
+                         is not None else gpus)
+        status = run_health_check(launch_for(health_options(options, gpus_per_node), allocation))
         if status or options.health_check_only:
             return status
     run_dir = run_dir_of(options, os.environ)  # None: a job the launcher cannot tell
 
-    def rank_zero_of(hosts_options, hosts_allocation):
-        return rank_zero_host(job_hosts(hosts_options, hosts_allocation), local_host_names(),
-                              options.python, in_allocation=hosts_allocation is not None)
+    def rank_zero_of(job_options, job_allocation):
+        return rank_zero_host(job_hosts(job_options, job_allocation), local_host_names(),
+                              options.python, in_allocation=job_allocation is not None)
 
-    def relaunch(hosts_options, hosts_allocation):  # --min-nodes: the job on the hosts left
-        return (build_launch(hosts_options, hosts_allocation, gpus, running_as_root, interfaces,
-                             environment), rank_zero_of(hosts_options, hosts_allocation))
+    def relaunch(job_options, job_allocation):  # --min-nodes: the job on the hosts left
+        return (launch_for(job_options, job_allocation),
+                rank_zero_of(job_options, job_allocation))
 
     survivors = Survivors(options, allocation, relaunch) if options.min_nodes else None
     with watching(options.python):

@@ -172,7 +172,7 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
     elif options.hosts is not None:
         slots = parse_hosts(options.hosts)
         np = options.np or sum(count for _, count in slots)
-        hosts = ",".join(f"{host}:{count}" for host, count in slots)
+        hosts = host_slots(slots)
         notes.append(f"no Slurm allocation: {np} rank(s) on {hosts}")
     else:
         np = options.np or max(1, gpus)
@@ -249,6 +249,11 @@ def parse_hosts(text: str) -> list[tuple[str, int]]:
     if len({host for host, _ in parsed}) != len(parsed):
         raise UserError(f"--hosts {text!r} names a host twice")
     return parsed
+
+
+def host_slots(hosts: list[tuple[str, int]]) -> str:
+    """The -H syntax for (host, ranks) pairs: 'node1:2,node2:2' (parse_hosts' inverse)."""
+    return ",".join(f"{host}:{slots}" for host, slots in hosts)
 
 
 def job_hosts(options: LaunchOptions, allocation: Allocation | None) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 from hvdtrain import netcheck
 from hvdtrain.errors import UserError
 from hvdtrain.launch.options import LaunchOptions
-from hvdtrain.launch.paths import parse_hosts
+from hvdtrain.launch.paths import host_slots, parse_hosts
 from hvdtrain.slurm import Allocation
 
 #: Seconds a host has to answer ssh (its ConnectTimeout is 10) before it counts as gone.
@@ -80,10 +80,6 @@ def hosts_left(hosts: list[tuple[str, int]], problems: Mapping[str, str | None],
 
 def lost(problems: Mapping[str, str | None]) -> str:
     return ", ".join(f"{host} is gone ({why})" for host, why in problems.items() if why)
-
-
-def host_slots(hosts: list[tuple[str, int]]) -> str:
-    return ",".join(f"{host}:{slots}" for host, slots in hosts)
 
 
 class Survivors:
