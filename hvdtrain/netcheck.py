@@ -146,6 +146,10 @@ def probe(rendezvous: Sequence[str], port: int, token: str, timeout: float) -> i
               f"{port} on any of its interfaces ({', '.join(interfaces) or 'none'})",
               file=sys.stderr, flush=True)
         return 1
+    # ``timeout`` was for connecting. The table comes once every host's probe has reported,
+    # which a host slow to start (ssh, Python) delays by seconds; the launcher keeps the
+    # deadline, and its end (or its killing this probe) closes the connection.
+    connection.settimeout(None)
     stop = threading.Event()
     servers = [threading.Thread(target=serve, args=(listener, stop), daemon=True)
                for listener in listeners.values()]
@@ -282,7 +286,9 @@ def check(hosts: Sequence[str], interface: str | None,
             for connection, _ in connections.values():
                 send(connection, {"done": True})
         except (OSError, ValueError) as error:
-            raise NetworkError(f"the network check failed: {error}") from None
+            said = probes_said(processes)
+            raise NetworkError(f"the network check failed: {error}"
+                               + (f" (a probe said: {said})" if said else "")) from None
         finally:
             for connection, reader in connections.values():
                 reader.close()
@@ -298,16 +304,20 @@ def probes_missing(hosts: Sequence[str], registrations: Mapping[str, dict],
                    processes: list[subprocess.Popen], when: str) -> str:
     """One line: which hosts' probes never reported, with what a probe said."""
     missing = [host for host in hosts if host not in registrations]
-    said = ""
+    said = probes_said(processes)
+    return (f"the network probe on {', '.join(missing) or 'some host'} did not report {when}"
+            + (f": {said}" if said else ""))
+
+
+def probes_said(processes: list[subprocess.Popen]) -> str:
+    """The last line the first probe that printed anything printed, once they have ended."""
     end_probes(processes)
     for process in processes:
         output = process.stdout.read() if process.stdout else ""
         lines = [line.strip() for line in (output or "").splitlines() if line.strip()]
         if lines:
-            said = lines[-1]
-            break
-    return (f"the network probe on {', '.join(missing) or 'some host'} did not report {when}"
-            + (f": {said}" if said else ""))
+            return lines[-1]
+    return ""
 
 
 def end_probes(processes: list[subprocess.Popen], grace: float = 10.0) -> None:

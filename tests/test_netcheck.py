@@ -4,6 +4,7 @@ The check across real hosts, with an interface that connects nothing, is in test
 """
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 
@@ -90,6 +91,22 @@ def test_two_probes_on_this_machine_reach_each_other():
                 for name in ("first", "second")]
 
     plan = netcheck.check(["first", "second"], None, start, timeout=2, startup_timeout=60)
+    assert plan.interfaces is None, plan
+
+
+def test_a_probe_waits_for_a_host_that_starts_later_than_its_connect_timeout():
+    # The second probe starts 3 s after the first, whose connect timeout is 1 s: the first waits
+    # for the table of hosts anyway (it once gave up after its connect timeout, on a loaded
+    # machine whose other host was slow to start over ssh: "connection closed while waiting
+    # for node1's results").
+    def start(args):
+        late = f"sleep 3 && exec {shlex.join([sys.executable, '-c', PROBE_AS, 'second', *args])}"
+        return [subprocess.Popen([sys.executable, "-c", PROBE_AS, "first", *args],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+                subprocess.Popen(["sh", "-c", late], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)]
+
+    plan = netcheck.check(["first", "second"], None, start, timeout=1, startup_timeout=60)
     assert plan.interfaces is None, plan
 
 
