@@ -40,12 +40,18 @@ def test_the_job_directories_are_bound_by_their_top_directory():
         container.shared_roots(["/scratch/a", "/usr/local/runs"])
 
 
-def test_each_runtime_wraps_the_rank_command_its_way():
+MOUNT_POINT_FIRST = ["sh", "-c", 'mkdir -p "/var/tmp/$USER.ch/mnt" && exec "$@"', "sh"]
+
+
+def test_each_runtime_wraps_the_rank_command_its_way(tmp_path):
     program = ["python", "-m", "hvdtrain.cnn"]
     flags, command = container.wrap("charliecloud", "/work/img.sqfs", program, ["/work"],
                                     "/work/me")
-    assert flags == [] and command == ["ch-run", "--set-env", "--bind=/work", "--cd=/work/me",
-                                       "/work/img.sqfs", "--", *program]
+    assert flags == [] and command == [*MOUNT_POINT_FIRST, "ch-run", "--set-env", "--bind=/work",
+                                       "--cd=/work/me", "/work/img.sqfs", "--", *program]
+    # A directory image mounts nothing, so ch-run makes no mount point.
+    _, command = container.wrap("charliecloud", str(tmp_path), program, ["/work"], "/work/me")
+    assert command[0] == "ch-run"
     flags, command = container.wrap("pyxis", "docker://nvcr.io#nvidia/tensorflow:25.02-tf2-py3",
                                     program, ["/work", "/scratch"], "/work/me")
     assert command == program and flags == [
@@ -53,7 +59,8 @@ def test_each_runtime_wraps_the_rank_command_its_way():
         "--container-mounts=/work:/work,/scratch:/scratch", "--container-workdir=/work/me"]
     # The launcher's probes run in the image with ch-run; with pyxis each would be a job step.
     assert container.probe_prefix("charliecloud", "/i.sqfs", ["/work"], "/work") == (
-        "ch-run", "--set-env", "--bind=/work", "--cd=/work", "/i.sqfs", "--", "sh", "-c")
+        *MOUNT_POINT_FIRST, "ch-run", "--set-env", "--bind=/work", "--cd=/work", "/i.sqfs", "--",
+        "sh", "-c")
     assert container.probe_prefix("pyxis", "/i.sqfs", ["/work"], "/work") is None
 
 
@@ -79,8 +86,8 @@ def test_srun_starts_every_rank_in_ch_run(monkeypatch, tmp_path):
                                       "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NTASKS": "4"})
     launch = build_launch(options, allocation, gpus=0)
     assert list(launch.argv) == [
-        "srun", "--mpi=pmix", "--ntasks=4", "--kill-on-bad-exit=1", "ch-run", "--set-env",
-        "--bind=/tmp", f"--cd={tmp_path}", "/work/img.sqfs", "--", "python", "-m",
+        "srun", "--mpi=pmix", "--ntasks=4", "--kill-on-bad-exit=1", *MOUNT_POINT_FIRST, "ch-run",
+        "--set-env", "--bind=/tmp", f"--cd={tmp_path}", "/work/img.sqfs", "--", "python", "-m",
         "hvdtrain.cnn"]
     assert launch.env["PMIX_MCA_gds"] == "hash"
 

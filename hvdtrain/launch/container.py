@@ -78,11 +78,21 @@ def shared_roots(paths: Sequence[str]) -> list[str]:
     return roots
 
 
+#: Runs its arguments once ch-run's default SquashFS mount point exists. Charliecloud 0.31's
+#: ch-run makes /var/tmp/$USER.ch/mnt one directory at a time and gives up when another rank of
+#: the node made one first ("can't mkdir: /var/tmp/root.ch: File exists", in this project's
+#: CI, 2 ranks per node); ``mkdir -p`` does not race.
+MAKE_MOUNT_POINT_THEN_EXEC = 'mkdir -p "/var/tmp/$USER.ch/mnt" && exec "$@"'
+
+
 def charliecloud_prefix(image: str, roots: Sequence[str], workdir: str) -> list[str]:
     """What runs a command in the image with ch-run: ``[... IMAGE --]`` (the command follows)."""
     binds = [f"--bind={root}" for root in roots]
     # --set-env: the image's environment (its PATH, from /ch/environment) over this machine's.
-    return ["ch-run", "--set-env", *binds, f"--cd={workdir}", image, "--"]
+    ch_run = ["ch-run", "--set-env", *binds, f"--cd={workdir}", image, "--"]
+    if os.path.isdir(image):  # a directory image: nothing to mount
+        return ch_run
+    return ["sh", "-c", MAKE_MOUNT_POINT_THEN_EXEC, "sh", *ch_run]
 
 
 def missing_mount_points(image: str, roots: Sequence[str]) -> list[str]:
