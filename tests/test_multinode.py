@@ -18,6 +18,8 @@ Runs as root only (namespaces, sshd, slurmd); elsewhere it skips with the reason
 """
 from __future__ import annotations
 
+import contextlib
+import getpass
 import json
 import os
 import re
@@ -676,6 +678,11 @@ def container_build(cluster_env, tmp_path_factory):
         os.killpg(build.pid, signal.SIGTERM)
         build.wait(timeout=120)
     log.close()
+    # ch-run's SquashFS mount point (the ranks made it; ch-run leaves it): empty once they ended.
+    mount_point = Path("/var/tmp") / f"{os.environ.get('USER') or getpass.getuser()}.ch"
+    for directory in (mount_point / "mnt", mount_point):
+        with contextlib.suppress(OSError):
+            directory.rmdir()
 
 
 def top_directory(path: Path) -> str:
@@ -711,6 +718,8 @@ def test_srun_ch_run_trains_in_the_image_on_both_nodes(cluster_env, container_im
         "export OMPI_MCA_btl_tcp_if_include=eth0 OMPI_MCA_oob_tcp_if_include=eth0\n"
         # ch-run needs $USER, which a login shell has and this test's environment may not.
         'export USER="${USER:-$(id -un)}"\n'
+        # ch-run 0.31 races on making its mount point when a node's ranks start together.
+        'srun --ntasks-per-node=1 mkdir -p "/var/tmp/$USER.ch/mnt"\n'
         f"srun --mpi=pmix ch-run --set-env --bind={top_directory(REPO)} --cd=$PWD "
         f"{container_image} -- "
         f'python {PROBE} "$@"\n')
@@ -737,9 +746,11 @@ def test_the_template_runs_the_ranks_in_the_image(cluster_env, container_image, 
     output = wait_for_job(env, job_id, log)
     # The working directory's top directory and the run directory's (under /tmp), each once.
     binds = " ".join(f"--bind={top}" for top in dict.fromkeys([top_directory(REPO), "/tmp"]))
-    assert (f"srun --mpi=pmix --ntasks=4 --kill-on-bad-exit=1 ch-run --set-env {binds} "
-            f"--cd={REPO} {container_image} -- python -m hvdtrain.script "
-            f"{PROBE}") in output, output[-3000:]
+    # Each rank makes ch-run's mount point first (mkdir -p; ch-run 0.31's own mkdir races).
+    assert ("srun --mpi=pmix --ntasks=4 --kill-on-bad-exit=1 sh -c 'mkdir -p "
+            '"/var/tmp/$USER.ch/mnt" && exec "$@"\' sh '
+            f"ch-run --set-env {binds} --cd={REPO} {container_image} -- python -m "
+            f"hvdtrain.script {PROBE}") in output, output[-3000:]
     check_job(output, run_dir)
     print(f"sbatch slurm/multinode.sh with HVDTRAIN_CONTAINER: {time.monotonic() - started:.0f} s")
 
