@@ -11,12 +11,20 @@ hosts, the ranks' Python and TensorFlow, MPI over the interfaces the network che
   below ``--slow-fraction`` of the median is named, or the node when all of its outgoing (or
   incoming) links are (``node2: 94 Mbit/s out against 9.1 Gbit/s median``);
 * **numbers**: every rank multiplies the same seeded matrices with TensorFlow on its device; a
-  rank whose result is not the others' is named (a faulty GPU, a broken math library).
+  rank whose result is not the others' is named (a faulty GPU, a broken math library);
+* **allreduce**: every rank averages ``--allreduce-megabytes`` through the job's own runtime
+  (horovod: NCCL for GPU tensors where horovod was built with it, else its MPI controller), one
+  warm-up then the best of two, checks the sums and reports the bus bandwidth (nccl-tests'
+  "busbw": the rate every link of a ring carries). An NCCL allreduce far below the links' median
+  (NCCL on another interface or transport than MPI), or one that fails, comes with hints on
+  NCCL's own switches (``NCCL_DEBUG``, ``NCCL_SOCKET_IFNAME``, ...).
 
-Exit 2 when a device is missing or a rank computes other numbers; slow links and uneven cores
-are warnings (exit 0). Rank 0 prints everything. MPI through mpi4py (what horovod's MPI
-controller runs on); no horovod import. Never run on a GPU here: the GPU count and the
-numbers' device are written for GPU nodes and unit-tested on their logic only.
+Exit 2 when a device is missing, a rank computes other numbers or the allreduce returns wrong
+sums; slow links, a slow NCCL allreduce and uneven cores are warnings (exit 0). Rank 0 prints
+everything. The links are timed over MPI through mpi4py (what horovod's MPI controller runs on),
+the allreduce through hvdtrain's runtime (the one module that imports horovod). Never run on a
+GPU here: the GPU count, the numbers' device, the NCCL allreduce and its hints are written for
+GPU nodes and unit-tested on their logic only.
 """
 from __future__ import annotations
 
@@ -27,7 +35,9 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
+
+from hvdtrain.errors import as_one_line, reported
 
 PROGRAM = "hvdtrain.health"
 EXIT_FAILED = 2
@@ -44,6 +54,25 @@ class RankReport:
     gpus: int
     cores: int
     result: float
+    allreduce_problem: str = ""
+    """What was wrong with this rank's allreduce ("" when it returned the due average)."""
+
+
+@dataclass(frozen=True)
+class AllreduceTiming:
+    """Rank 0's best time for one allreduce of ``nbytes`` over ``ranks`` ranks."""
+    nbytes: int
+    seconds: float
+    ranks: int
+    transport: str
+    """"NCCL", or the horovod controller ("MPI") that carried it."""
+
+    def bus_bits_per_second(self) -> float:
+        """nccl-tests' bus bandwidth: a ring allreduce moves 2 (n - 1) / n of the buffer through
+        every link, so this is comparable with a link's rate whatever the rank count."""
+        if self.ranks < 2 or self.seconds <= 0:
+            return 0.0
+        return self.nbytes * 8 * 2 * (self.ranks - 1) / self.ranks / self.seconds
 
 
 # --- the verdicts (pure: unit-tested without MPI or TensorFlow) -----------------------------------
@@ -125,6 +154,49 @@ def device_findings(reports: Sequence[RankReport], gpus_per_rank: int
     return failures, warnings
 
 
+def allreduce_findings(reports: Sequence[RankReport], timing: AllreduceTiming,
+                       link_median: float | None, slow_link_named: bool, slow_fraction: float
+                       ) -> tuple[list[str], list[str]]:
+    """(failures, warnings) of the allreduce: ranks whose sums were wrong (or whose allreduce
+    failed); an NCCL allreduce below ``slow_fraction`` of the MPI links' median, unless a slow
+    link already explains it. MPI's own allreduce is not judged against its links (its
+    algorithm and copies differ from a ring's, and the links were timed over MPI anyway)."""
+    by_problem: dict[str, list[RankReport]] = {}
+    for report in reports:
+        if report.allreduce_problem:
+            by_problem.setdefault(report.allreduce_problem, []).append(report)
+    failures = []
+    for problem, alike in by_problem.items():
+        # A collective that goes wrong usually goes wrong on every rank alike: one line, not N.
+        who = ("every rank" if len(alike) == len(reports) > 1 else
+               ", ".join(f"rank {report.rank} on {report.host}" for report in alike))
+        failures.append(f"{who}: the {timing.transport} allreduce {problem}")
+    warnings = []
+    bus = timing.bus_bits_per_second()
+    if (not failures and timing.transport == "NCCL" and link_median and not slow_link_named
+            and bus < slow_fraction * link_median):
+        warnings.append(f"the NCCL allreduce carried {rate_text(bus)} per link against the MPI "
+                        f"links' {rate_text(link_median)} median: NCCL on another interface or "
+                        "transport than MPI?")
+    return failures, warnings
+
+
+def nccl_hints(environ: Mapping[str, str], nodes: int) -> list[str]:
+    """What to look at when an NCCL allreduce failed or was slow: NCCL's own switches, as this
+    rank's environment sets them (the job's, since the check runs through its launch)."""
+    hints = ["NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET in the job's environment makes every "
+             "rank print the transport (IB, Socket) and the interface NCCL chose"]
+    if nodes > 1 and not environ.get("NCCL_SOCKET_IFNAME"):
+        hints.append("NCCL_SOCKET_IFNAME is not set, so NCCL picks a socket interface itself "
+                     "(docker0, a management network?): --network-interface IFACE sets it")
+    for name, what in (("NCCL_IB_DISABLE", "InfiniBand (NCCL runs over sockets)"),
+                       ("NCCL_P2P_DISABLE", "GPU peer-to-peer (NVLink, PCIe) within a node"),
+                       ("NCCL_SHM_DISABLE", "shared memory within a node")):
+        if environ.get(name) == "1":
+            hints.append(f"{name}=1 turns off {what}")
+    return hints
+
+
 # --- the ranks' side --------------------------------------------------------------------------------
 def compute(rank: int) -> float:
     """The same product on every rank, on its own device: the sum of |A @ B| for seeded A, B."""
@@ -181,6 +253,31 @@ def measure_links(comm, megabytes: float) -> dict[tuple[str, str], float]:
     return rates
 
 
+def time_allreduce(runtime, count: int, repeats: int = 2) -> tuple[float, str]:
+    """(best seconds of ``repeats`` allreduces after a warm-up, what was wrong with the
+    result or "") for ``count`` float32 on this rank's device: every rank sends rank + 1, so
+    the average is (size + 1) / 2 everywhere."""
+    import tensorflow as tf
+
+    size = runtime.world.size
+    tensor = tf.fill([count], float(runtime.world.rank + 1))
+    due = (size + 1) / 2
+    best = float("inf")
+    try:
+        for attempt in range(repeats + 1):
+            started = time.perf_counter()
+            averaged = runtime.allreduce(tensor, name="hvdtrain_health_allreduce")
+            float(averaged[0])  # waits for the whole result, copies one number to the host
+            if attempt:
+                best = min(best, time.perf_counter() - started)
+        worst = float(tf.reduce_max(tf.abs(averaged - due)))
+    except Exception as error:  # an NCCL or MPI error: the finding, not a traceback
+        return best, f"failed: {as_one_line(error)}"
+    if worst > 1e-5 * due:
+        return best, f"returned values up to {worst:.3g} off the due average {due:g}"
+    return best, ""
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {PROGRAM}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,46 +285,79 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="GPUs every rank needs (0: CPU nodes)")
     parser.add_argument("--link-megabytes", type=float, default=32.0,
                         help="MiB sent over each link, twice (default: 32)")
+    parser.add_argument("--allreduce-megabytes", type=float, default=16.0,
+                        help="MiB of float32 every rank allreduces, three times (default: 16)")
     parser.add_argument("--slow-fraction", type=float, default=0.25,
                         help="a link below this fraction of the median is slow (default: 0.25)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with reported(PROGRAM):
+        failed = check(args)
+    if failed:
+        sys.exit(EXIT_FAILED)
+
+
+def check(args: argparse.Namespace) -> bool:
+    """Every rank: measure, gather on rank 0, which prints the verdict; every rank returns it."""
+    from hvdtrain.runtime import make_runtime
+
+    started = time.monotonic()
+    # The job's own runtime, started first: horovod's controller owns MPI (mpi4py joins it, as
+    # in the runtime itself), and the rank is pinned to its GPU (or sized to its CPU share)
+    # before TensorFlow starts, so the product and the allreduce run where the job's would.
+    runtime = make_runtime("horovod")
+    import mpi4py
+
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    local_size = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
-    started = time.monotonic()
-    report = RankReport(rank, socket.gethostname(), local_size, visible_gpus(),
-                        len(os.sched_getaffinity(0)), compute(rank))
+    rank = runtime.world.rank
+    result = compute(rank)
+    count = int(args.allreduce_megabytes * 2**20) // 4
+    seconds, problem = time_allreduce(runtime, count)
+    report = RankReport(rank, socket.gethostname(), runtime.world.local_size, visible_gpus(),
+                        len(os.sched_getaffinity(0)), result, problem)
+    timing = AllreduceTiming(count * 4, seconds, runtime.world.size,
+                             runtime.allreduce_transport())
     rates = measure_links(comm, args.link_megabytes)
     reports = comm.gather(report, root=0)
     all_rates = comm.gather(rates, root=0)
     failed = False
     if rank == 0:
         failed = verdict(reports, {link: rate for part in all_rates for link, rate in part.items()},
-                         args.gpus_per_rank, args.slow_fraction, time.monotonic() - started)
+                         timing, args.gpus_per_rank, args.slow_fraction,
+                         time.monotonic() - started)
     # Every rank leaves with the verdict: mpirun and srun report the first non-zero status.
-    if comm.bcast(failed, root=0):
-        sys.exit(EXIT_FAILED)
+    return comm.bcast(failed, root=0)
 
 
 def verdict(reports: Sequence[RankReport], links: dict[tuple[str, str], float],
-            gpus_per_rank: int, slow_fraction: float, seconds: float) -> bool:
+            timing: AllreduceTiming, gpus_per_rank: int, slow_fraction: float,
+            seconds: float) -> bool:
     """Rank 0: print the findings, one line each, and the summary; True when a check failed."""
     failures, warnings = device_findings(reports, gpus_per_rank)
     failures += disagreeing(reports)
-    warnings += slow_links(links, slow_fraction)
-    for line in failures:
-        print(f"{PROGRAM}: failed: {line}", flush=True)
-    for line in warnings:
-        print(f"{PROGRAM}: warning: {line}", flush=True)
+    slow = slow_links(links, slow_fraction)
+    link_median = statistics.median(links.values()) if links else None
+    allreduce_failures, allreduce_warnings = allreduce_findings(
+        reports, timing, link_median, bool(slow), slow_fraction)
+    failures += allreduce_failures
+    warnings += slow + allreduce_warnings
     hosts = len({report.host for report in reports})
-    median = (f"links {rate_text(statistics.median(links.values()))} median" if links
-              else "one node, no links")
+    hints = (nccl_hints(os.environ, hosts)
+             if timing.transport == "NCCL" and (allreduce_failures or allreduce_warnings) else [])
+    for kind, lines in (("failed", failures), ("warning", warnings), ("hint", hints)):
+        for line in lines:
+            print(f"{PROGRAM}: {kind}: {line}", flush=True)
+    median = f"links {rate_text(link_median)} median" if links else "one node, no links"
+    allreduce = (f"allreduce {timing.nbytes / 2**20:g} MiB {rate_text(timing.bus_bits_per_second())}"
+                 f" bus ({timing.transport})" if timing.ranks > 1 and not allreduce_failures
+                 else f"allreduce ({timing.transport})")
     print(f"{PROGRAM}: {'FAILED' if failures else 'ok'}: {len(reports)} rank(s) on {hosts} "
-          f"node(s), {median}, {seconds:.1f} s", flush=True)
+          f"node(s), {median}, {allreduce}, {seconds:.1f} s", flush=True)
     return bool(failures)
+
 
 if __name__ == "__main__":
     main()

@@ -4,13 +4,15 @@ The slow link and the perturbed rank across real nodes are in test_multinode.py.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
 from conftest import clean_env, integration
-from hvdtrain.health import RankReport, device_findings, disagreeing, rate_text, slow_links
+from hvdtrain.health import (AllreduceTiming, RankReport, allreduce_findings, device_findings,
+                             disagreeing, nccl_hints, rate_text, slow_links, time_allreduce)
 
 GBIT, MBIT = 1e9, 1e6
 
@@ -75,7 +77,9 @@ def test_a_rank_computing_other_numbers_fails_the_check_before_the_job(tmp_path)
     assert result.returncode == 2, lines
     assert lines[0].startswith("hvdtrain.health: failed: rank 2 on ") and \
         " other rank(s) computed " in lines[0], lines
-    assert lines[1].startswith("hvdtrain.health: FAILED: 3 rank(s) on 1 node(s)"), lines
+    # The summary holds horovod's allreduce among the 3 ranks (the job's own runtime, over MPI).
+    assert re.match(r"hvdtrain\.health: FAILED: 3 rank\(s\) on 1 node\(s\), one node, no links, "
+                    r"allreduce 16 MiB [\d.]+ [GMk]bit/s bus \(MPI\), [\d.]+ s$", lines[1]), lines
     assert len(lines) == 2, lines
     assert not (tmp_path / "run").exists()
 
@@ -83,3 +87,78 @@ def test_a_rank_computing_other_numbers_fails_the_check_before_the_job(tmp_path)
 def test_with_two_nodes_a_slow_sender_is_named_not_its_receiver():
     rates = {("node1", "node2"): 9 * GBIT, ("node2", "node1"): 94 * MBIT}
     assert slow_links(rates, 0.25) == ["node2: 94 Mbit/s out against 4.55 Gbit/s median"]
+
+
+def timing(seconds: float, ranks: int = 4, transport: str = "NCCL") -> AllreduceTiming:
+    return AllreduceTiming(64 * 2**20, seconds, ranks, transport)
+
+
+def test_bus_bandwidth_is_what_every_link_of_a_ring_carries():
+    # nccl-tests: busbw = algbw x 2 (n - 1) / n; 64 MiB in 0.1 s over 4 ranks.
+    assert timing(0.1).bus_bits_per_second() == pytest.approx(64 * 2**20 * 8 / 0.1 * 1.5)
+    assert timing(0.1, ranks=1).bus_bits_per_second() == 0.0
+
+
+def test_an_nccl_allreduce_far_below_the_links_is_a_warning_unless_a_slow_link_explains_it():
+    ranks = reports(1.0, 1.0, 1.0, 1.0)
+    slow = timing(64 * 2**20 * 8 * 1.5 / (1 * GBIT))  # 1 Gbit/s per link
+    assert allreduce_findings(ranks, slow, 10 * GBIT, False, 0.25) == ([], [
+        "the NCCL allreduce carried 1 Gbit/s per link against the MPI links' 10 Gbit/s median: "
+        "NCCL on another interface or transport than MPI?"])
+    assert allreduce_findings(ranks, slow, 10 * GBIT, True, 0.25) == ([], [])
+    assert allreduce_findings(ranks, slow, 3 * GBIT, False, 0.25) == ([], [])
+    assert allreduce_findings(ranks, slow, None, False, 0.25) == ([], [])  # one node
+    # MPI's allreduce is not held against the links it was timed over.
+    assert allreduce_findings(ranks, timing(slow.seconds, transport="MPI"), 10 * GBIT, False,
+                              0.25) == ([], [])
+
+
+def test_wrong_sums_fail_in_one_line_when_every_rank_saw_them():
+    def with_problems(*problems: str) -> list[RankReport]:
+        return [RankReport(rank, f"node{rank + 1}", 1, 0, 4, 1.0, problem)
+                for rank, problem in enumerate(problems)]
+
+    off = "returned values up to 0.001 off the due average 2"
+    assert allreduce_findings(with_problems(off, off, off), timing(1.0, 3, "MPI"), None, False,
+                              0.25) == ([f"every rank: the MPI allreduce {off}"], [])
+    assert allreduce_findings(with_problems("", "failed: NCCL error", ""), timing(1.0, 3), None,
+                              False, 0.25) == (
+        ["rank 1 on node2: the NCCL allreduce failed: NCCL error"], [])
+
+
+def test_nccl_hints_name_the_switches_that_are_set_and_the_interface_that_is_not():
+    assert nccl_hints({}, 1) == [
+        "NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET in the job's environment makes every rank "
+        "print the transport (IB, Socket) and the interface NCCL chose"]
+    hints = nccl_hints({"NCCL_IB_DISABLE": "1", "NCCL_P2P_DISABLE": "0"}, 2)
+    assert hints[1:] == [
+        "NCCL_SOCKET_IFNAME is not set, so NCCL picks a socket interface itself (docker0, a "
+        "management network?): --network-interface IFACE sets it",
+        "NCCL_IB_DISABLE=1 turns off InfiniBand (NCCL runs over sockets)"]
+    assert len(nccl_hints({"NCCL_SOCKET_IFNAME": "ib0"}, 2)) == 1
+
+
+class ScriptedRuntime:
+    """The part of a runtime time_allreduce uses, with a scripted allreduce: what the check
+    makes of a collective that returns wrong values or raises (horovod's real one runs in the
+    launcher test below and across nodes in test_multinode)."""
+
+    def __init__(self, rank: int, size: int, allreduce):
+        self.world = type("World", (), {"rank": rank, "size": size})()
+        self.allreduce = allreduce
+
+
+def test_the_allreduce_check_reads_the_sums_and_turns_an_error_into_its_finding():
+    import tensorflow as tf
+
+    due = tf.fill([8], 1.5)  # ranks 0 and 1 send 1 and 2
+    seconds, problem = time_allreduce(ScriptedRuntime(0, 2, lambda tensor, name: due), 8)
+    assert problem == "" and 0 < seconds < 5
+    _, problem = time_allreduce(ScriptedRuntime(0, 2, lambda tensor, name: due * 1.01), 8)
+    assert problem == "returned values up to 0.015 off the due average 1.5"
+
+    def broken(tensor, name):
+        raise RuntimeError("ncclCommInitRank failed: unhandled system error\nmore")
+
+    _, problem = time_allreduce(ScriptedRuntime(1, 2, broken), 8)
+    assert problem == "failed: RuntimeError: ncclCommInitRank failed: unhandled system error more"

@@ -215,5 +215,13 @@ class HorovodRuntime(Runtime):
         compression = hvd_tf.Compression.fp16 if fp16_compression else hvd_tf.Compression.none
         return hvd_tf.allreduce(tensor, op=hvd_tf.Average, compression=compression, name=name)
 
+    def allreduce_transport(self) -> str:
+        """What carries this rank's allreduce: horovod sends GPU tensors through NCCL when it
+        was built with it (HOROVOD_GPU_OPERATIONS=NCCL), everything else through its
+        controller."""
+        if self.devices.kind == "gpu" and hvd_tf.nccl_built():
+            return "NCCL"
+        return self.controller().upper()
+
     def controller(self) -> str:
         return "mpi" if hvd_tf.mpi_enabled() else "gloo" if hvd_tf.gloo_enabled() else "unknown"
