@@ -32,10 +32,12 @@ train: $(STAMP)
 # `make test` is `make test-unit test-mpi` in two lanes at once, because neither pass alone keeps
 # 2 cores busy: the tests against the local clusters mostly wait (daemons, timeouts, requeues)
 # while the rest mostly compute. The cluster files share one cluster (and take it down), so they
-# stay in one lane, in order, with the fault tests (test_faults.py, ~4.5 min alone) to even the
-# lanes out; the other lane runs the rest, then the mpirun pass (CI of 3020927: 30:03 against
-# 28:13, before the bad-input tests, ~1 min, moved to test_bad_input.py in the other lane). Each lane prints whole lines under its name, and its slowest tests.
-CLUSTER_LANE := tests/test_multinode.py tests/test_slurm.py tests/test_cluster_safety.py tests/test_faults.py
+# stay in one lane, in order, with the fault tests (test_faults.py) and the Keras 3 tests
+# (test_keras3.py) to even the lanes out; the other lane runs the rest, then the mpirun pass
+# (2026-11-26, a machine half as fast as earlier ones: 51:34 against 57:47 before test_keras3.py
+# moved over). Each lane prints whole lines under its name, and its slowest tests.
+CLUSTER_LANE := tests/test_multinode.py tests/test_slurm.py tests/test_cluster_safety.py \
+  tests/test_faults.py tests/test_keras3.py
 # -u: pytest's lines reach the lane's prefixer as they are written, not in 8 KiB blocks.
 PYTEST := $(PYTHON) -u -m pytest
 PYTEST_MPI := $(MPIRUN) $(PYTHON) -u -m pytest tests/ -p no:cacheprovider --color=no $(PYTEST_ARGS)

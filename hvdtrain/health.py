@@ -351,8 +351,9 @@ def verdict(reports: Sequence[RankReport], links: dict[tuple[str, str], float],
         for line in lines:
             print(f"{PROGRAM}: {kind}: {line}", flush=True)
     median = f"links {rate_text(link_median)} median" if links else "one node, no links"
-    allreduce = (f"allreduce {timing.nbytes / 2**20:g} MiB {rate_text(timing.bus_bits_per_second())}"
-                 f" bus ({timing.transport})" if timing.ranks > 1 and not allreduce_failures
+    bus = rate_text(timing.bus_bits_per_second())
+    allreduce = (f"allreduce {timing.nbytes / 2**20:g} MiB {bus} bus ({timing.transport})"
+                 if timing.ranks > 1 and not allreduce_failures
                  else f"allreduce ({timing.transport})")
     print(f"{PROGRAM}: {'FAILED' if failures else 'ok'}: {len(reports)} rank(s) on {hosts} "
           f"node(s), {median}, {allreduce}, {seconds:.1f} s", flush=True)
