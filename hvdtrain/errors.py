@@ -24,6 +24,11 @@ from hvdtrain.launcher_env import launch_rank
 EXIT_USAGE = 2
 #: Exit status for "stopped on a preemption signal, checkpoint written, run me again" (EX_TEMPFAIL).
 EXIT_PREEMPTED = 75
+#: SIGTERM or SIGINT as the launcher passes it through mpirun, which would take either as "abort
+#: the job" and SIGKILL every rank 2 s later (odls_base_sigkill_timeout: SIGCONT, 1 s, SIGTERM,
+#: 1 s, SIGKILL), in the middle of the checkpoint; SIGUSR2 it forwards to every rank of every
+#: node unchanged. A rank takes it for SIGTERM.
+RELAYED_STOP = signal.SIGUSR2
 
 
 

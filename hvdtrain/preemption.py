@@ -20,7 +20,7 @@ from typing import Callable
 
 import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
-from hvdtrain.errors import signal_name
+from hvdtrain.errors import RELAYED_STOP, signal_name
 
 
 @dataclass
@@ -40,14 +40,15 @@ class StopRequest:
 
 
 class StopSignals:
-    """Records SIGUSR1 and SIGTERM from the start of a run to its end, instead of dying of them.
+    """Records SIGUSR1 and SIGTERM (or the launcher's SIGUSR2 for it) from the start of a run to
+    its end, instead of dying of them.
 
     Slurm sends ``--signal=B:USR1@<seconds>`` before the time limit (the sbatch templates forward
     it to the ranks). Installed for the whole run, not just ``fit``: a signal that arrives while
     the data is listed or the model exported must not kill a rank either.
     """
 
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, RELAYED_STOP)
 
     def __init__(self, rank: int, request: StopRequest):
         self.rank = rank
@@ -64,8 +65,18 @@ class StopSignals:
             signal.signal(signum, handler)
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == RELAYED_STOP:
+            # A rank on the launcher's host gets the signal itself too (SIGTERM, or SIGINT):
+            # the stand-in adds nothing to it.
+            if self.request.received:
+                return
+            self._note(signal.SIGTERM, " (the launcher's SIGTERM, through mpirun)")
+        else:
+            self._note(signum, "")
+
+    def _note(self, signum: int, how: str) -> None:
         if not self.request.received:
-            print(f"rank {self.rank}: caught {signal_name(signum)}; stopping after the "
+            print(f"rank {self.rank}: caught {signal_name(signum)}{how}; stopping after the "
                   "current step to write a checkpoint", file=sys.stderr, flush=True)
         self.request.received = signum
 

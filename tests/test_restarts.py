@@ -191,6 +191,49 @@ def test_a_stop_signal_to_the_launcher_checkpoints_stops_and_a_rerun_resumes(
     assert resumed and int(resumed.group(1)) >= int(stopped.group(1)) - 1, rerun.stdout[-2000:]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how, via", [
+    ("SIGTERM", "mpirun"), ("SIGINT", "mpirun"), ("SIGTERM", "horovodrun"),
+    ("the launcher killed", "mpirun")])
+def test_ranks_get_all_the_time_they_need_to_stop_after_a_stop_signal(tmp_path, how, via):
+    """mpirun aborts a job on SIGTERM or SIGINT and SIGKILLs its ranks 2 s later; ranks whose
+    last checkpoint takes 4 s must still finish it: the launcher (and its watcher, when the
+    launcher dies) sends mpirun a signal it forwards instead, to every rank (here, on one host,
+    the ranks also get SIGTERM directly: each notes both)."""
+    record = tmp_path / "record.txt"
+    with (tmp_path / "launcher.log").open("w") as sink:
+        launcher = subprocess.Popen(
+            [*LAUNCH, "--np", "2", "--via", via, "--skip-preflight",
+             str(SCRIPTS / "slow_stop.py"), str(record)],
+            env=clean_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not record.exists() or record.read_text().count("started") < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "launcher.log").read_text()[-3000:]
+            time.sleep(0.1)
+        if how == "the launcher killed":
+            launcher.kill()  # its watcher stops the job
+            launcher.wait()
+            deadline = time.monotonic() + 60
+            while record.read_text().count("stopped") < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        else:
+            launcher.send_signal(getattr(signal, how))
+            launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    output = (tmp_path / "launcher.log").read_text()
+    lines = sorted(record.read_text().splitlines())
+    assert lines == ["rank=0 got SIGTERM", "rank=0 got SIGUSR2", "rank=1 got SIGTERM",
+                     "rank=1 got SIGUSR2", "started rank=0", "started rank=1", "stopped rank=0",
+                     "stopped rank=1"], (lines, output[-3000:])
+    if how != "the launcher killed":
+        assert launcher.returncode == 128 + getattr(signal, how), output[-3000:]
+
+
 def back_to_epoch(run_dir: Path, epoch: int) -> None:
     """Leave ``run_dir`` as a job that died right after epoch ``epoch``'s checkpoint would: the
     later checkpoints gone from CheckpointManager's index (TensorFlow's own call), and with them

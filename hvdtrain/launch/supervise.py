@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 
 from hvdtrain import netcheck
-from hvdtrain.errors import EXIT_PREEMPTED, EXIT_USAGE, UserError, signal_name, stop_status
+from hvdtrain.errors import (EXIT_PREEMPTED, EXIT_USAGE, RELAYED_STOP, UserError, signal_name,
+                             stop_status)
 from hvdtrain.launch.console import say
 from hvdtrain.launch.failures import JobOutput, relay
 from hvdtrain.launch.paths import Launch
@@ -140,6 +141,32 @@ def end_attempt(job_pid: int, marker: str, grace_seconds: float = 30) -> list[in
     return left
 
 
+def stop_job(job: dict[int, bool], signum: int, command_group: int | None = None) -> None:
+    """Pass a stop signal on to a running job: ``job`` is its processes on this host ({pid: is a
+    rank}, see attempt_processes); the commands among them (mpirun, srun, horovodrun) are
+    reached through their process group ``command_group`` when given, one by one otherwise.
+
+    SIGUSR1 goes everywhere as it is: mpirun and srun forward it to every rank on every node.
+    SIGTERM and SIGINT reach the commands as RELAYED_STOP (mpirun would abort the job on them and
+    SIGKILL the ranks 2 s later, mid-checkpoint) and the ranks here as SIGTERM (a rank stops on
+    either the same way; the launcher still exits 130 after SIGINT). The ranks here are
+    signalled directly as well: horovodrun --gloo starts each in a session of its own, out of the
+    group's reach (twice is harmless: a rank's handler records).
+    """
+    plain = signum == signal.SIGUSR1
+    to_ranks, to_commands = (signum, signum) if plain else (signal.SIGTERM, RELAYED_STOP)
+    if command_group is not None:
+        targets = [(-command_group, to_commands)]
+    else:
+        targets = [(pid, to_commands) for pid, is_rank in job.items() if not is_rank]
+    targets += [(pid, to_ranks) for pid, is_rank in job.items() if is_rank]
+    for pid, sent in targets:
+        try:
+            os.kill(pid, sent)
+        except ProcessLookupError:
+            pass
+
+
 class SignalForwarder:
     """SIGUSR1/SIGTERM/SIGINT sent to the launcher: recorded from the moment it starts (the
     preflight probe takes seconds), and passed on to the ranks of the attempt that is running."""
@@ -153,20 +180,8 @@ class SignalForwarder:
 
     def _receive(self, signum, frame):
         self.received.append(signum)
-        if self._job_pid is None:
-            return
-        try:
-            os.killpg(self._job_pid, signum)
-        except ProcessLookupError:
-            pass
-        # horovodrun --gloo starts each rank in a session of its own, out of the group's reach;
-        # signal the ranks on this machine directly (twice is harmless: the handler records).
-        for pid, is_rank in attempt_processes(self._marker).items():
-            if is_rank:
-                try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
-                    pass
+        if self._job_pid is not None:
+            stop_job(attempt_processes(self._marker), signum, command_group=self._job_pid)
 
     @property
     def first(self) -> int | None:
@@ -181,7 +196,7 @@ class SignalForwarder:
             # rank, on every node) instead of killing the shell, and the launcher waits until
             # the ranks have checkpointed and mpirun is done. mpirun, srun and the Python ranks
             # install their own handlers.
-            for signum in FORWARDED_SIGNALS:
+            for signum in (*FORWARDED_SIGNALS, RELAYED_STOP):
                 signal.signal(signum, signal.SIG_IGN)
 
         # A signal between the check and Popen would be recorded but reach no rank: hold signals

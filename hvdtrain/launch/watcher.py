@@ -5,9 +5,10 @@ The ranks run in a session of their own (so that forwarded signals reach them, n
 shell), so a launcher killed with SIGKILL, or whose terminal or ssh connection went away
 (SIGHUP), would leave them training, on every node, holding the GPUs and the run directory. The
 watcher holds the read end of a pipe whose write end only the launcher has. The launcher writes
-"done" before it exits normally; end of file without it means the launcher died. Then every
-process of the job on this host gets SIGTERM (mpirun passes it to the ranks of every node; the
-ranks checkpoint and stop together), and what is still alive after ``GRACE_SECONDS`` SIGKILL.
+"done" before it exits normally; end of file without it means the launcher died. Then the job
+is stopped as a SIGTERM to the launcher would stop it (``supervise.stop_job``: its ranks here get
+SIGTERM, mpirun passes the stand-in to the ranks of every node; they checkpoint and stop
+together), and what is still alive after ``GRACE_SECONDS`` gets SIGKILL.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import sys
 import time
 
 from hvdtrain.launch.console import say
-from hvdtrain.launch.supervise import ATTEMPT_VARIABLE, attempt_processes
+from hvdtrain.launch.supervise import ATTEMPT_VARIABLE, attempt_processes, stop_job
 
 #: Seconds the job gets to checkpoint and stop after SIGTERM.
 GRACE_SECONDS = 60.0
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(OSError):  # the launcher's terminal may be gone with it
         say(f"the launcher (pid {launcher_pid}) died; stopping its job (SIGTERM to "
             f"{len(job)} process(es), SIGKILL after {GRACE_SECONDS:g} s)")
-    signal_all(job, signal.SIGTERM)
+    stop_job(job, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_SECONDS
     while (left := attempt_processes(marker, whole=False)) and time.monotonic() < deadline:
         time.sleep(0.5)
