@@ -27,6 +27,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -182,15 +183,19 @@ def sbatch(env: dict[str, str], log: Path, *args: str) -> str:
     return job_id
 
 
+def job_state(env: dict[str, str], job_id: str) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
+                           timeout=30, env=env).stdout
+    return (re.search(r"\bJobState=(\S+)", shown) or [None, ""])[1]
+
+
 def wait_for_job(env: dict[str, str], job_id: str, log: Path) -> str:
     """The job's output once it has ended; fails unless it COMPLETED."""
     deadline = time.monotonic() + JOB_TIMEOUT
     state = ""
     try:
         while time.monotonic() < deadline:
-            shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
-                                   text=True, timeout=30, env=env).stdout
-            state = (re.search(r"\bJobState=(\S+)", shown) or [None, ""])[1]
+            state = job_state(env, job_id)
             # A job that requeues itself goes from RUNNING to PENDING (BeginTime), never
             # through an end state: an end state is final.
             if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", ""):
@@ -349,11 +354,14 @@ def crash_node(node: str) -> None:
             pass
 
 
-def wait_until(condition, timeout: float, what: str) -> float:
-    """Seconds until ``condition()`` held; fails after ``timeout``."""
+def wait_until(condition, timeout: float, what: str | Callable[[], str]) -> float:
+    """Seconds until ``condition()`` held; fails after ``timeout``, saying ``what`` (a callable:
+    what it returns then, e.g. a job's log as it is at the failure)."""
     started = time.monotonic()
     while not condition():
-        assert time.monotonic() - started < timeout, f"not within {timeout:g} s: {what}"
+        if time.monotonic() - started >= timeout:
+            raise AssertionError(f"not within {timeout:g} s: "
+                                 f"{what() if callable(what) else what}")
         time.sleep(0.5)
     return time.monotonic() - started
 
@@ -594,6 +602,11 @@ def launch_module():
     return supervise
 
 
+# Two jobs' starts (4 ranks importing TensorFlow on 2 cores the other lane shares) and a requeue.
+# On a machine half as fast the whole test took 395 s in one CI run, and in the next the first
+# epoch was not there after 300 s (what the job was doing went unrecorded): the first epoch now
+# gets JOB_TIMEOUT, and a job that ended before it fails the test at once, with its state and log.
+@pytest.mark.timeout(JOB_TIMEOUT * 2 + 180)
 def test_usr1_preemption_of_a_two_node_job_requeues_and_resumes(cluster_env, run_dir, tmp_path):
     log = tmp_path / "slurm.out"
     env = {**cluster_env, "HVDTRAIN_RUN_DIR": str(run_dir)}
@@ -601,8 +614,14 @@ def test_usr1_preemption_of_a_two_node_job_requeues_and_resumes(cluster_env, run
                     "slurm/multinode.sh", "--preset", "tiny", "--epochs", "12",
                     "--no-tensorboard")
     try:
-        wait_until(lambda: (run_dir / "metrics.json").exists(), 300,
-                   f"a first epoch:\n{log.read_text()[-3000:] if log.exists() else ''}")
+        # Until its first epoch, or the job's end (which fails the test with its log at once).
+        wait_until(lambda: (run_dir / "metrics.json").exists() or job_state(env, job_id) not in (
+            "PENDING", "CONFIGURING", "RUNNING", ""), JOB_TIMEOUT,
+                   lambda: f"a first epoch (job {job_state(env, job_id)}):\n"
+                           f"{log.read_text()[-3000:] if log.exists() else '(no log yet)'}")
+        assert (run_dir / "metrics.json").exists(), (
+            f"job {job_id} is {job_state(env, job_id)}:\n"
+            f"{log.read_text()[-3000:] if log.exists() else '(no log)'}")
         # What Slurm does at --signal=B:USR1@120, now: USR1 to the batch shell on node1.
         run_job(["scancel", "--signal=USR1", "--batch", job_id], timeout=30, env=env)
         wait_until(lambda: "Restarts=1" in subprocess.run(
