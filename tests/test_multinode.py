@@ -189,6 +189,10 @@ def job_state(env: dict[str, str], job_id: str) -> str:
     return (re.search(r"\bJobState=(\S+)", shown) or [None, ""])[1]
 
 
+LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "")
+"""A job's states before its end ("" while squeue and scontrol do not know it yet)."""
+
+
 def wait_for_job(env: dict[str, str], job_id: str, log: Path) -> str:
     """The job's output once it has ended; fails unless it COMPLETED."""
     deadline = time.monotonic() + JOB_TIMEOUT
@@ -198,7 +202,7 @@ def wait_for_job(env: dict[str, str], job_id: str, log: Path) -> str:
             state = job_state(env, job_id)
             # A job that requeues itself goes from RUNNING to PENDING (BeginTime), never
             # through an end state: an end state is final.
-            if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", ""):
+            if state not in LIVE_STATES:
                 break
             time.sleep(2)
     finally:
@@ -615,8 +619,8 @@ def test_usr1_preemption_of_a_two_node_job_requeues_and_resumes(cluster_env, run
                     "--no-tensorboard")
     try:
         # Until its first epoch, or the job's end (which fails the test with its log at once).
-        wait_until(lambda: (run_dir / "metrics.json").exists() or job_state(env, job_id) not in (
-            "PENDING", "CONFIGURING", "RUNNING", ""), JOB_TIMEOUT,
+        wait_until(lambda: (run_dir / "metrics.json").exists()
+                   or job_state(env, job_id) not in LIVE_STATES, JOB_TIMEOUT,
                    lambda: f"a first epoch (job {job_state(env, job_id)}):\n"
                            f"{log.read_text()[-3000:] if log.exists() else '(no log yet)'}")
         assert (run_dir / "metrics.json").exists(), (

@@ -132,13 +132,19 @@ def end_attempt(job_pid: int, marker: str, grace_seconds: float = 30) -> list[in
         pass
     deadline = time.monotonic() + grace_seconds
     while (left := list(attempt_processes(marker))) and time.monotonic() < deadline:
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_each((pid, signal.SIGKILL) for pid in left)
         time.sleep(0.1)
     return left
+
+
+def signal_each(targets) -> None:
+    """``os.kill`` each ``(pid, signal)``; a process already gone is no error (a job's processes
+    exit on their own while they are being signalled)."""
+    for pid, signum in targets:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
 
 
 def stop_job(job: dict[int, bool], signum: int, command_group: int | None = None) -> None:
@@ -160,11 +166,7 @@ def stop_job(job: dict[int, bool], signum: int, command_group: int | None = None
     else:
         targets = [(pid, to_commands) for pid, is_rank in job.items() if not is_rank]
     targets += [(pid, to_ranks) for pid, is_rank in job.items() if is_rank]
-    for pid, sent in targets:
-        try:
-            os.kill(pid, sent)
-        except ProcessLookupError:
-            pass
+    signal_each(targets)
 
 
 class SignalForwarder:

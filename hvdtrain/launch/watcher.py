@@ -20,7 +20,7 @@ import sys
 import time
 
 from hvdtrain.launch.console import say
-from hvdtrain.launch.supervise import ATTEMPT_VARIABLE, attempt_processes, stop_job
+from hvdtrain.launch.supervise import ATTEMPT_VARIABLE, attempt_processes, signal_each, stop_job
 
 #: Seconds the job gets to checkpoint and stop after SIGTERM.
 GRACE_SECONDS = 60.0
@@ -45,14 +45,6 @@ def watching(python: str):
         watcher.wait()
 
 
-def signal_all(pids, signum: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-
 def main(argv: list[str]) -> int:
     read_end, launcher_pid = int(argv[0]), int(argv[1])
     said = b""
@@ -65,13 +57,14 @@ def main(argv: list[str]) -> int:
     if not job:
         return 0
     with contextlib.suppress(OSError):  # the launcher's terminal may be gone with it
-        say(f"the launcher (pid {launcher_pid}) died; stopping its job (SIGTERM to "
-            f"{len(job)} process(es), SIGKILL after {GRACE_SECONDS:g} s)")
+        say(f"the launcher (pid {launcher_pid}) died; stopping its job of {len(job)} "
+            f"process(es) here as a SIGTERM to the launcher would (SIGKILL after "
+            f"{GRACE_SECONDS:g} s)")
     stop_job(job, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_SECONDS
     while (left := attempt_processes(marker, whole=False)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    signal_all(left, signal.SIGKILL)
+    signal_each((pid, signal.SIGKILL) for pid in left)
     return 0
 
 
