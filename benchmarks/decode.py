@@ -74,9 +74,9 @@ def measure(variant: str, root: str) -> float:
 
     The first pass warms up (tracing, the page cache; for hvdtrain-store it fills the store).
     The second is timed from the start of its first batch to its last, so every variant's clock
-    covers one pass of work: timing from a later batch would leave out whatever a variant did before that
-    batch (keras' loader fills a 256-image shuffle buffer before its first batch, so its clock
-    would miss 256 decodes a pass, 9% of 3,000 files).
+    covers one pass of work: timing from a later batch would leave out whatever a variant did
+    before that batch (keras' loader fills a 256-image shuffle buffer before its first batch, so
+    its clock would miss 256 decodes a pass, 9% of 3,000 files).
     """
     import tensorflow as tf
 

@@ -619,13 +619,14 @@ def test_usr1_preemption_of_a_two_node_job_requeues_and_resumes(cluster_env, run
                     "--no-tensorboard")
     try:
         # Until its first epoch, or the job's end (which fails the test with its log at once).
+        def job_now() -> str:
+            return (f"job {job_id} is {job_state(env, job_id)}:\n"
+                    f"{log.read_text()[-3000:] if log.exists() else '(no log yet)'}")
+
         wait_until(lambda: (run_dir / "metrics.json").exists()
                    or job_state(env, job_id) not in LIVE_STATES, JOB_TIMEOUT,
-                   lambda: f"a first epoch (job {job_state(env, job_id)}):\n"
-                           f"{log.read_text()[-3000:] if log.exists() else '(no log yet)'}")
-        assert (run_dir / "metrics.json").exists(), (
-            f"job {job_id} is {job_state(env, job_id)}:\n"
-            f"{log.read_text()[-3000:] if log.exists() else '(no log)'}")
+                   lambda: f"a first epoch; {job_now()}")
+        assert (run_dir / "metrics.json").exists(), job_now()
         # What Slurm does at --signal=B:USR1@120, now: USR1 to the batch shell on node1.
         run_job(["scancel", "--signal=USR1", "--batch", job_id], timeout=30, env=env)
         wait_until(lambda: "Restarts=1" in subprocess.run(
