@@ -347,6 +347,31 @@ def job_processes(run_dir: Path) -> list[str]:
             if str(run_dir) in " ".join(process.argv)]
 
 
+def job_snapshot(env: dict[str, str], job_id: str) -> str:
+    """Where a Slurm job stands, for a failure message: its steps, each of its processes on
+    every node (those whose environment names the job) with its CPU seconds and the kernel
+    function it sleeps in, and the last lines of every slurmd's log. A job that sat RUNNING for
+    minutes with nothing in its log, twice in CI (never here), left no trace of where it
+    waited: an srun of mpirun's waiting for its step, daemons without ranks, or ranks stuck."""
+    steps = subprocess.run(["squeue", "--steps", "--jobs", job_id], capture_output=True,
+                           text=True, timeout=30, env=env).stdout
+    lines = [f"its steps:\n{steps.rstrip()}", "its processes (pid, CPU s, waiting in):"]
+    ticks = os.sysconf("SC_CLK_TCK")
+    for process in processes():
+        if process.env.get("SLURM_JOB_ID") != job_id:
+            continue
+        try:
+            wchan = Path(f"/proc/{process.pid}/wchan").read_text()
+            stat = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cpu = (int(stat[11]) + int(stat[12])) / ticks  # utime + stime
+        lines.append(f"{process.pid} {cpu:.1f} [{wchan}] {' '.join(process.argv)[:200]}")
+    for log in sorted(Path("/run/hvdtrain-cluster/log").glob("slurmd-*.log")):
+        lines += [f"{log.name}:", *log.read_text().splitlines()[-6:]]
+    return "\n".join(lines)
+
+
 def crash_node(node: str) -> None:
     """Every process in the node's namespace dies at once (ranks, orted, sshd, slurmd)."""
     pids = subprocess.run(["ip", "netns", "pids", f"hvdt-{node}"], capture_output=True,
@@ -620,8 +645,8 @@ def test_usr1_preemption_of_a_two_node_job_requeues_and_resumes(cluster_env, run
     try:
         # Until its first epoch, or the job's end (which fails the test with its log at once).
         def job_now() -> str:
-            return (f"job {job_id} is {job_state(env, job_id)}:\n"
-                    f"{log.read_text()[-3000:] if log.exists() else '(no log yet)'}")
+            return (f"job {job_id} is {job_state(env, job_id)}; {job_snapshot(env, job_id)}\n"
+                    f"its log:\n{log.read_text()[-3000:] if log.exists() else '(no log yet)'}")
 
         wait_until(lambda: (run_dir / "metrics.json").exists()
                    or job_state(env, job_id) not in LIVE_STATES, JOB_TIMEOUT,
