@@ -23,6 +23,7 @@ import getpass
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -833,11 +834,15 @@ THREE_HOSTS = "node1:1,node2:1,node3:1"
 @pytest.fixture
 def three_nodes(cluster_env):
     """The cluster with a third node (cluster-local.sh resizes: down, then up with 3); module
-    teardown takes it down as usual."""
+    teardown takes it down as usual. After the test, what the crashed node3's processes left in
+    the /tmp it shares with this machine (on a real cluster, its own disk) goes: their scratch
+    directories and Open MPI's session directory, which nothing of theirs lived to remove."""
     up = subprocess.run(["bash", str(CLUSTER), "up", "--nodes", "3", "--isolated-iface"],
                         capture_output=True, text=True, timeout=900)
     assert up.returncode == 0, (up.stdout + up.stderr)[-3000:]
-    return cluster_env
+    yield cluster_env
+    for left in [*Path("/tmp").glob("hvdtrain-node3-*"), *Path("/tmp").glob("ompi.node3.*")]:
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def check_went_on_without_node3(output: str, run_dir: Path, epochs: int, channel: str) -> str:
