@@ -74,7 +74,10 @@ def test_quick_run_writes_results_whose_ratios_match_its_measurements(tmp_path):
     assert (out / "allreduce.png").stat().st_size > 0
     sizes = json.loads((out / "results.json").read_text())["allreduce_raw"]["mpi"][0]["sizes"]
     assert set(sizes) == {"0.25", "1.0"}
-    # The per-thread suite finds both training processes of every job, and they compute.
+    # The per-thread suite finds both training processes of every job, and they compute. The
+    # bar is well below a fair share: in one CI run, make test's other lane on the same 2 cores
+    # left each rank 0.18-0.19 of a core; a process that only waits (a rank's janitor, blocked
+    # in a read) used at most 0.1 CPU s in its first 20 s, under 0.005 of a core.
     run_job([sys.executable, "-m", "benchmarks", "threads", "--quick", "--out", str(out)],
             timeout=300, env=clean_env())
     profile = json.loads((out / "threads.json").read_text())
@@ -82,7 +85,7 @@ def test_quick_run_writes_results_whose_ratios_match_its_measurements(tmp_path):
                                      "horovodrun --gloo -np 2"]
     for kind, processes in profile["jobs"].items():
         assert len(processes) == 2, (kind, processes)
-        assert all(row["total"] > 0.2 for row in processes.values()), (kind, processes)
+        assert all(row["total"] > 0.05 for row in processes.values()), (kind, processes)
     assert list(profile["jobs"]["horovodrun -np 2"]) == ["rank 0", "rank 1"]
 
 
