@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,10 +34,14 @@ from typing import Callable
 import pytest
 
 from conftest import REPO, VENV_BIN, apt_install, clean_env, have_command, integration, run_job
+from benchmarks.threads import CLOCK_TICKS, thread_ticks
 from hvdtrain.launcher_env import processes
+from hvdtrain.scratch import PREFIX as SCRATCH_PREFIX
 
 pytestmark = [integration, pytest.mark.timeout(600)]
 CLUSTER = REPO / "tests" / "cluster" / "cluster-local.sh"
+#: The cluster's state directory (cluster-local.sh's default): keys, configuration, logs.
+STATE_DIR = Path("/run/hvdtrain-cluster")
 PROBE = REPO / "tests" / "scripts" / "multinode_probe.py"
 PYTHON = str(VENV_BIN / "python")
 #: The tiny preset's 3 epochs reach ~0.93 on 4 ranks; epochs after the first take 1-2 s.
@@ -98,7 +103,7 @@ def assert_nothing_left() -> None:
     assert not daemons.strip(), daemons
     assert "hvdtrain tests/cluster/cluster-local.sh" not in Path("/etc/hosts").read_text()
     assert not Path("/etc/ssh/ssh_config.d/hvdtrain-cluster.conf").exists()
-    assert not Path("/run/hvdtrain-cluster").exists()
+    assert not STATE_DIR.exists()
     assert not list(Path("/tmp").glob("hvdtrain-cluster-tmpfs.*"))
 
 
@@ -350,25 +355,23 @@ def job_processes(run_dir: Path) -> list[str]:
 
 def job_snapshot(env: dict[str, str], job_id: str) -> str:
     """Where a Slurm job stands, for a failure message: its steps, each of its processes on
-    every node (those whose environment names the job) with its CPU seconds and the kernel
+    every node (those whose environment names the job) with its threads' CPU seconds, the kernel
     function it sleeps in, and the last lines of every slurmd's log. A job that sat RUNNING for
     minutes with nothing in its log, twice in CI (never here), left no trace of where it
     waited: an srun of mpirun's waiting for its step, daemons without ranks, or ranks stuck."""
     steps = subprocess.run(["squeue", "--steps", "--jobs", job_id], capture_output=True,
                            text=True, timeout=30, env=env).stdout
     lines = [f"its steps:\n{steps.rstrip()}", "its processes (pid, CPU s, waiting in):"]
-    ticks = os.sysconf("SC_CLK_TCK")
     for process in processes():
         if process.env.get("SLURM_JOB_ID") != job_id:
             continue
         try:
             wchan = Path(f"/proc/{process.pid}/wchan").read_text()
-            stat = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu = sum(thread_ticks(process.pid).values()) / CLOCK_TICKS
         except OSError:
             continue
-        cpu = (int(stat[11]) + int(stat[12])) / ticks  # utime + stime
         lines.append(f"{process.pid} {cpu:.1f} [{wchan}] {' '.join(process.argv)[:200]}")
-    for log in sorted(Path("/run/hvdtrain-cluster/log").glob("slurmd-*.log")):
+    for log in sorted((STATE_DIR / "log").glob("slurmd-*.log")):
         lines += [f"{log.name}:", *log.read_text().splitlines()[-6:]]
     return "\n".join(lines)
 
@@ -841,7 +844,8 @@ def three_nodes(cluster_env):
                         capture_output=True, text=True, timeout=900)
     assert up.returncode == 0, (up.stdout + up.stderr)[-3000:]
     yield cluster_env
-    for left in [*Path("/tmp").glob("hvdtrain-node3-*"), *Path("/tmp").glob("ompi.node3.*")]:
+    tmp = Path(tempfile.gettempdir())
+    for left in [*tmp.glob(f"{SCRATCH_PREFIX}node3-*"), *tmp.glob("ompi.node3.*")]:
         shutil.rmtree(left, ignore_errors=True)
 
 
