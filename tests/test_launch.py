@@ -19,7 +19,9 @@ from hvdtrain.launch.options import VIAS, LaunchOptions, is_script_path, parse_o
 from hvdtrain.launch.paths import LAUNCH_PATHS, build_launch, describe, horovod_tuning_env
 from hvdtrain.launch.preflight import Build, preflight
 from hvdtrain.launch.sbatch import batch_options
-from hvdtrain.launch.supervise import judge_exit, rank_zero_host
+from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, StartupDeadline, judge_exit,
+                                       rank_zero_host, wait_for_job)
+from hvdtrain.launcher_env import child_env
 from hvdtrain.slurm import (TEMPLATES, Allocation, Requeue, SbatchJob, expand_hostlist,
                             expand_tasks_per_node, render, requeue_decision)
 from slurm_templates import COMMAND as WRITE_TEMPLATES
@@ -491,6 +493,38 @@ def test_the_orphan_guard_asks_rank_0s_host_only_when_it_is_another_one():
     inside = rank_zero_host(["gpu07", "node1"], local, PY, in_allocation=True)
     assert inside.command[:2] == ("srun", "--overlap") and "--nodelist=gpu07" in inside.command
     assert inside.command[-2:] == ("sh", "-c")  # the probe is one shell command, as for ssh
+
+
+def test_a_launch_that_starts_no_rank_on_rank_0s_host_ends_at_the_startup_deadline():
+    """Real processes: a command that never forks a rank (as mpirun waiting for a node's daemon)
+    is ended once the deadline passes; one whose rank started is waited for to its own end."""
+    def launched(marker: str, command: list[str]) -> subprocess.Popen:
+        name, value = marker.split("=", 1)
+        return subprocess.Popen(command, env={**child_env(), name: value}, start_new_session=True)
+
+    never = launched(f"{ATTEMPT_VARIABLE}=startup-test.0", ["sleep", "60"])
+    deadline, started = StartupDeadline(2.0), time.monotonic()
+    assert wait_for_job(never, f"{ATTEMPT_VARIABLE}=startup-test.0", startup=deadline) == 1
+    took = time.monotonic() - started
+    assert never.poll() is not None and 2.0 <= took < 15, took
+    assert deadline.missed_by == "sleep"
+    assert deadline.explained().startswith(
+        "no rank started within 2 s: sleep starts the ranks only once it has reached every node")
+
+    # The rank is a process of its own with a launcher's rank variable, like mpirun's children.
+    forks_a_rank = [sys.executable, "-c", "import os, subprocess; subprocess.run(['sleep', '5'], "
+                    "env={**os.environ, 'OMPI_COMM_WORLD_RANK': '0'}, check=True)"]
+    marker = f"{ATTEMPT_VARIABLE}=startup-test.1"
+    deadline = StartupDeadline(2.0)
+    assert wait_for_job(launched(marker, forks_a_rank), marker, startup=deadline) == 0
+    assert deadline.missed_by is None
+    # Rank 0 on another host: this host may hold no rank at all; no deadline here.
+    marker = f"{ATTEMPT_VARIABLE}=startup-test.2"
+    elsewhere = rank_zero_host(["node2"], {"node1"}, PY, in_allocation=False)
+    deadline = StartupDeadline(1.0)
+    assert wait_for_job(launched(marker, ["sleep", "4"]), marker, elsewhere,
+                        startup=deadline) == 0
+    assert deadline.missed_by is None
 
 
 def test_hosts_outside_slurm_give_the_rank_count_and_the_host_list():

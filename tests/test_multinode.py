@@ -629,6 +629,42 @@ def test_a_rank_stalled_on_node2_ends_the_job_in_one_line_naming_it(cluster_env,
     print(f"stall: the job ended {time.monotonic() - started:.0f} s after its start")
 
 
+# A step the batch script started and left running holds node2's two CPUs (a monitor started with
+# a plain srun, say), so the srun step through which mpirun starts its daemon there waits; Open
+# MPI sends that srun's messages to /dev/null and starts no rank anywhere until every daemon
+# has reported: the job would stay RUNNING without a word. The launcher ends it at its deadline.
+@pytest.mark.timeout(300)
+def test_a_job_whose_ranks_never_start_ends_at_the_startup_deadline(cluster_env, run_dir,
+                                                                    tmp_path):
+    deadline = 20
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\nset -euo pipefail\ncd " + str(REPO) + "\n"
+        "srun --nodes=1 --ntasks=2 --nodelist=node2 sleep 600 &\n"
+        'until squeue --steps --noheader --jobs "$SLURM_JOB_ID" | grep -q sleep; do\n'
+        "  sleep 0.5\ndone\n"
+        f"exec {PYTHON} -m hvdtrain.launch --via mpirun --skip-preflight "
+        f'--network-interface eth0 --startup-timeout {deadline} -- "$@"\n')
+    log = tmp_path / "slurm.out"
+    started = time.monotonic()
+    job_id = sbatch(cluster_env, log, "-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
+                    str(script), *LONG_JOB, "--run-dir", str(run_dir))
+    try:
+        wait_until(lambda: job_state(cluster_env, job_id) not in LIVE_STATES, 240,
+                   lambda: f"the job's end; {job_snapshot(cluster_env, job_id)}")
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30, env=cluster_env)
+    output = log.read_text()
+    assert job_state(cluster_env, job_id) == "FAILED", output[-3000:]
+    assert one_failure_line(output) == (
+        f"no rank started within {deadline} s: mpirun starts the ranks only once it has reached "
+        "every node, and it did not reach one (a node down or unreachable; in Slurm, another "
+        "step of this job holding a node's CPUs, e.g. an srun without --overlap left running: "
+        "squeue --steps lists them)"), output[-3000:]
+    assert "placement:" not in output and not (run_dir / "logs").exists(), output[-3000:]
+    print(f"startup deadline: the job ended {time.monotonic() - started:.0f} s after sbatch")
+
+
 def launch_module():
     from hvdtrain.launch import supervise
 

@@ -81,11 +81,15 @@ def run(argv: Sequence[str] | None = None) -> int:
                 rank_zero_of(job_options, job_allocation))
 
     survivors = Survivors(options, allocation, relaunch) if options.min_nodes else None
+    # pyxis imports the image inside each task's start, before any rank process exists: minutes
+    # for a large image, which a start-up deadline would take for a node never reached.
+    pyxis = options.container and options.container_runtime == "pyxis"
+    startup_seconds = None if pyxis or options.startup_timeout <= 0 else options.startup_timeout
     with watching(options.python):
         status = run_attempts(launch, options.max_restarts, signals,
                               rank_zero_of(options, allocation),
                               logs_dir=run_dir and os.path.join(run_dir, ranklog.LOGS),
-                              survivors=survivors)
+                              survivors=survivors, startup_seconds=startup_seconds)
     if options.sbatch:
         sbatch.requeue_if_stopped(status, options, run_dir, os.environ)
     return status

@@ -56,6 +56,12 @@ class LaunchOptions:
     """Start a failed job (a rank died or crashed) again in the same allocation up to this many
     times, a few seconds apart; not after a user error (exit 2), a preemption stop (75) or a
     stop signal (see hvdtrain.launch.supervise.judge_exit)."""
+    startup_timeout: float = 300.0
+    """Seconds the launch command (mpirun, horovodrun, srun) may run on rank 0's host without
+    starting a rank there; then the attempt ends in one line (a node it never reached) and
+    counts as a failure for --max-restarts. A rank counts from its fork, before Python starts:
+    TensorFlow's import and a Charliecloud image's start are not in it (a pyxis image import
+    would be: no deadline with pyxis). 0: wait forever."""
     min_nodes: int = 0
     """With --hosts and --max-restarts: after a failure, drop the hosts that no longer answer
     ssh and restart on the rest (every slot of theirs, from the last checkpoint) when at least

@@ -217,9 +217,10 @@ class SignalForwarder:
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
 
-    def wait(self, process: subprocess.Popen, rank_zero: RankZeroHost | None = None) -> int:
+    def wait(self, process: subprocess.Popen, rank_zero: RankZeroHost | None = None,
+             startup: StartupDeadline | None = None) -> int:
         """The job's exit status (128 + N when it ended on signal N)."""
-        returncode = wait_for_job(process, self._marker, rank_zero)
+        returncode = wait_for_job(process, self._marker, rank_zero, startup=startup)
         self._job_pid = None
         status = returncode if returncode >= 0 else 128 - returncode
         if status and self.received:
@@ -241,10 +242,35 @@ class SignalForwarder:
         return bool(self.received)
 
 
+@dataclass
+class StartupDeadline:
+    """--startup-timeout: how long the launch command may run on rank 0's host (this one)
+    before a rank of its has started here.
+
+    mpirun starts no rank anywhere until its daemon on every node has reported back. A daemon
+    that never starts (a node down or unreachable; inside Slurm, its srun step waiting behind
+    another step of the job that holds that node's CPUs) leaves the job RUNNING without a word:
+    Open MPI sends the srun messages of its daemons to /dev/null. A rank is a process here as
+    soon as it is forked (before Python imports anything), so this waits on the launch's wire-up
+    alone, not on TensorFlow's import or a container's start."""
+
+    seconds: float
+    missed_by: str | None = None
+    """The command that never started a rank, once the deadline has passed."""
+
+    def explained(self) -> str:
+        return (f"no rank started within {self.seconds:g} s: {self.missed_by} starts the ranks "
+                "only once it has reached every node, and it did not reach one (a node down or "
+                "unreachable; in Slurm, another step of this job holding a node's CPUs, e.g. an "
+                "srun without --overlap left running: squeue --steps lists them)")
+
+
 def wait_for_job(process: subprocess.Popen, marker: str, rank_zero: RankZeroHost | None = None,
-                 grace_seconds: float = ORPHANED_COMMAND_SECONDS) -> int:
+                 grace_seconds: float = ORPHANED_COMMAND_SECONDS,
+                 startup: StartupDeadline | None = None) -> int:
     """The command's return code, once it ended; or 1 after ending a command that would wait
-    forever for a node that is gone.
+    forever for a node that is gone, or (``startup``, on rank 0's host) that started no rank
+    here in time.
 
     mpirun, once a rank failed, tells the daemons of every node to end theirs and waits for
     their answers. A node whose network link went down never answers (TCP retries for ~15
@@ -255,6 +281,7 @@ def wait_for_job(process: subprocess.Popen, marker: str, rank_zero: RankZeroHost
     export) the job is healthy and the launcher waits.
     """
     ranks_seen, ranks_gone_since, waiting_said = False, None, False
+    started = time.monotonic()
     while True:
         try:
             return process.wait(timeout=1.0)
@@ -262,6 +289,10 @@ def wait_for_job(process: subprocess.Popen, marker: str, rank_zero: RankZeroHost
             pass
         ranks_here = any(attempt_processes(marker, this_host_only=True).values())
         ranks_seen = ranks_seen or ranks_here
+        if (not ranks_seen and startup is not None and rank_zero is None
+                and time.monotonic() - started > startup.seconds):
+            startup.missed_by = os.path.basename(process.args[0])
+            return end_command(process)
         if not ranks_seen or ranks_here:
             ranks_gone_since = None
             continue
@@ -285,15 +316,20 @@ def wait_for_job(process: subprocess.Popen, marker: str, rank_zero: RankZeroHost
                    else f"{rank_zero.host}, rank 0's host, does not answer")
         say(f"the ranks on this host ended {grace_seconds:g} s ago and {why}, but "
             f"{process.args[0]} still waits for another node (unreachable?); ending it")
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        except ProcessLookupError:
-            pass
-        return 1
+        return end_command(process)
+
+
+def end_command(process: subprocess.Popen) -> int:
+    """End the launch command's process group (SIGTERM, SIGKILL 5 s later); 1."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass
+    return 1
 
 
 def relay_output(process: subprocess.Popen, output: JobOutput) -> list[threading.Thread]:
@@ -315,12 +351,13 @@ def finish_relays(relays: list[threading.Thread], seconds: float = 5.0) -> None:
 
 def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
                  rank_zero: RankZeroHost | None = None, logs_dir: str | None = None,
-                 survivors: Survivors | None = None) -> int:
+                 survivors: Survivors | None = None, startup_seconds: float | None = None) -> int:
     """Run the job; after a failure worth another attempt, run it again, up to ``max_restarts``
     times. The exit status is the last attempt's. ``rank_zero``: rank 0's host, when not this
     one (see wait_for_job); ``logs_dir``: where the ranks keep their logs, named when it fails;
     ``survivors`` (--min-nodes): before a restart, the hosts that stopped answering are dropped
-    (its ``rebuild`` gives the launch and rank 0's host for the rest)."""
+    (its ``rebuild`` gives the launch and rank 0's host for the rest); ``startup_seconds``: see
+    StartupDeadline (None: no deadline)."""
     restarts = 0
     while True:
         marker = f"{ATTEMPT_VARIABLE}={os.getpid()}.{restarts}"
@@ -332,7 +369,8 @@ def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
             say(shlex.join(launch.argv))
         output = JobOutput()
         relays = relay_output(process, output)
-        status = signals.wait(process, rank_zero)
+        startup = StartupDeadline(startup_seconds) if startup_seconds else None
+        status = signals.wait(process, rank_zero, startup)
         if status == 0:
             finish_relays(relays)
             return status
@@ -347,7 +385,7 @@ def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
             # (see failures.py), or at least where each rank's log is (a rank that was killed
             # may have said nothing on the console; its log has what it printed, on any node).
             logs = logs_dir if logs_dir and os.path.isdir(logs_dir) else None
-            said = output.verdict(logs)
+            said = startup.explained() if startup and startup.missed_by else output.verdict(logs)
             if said:
                 ended = f"job exited {status}: {said}"
             elif logs:
