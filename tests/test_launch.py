@@ -412,6 +412,8 @@ def test_max_restarts_is_refused_where_exit_statuses_are_lost():
         build_launch(options(max_restarts=-1), None, gpus=0)
     launch = build_launch(options(max_restarts=2), None, gpus=0)
     assert "# up to 2 restart(s) after a failure" in describe(launch)
+    with pytest.raises(UserError, match=r"--startup-timeout must be 0 \(none\) or more, got -5"):
+        build_launch(options(startup_timeout=-5), None, gpus=0)
 
 
 # --- requeues after Slurm's time-limit warning ---------------------------------------------------

@@ -156,6 +156,9 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         raise UserError(f"--via must be one of {', '.join(VIAS)}, got {options.via!r}")
     if options.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, got {options.max_restarts}")
+    if options.startup_timeout < 0:
+        raise UserError(f"--startup-timeout must be 0 (none) or more, got "
+                        f"{options.startup_timeout:g}")
     if options.max_restarts and options.controller == "gloo":
         # A restart must never repeat a user error (exit 2), and Gloo's horovodrun reports it as 1.
         raise UserError("--max-restarts needs the ranks' exit statuses, which horovodrun --gloo "
