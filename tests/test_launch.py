@@ -504,9 +504,10 @@ def test_a_launch_that_starts_no_rank_on_rank_0s_host_ends_at_the_startup_deadli
         name, value = marker.split("=", 1)
         return subprocess.Popen(command, env={**child_env(), name: value}, start_new_session=True)
 
-    never = launched(f"{ATTEMPT_VARIABLE}=startup-test.0", ["sleep", "60"])
+    marker = f"{ATTEMPT_VARIABLE}=startup-test.0"
+    never = launched(marker, ["sleep", "60"])
     deadline, started = StartupDeadline(2.0), time.monotonic()
-    assert wait_for_job(never, f"{ATTEMPT_VARIABLE}=startup-test.0", startup=deadline) == 1
+    assert wait_for_job(never, marker, startup=deadline) == 1
     took = time.monotonic() - started
     assert never.poll() is not None and 2.0 <= took < 15, took
     assert deadline.missed_by == "sleep"

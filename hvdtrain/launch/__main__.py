@@ -84,12 +84,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     # pyxis imports the image inside each task's start, before any rank process exists: minutes
     # for a large image, which a start-up deadline would take for a node never reached.
     pyxis = options.container and options.container_runtime == "pyxis"
-    startup_seconds = None if pyxis or options.startup_timeout <= 0 else options.startup_timeout
     with watching(options.python):
         status = run_attempts(launch, options.max_restarts, signals,
                               rank_zero_of(options, allocation),
                               logs_dir=run_dir and os.path.join(run_dir, ranklog.LOGS),
-                              survivors=survivors, startup_seconds=startup_seconds)
+                              survivors=survivors,
+                              startup_seconds=0 if pyxis else options.startup_timeout)
     if options.sbatch:
         sbatch.requeue_if_stopped(status, options, run_dir, os.environ)
     return status

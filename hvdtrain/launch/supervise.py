@@ -351,13 +351,13 @@ def finish_relays(relays: list[threading.Thread], seconds: float = 5.0) -> None:
 
 def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
                  rank_zero: RankZeroHost | None = None, logs_dir: str | None = None,
-                 survivors: Survivors | None = None, startup_seconds: float | None = None) -> int:
+                 survivors: Survivors | None = None, startup_seconds: float = 0) -> int:
     """Run the job; after a failure worth another attempt, run it again, up to ``max_restarts``
     times. The exit status is the last attempt's. ``rank_zero``: rank 0's host, when not this
     one (see wait_for_job); ``logs_dir``: where the ranks keep their logs, named when it fails;
     ``survivors`` (--min-nodes): before a restart, the hosts that stopped answering are dropped
     (its ``rebuild`` gives the launch and rank 0's host for the rest); ``startup_seconds``: see
-    StartupDeadline (None: no deadline)."""
+    StartupDeadline (0: no deadline)."""
     restarts = 0
     while True:
         marker = f"{ATTEMPT_VARIABLE}={os.getpid()}.{restarts}"
