@@ -588,13 +588,13 @@ def test_the_orphan_guard_waits_while_rank_0_elsewhere_writes_its_last_checkpoin
     whose ranks on this host are gone (it used to end such a job): the launcher asks node2,
     waits for rank 0, and the job ends well. Gloo, whose ranks leave without MPI's closing
     barrier, so node1's ranks really are gone."""
-    run_dir, seconds = tmp_path / "run", 60
+    run_dir, seconds = tmp_path / "run", 45
     assert seconds > launch_module().ORPHANED_COMMAND_SECONDS + 10
     result = run_job(on_node1(PYTHON, "-m", "hvdtrain.launch", "--controller", "gloo",
                               "--hosts", "node2:2,node1:2", "--network-interface", "eth0",
                               str(REPO / "tests" / "scripts" / "slow_last_checkpoint.py"),
                               str(run_dir), str(seconds)), timeout=JOB_TIMEOUT, env=cluster_env)
-    assert "rank 0 on node2: writing the last checkpoint (60 s)" in result.stdout, result.stdout
+    assert f"rank 0 on node2: writing the last checkpoint ({seconds} s)" in result.stdout, result.stdout
     assert "rank 0 still runs on node2: waiting for it" in result.stdout, result.stdout
     assert "rank 0: last checkpoint written" in result.stdout, result.stdout
     assert (run_dir / "last-checkpoint").stat().st_size == seconds << 16
