@@ -594,7 +594,8 @@ def test_the_orphan_guard_waits_while_rank_0_elsewhere_writes_its_last_checkpoin
                               "--hosts", "node2:2,node1:2", "--network-interface", "eth0",
                               str(REPO / "tests" / "scripts" / "slow_last_checkpoint.py"),
                               str(run_dir), str(seconds)), timeout=JOB_TIMEOUT, env=cluster_env)
-    assert f"rank 0 on node2: writing the last checkpoint ({seconds} s)" in result.stdout, result.stdout
+    assert f"rank 0 on node2: writing the last checkpoint ({seconds} s)" in result.stdout, \
+        result.stdout
     assert "rank 0 still runs on node2: waiting for it" in result.stdout, result.stdout
     assert "rank 0: last checkpoint written" in result.stdout, result.stdout
     assert (run_dir / "last-checkpoint").stat().st_size == seconds << 16

@@ -16,9 +16,9 @@ from hvdtrain.runtime.horovod import HorovodRuntime
 
 
 def main(run_root: str, names: list[str]) -> int:
-    # Without Grappler's graph rewrites: a third of this job's time on 2 cores (153 s against
-    # 110 s alone, 2026-11-27), TensorFlow's own optimisation of the traced step, not what this
-    # checks; the step's results are the same (the three losses matched to the last digit).
+    # Without Grappler's graph rewrites, TensorFlow's own optimisation of the traced step and
+    # not what this checks: 153 s -> 110 s for this job alone on 2 cores (2026-11-27), with the
+    # same results (the three losses matched to the last printed digit).
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     runtime = HorovodRuntime()
     for name in names:
