@@ -84,6 +84,37 @@ def test_image_folder_png_and_jpeg_of_any_size(tmp_path):
     assert len(list(pipelines.validation)) == 2
 
 
+@pytest.mark.parametrize("channels", [1, 3])
+def test_every_format_decodes_to_gray_or_colour_with_or_without_augmentation(tmp_path, channels):
+    """PNG (gray, RGBA), JPEG, GIF and BMP, at --channels 1 and 3: TensorFlow decodes GIF and BMP
+    only to colour, so at 1 channel hvdtrain converts them (they were blanks of weight 0)."""
+    from PIL import Image
+
+    from hvdtrain.data.cache import CacheChoice
+
+    gray = 128  # every picture is this gray, in whatever mode its format stores it
+    pictures = {"png": Image.new("L", (20, 14), gray), "rgba.png": Image.new("RGBA", (20, 14),
+                (gray, gray, gray, 255)), "jpg": Image.new("RGB", (20, 14), (gray,) * 3),
+                "gif": Image.new("RGB", (20, 14), (gray,) * 3),
+                "bmp": Image.new("RGB", (20, 14), (gray,) * 3)}
+    for label in ("a", "b"):
+        (tmp_path / "data" / label).mkdir(parents=True)
+        for name, picture in pictures.items():
+            picture.save(tmp_path / "data" / label / f"x.{name}")
+    listing = list_image_folder(str(tmp_path / "data"), image_size=8, validation_fraction=0.0,
+                                seed=0, on_bad_image="fail", channels=channels)
+    assert listing.train.num_samples == 10
+    for augment, cache in ((False, "memory"), (True, "off"), (True, "memory")):
+        pipelines = build_pipelines(listing, World(), batch_size=10, validation_batch_size=10,
+                                    validation_steps=0, seed=0, augment=augment,
+                                    cache=CacheChoice(cache, "test", str(tmp_path)))
+        images, _, weights = next(iter(pipelines.train))
+        assert images.shape == (10, 8, 8, channels), (augment, cache)
+        assert weights.numpy().tolist() == [1.0] * 10, (augment, cache)
+        assert np.abs(images.numpy().astype(int) - gray).max() <= 2, (augment, cache)
+        assert pipelines.decode_failures[0].take_new() == (0, None)
+
+
 @pytest.mark.parametrize("make_bad, message", [
     (lambda root: None, "no such directory"),
     (lambda root: root.mkdir(), "no class sub-folders"),

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hvdtrain.data.images import decode_pixels
+
 if TYPE_CHECKING:
     import tensorflow as tf
 
@@ -67,7 +69,7 @@ def decode_random_crop(encoded, seeds, image_shape: tuple[int, int, int]):
         return tf.io.decode_and_crop_jpeg(encoded, window, channels=channels)
 
     def whole_then_crop():
-        image = tf.io.decode_image(encoded, channels=channels, expand_animations=False)
+        image = decode_pixels(encoded, channels)
         begin, size = _crop_window(tf.shape(image), seeds)
         return tf.slice(image, begin, size)
 
