@@ -145,6 +145,11 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
     """``convert`` with the details the command line reports. ``notify`` gets the line saying a
     run resumes; ``progress_stream`` the progress line (None: no progress)."""
     started = time.monotonic()
+    # Values training refuses for the same folder (config.py): a split of -0.5 or 1.0 is nonsense.
+    if not 0 <= validation_fraction < 1:
+        raise UserError(f"--validation-fraction must be in [0, 1), got {validation_fraction}")
+    if image_size < 1:
+        raise UserError(f"--image-size must be at least 1, got {image_size}")
     # The output checks are cheap, the listing is not: a mistyped --out fails first.
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; name a new directory")

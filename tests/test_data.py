@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import socket
 from pathlib import Path
 
@@ -332,6 +333,18 @@ def test_converter_refuses_to_overwrite(tmp_path):
     with pytest.raises(UserError, match="not empty"):
         convert(str(root), str(tmp_path / "records"), shards=1, validation_shards=1,
                 validation_fraction=0.2, seed=0, image_size=8)
+
+
+@pytest.mark.parametrize("fraction, size, message", [
+    (-0.5, 8, "--validation-fraction must be in [0, 1), got -0.5"),
+    (1.0, 8, "--validation-fraction must be in [0, 1), got 1.0"),
+    (0.2, 0, "--image-size must be at least 1, got 0")])
+def test_converter_refuses_what_training_refuses(tmp_path, fraction, size, message):
+    root = make_image_folder(tmp_path / "images", classes=2, per_class=3)
+    with pytest.raises(UserError, match=re.escape(message)):
+        convert(str(root), str(tmp_path / "records"), shards=1, validation_shards=1,
+                validation_fraction=fraction, seed=0, image_size=size)
+    assert not list(tmp_path.glob("records*"))  # nothing written
 
 
 def test_tfrecords_and_run_directory_on_a_url_file_system(tmp_path):
