@@ -591,6 +591,33 @@ def test_undecodable_samples_stay_weight_0_blanks_in_every_pass_of_a_store(tmp_p
     assert orders[1] != orders[2]  # read from the store, in a new order
 
 
+def test_two_iterators_at_once_never_mark_a_good_sample_failed(tmp_path):
+    """A second iterator while the first pass is storing (batch norm's recompute, the
+    autoencoder's picture) with undecodable files about: the store marks as failed exactly the
+    files that do not decode (it once marked whatever the other iterator had last numbered)."""
+    from hvdtrain.data.cache import CacheChoice
+
+    root = make_image_folder(tmp_path / "data", classes=2, per_class=80, sizes=(8,))
+    bad = add_undecodable_files(root, per_class=10)
+    listing = list_image_folder(str(root), image_size=8, validation_fraction=0.0, seed=0,
+                                on_bad_image="skip")
+    pipelines = build_pipelines(listing, World(), batch_size=1, validation_batch_size=1,
+                                validation_steps=0, seed=0,
+                                cache=CacheChoice("memory", "test", str(tmp_path)))
+    samples = listing.train.num_samples
+    first, second = iter(pipelines.train), iter(pipelines.train)
+    for _ in range(samples):  # the first pass of both, a batch each in turn
+        next(first), next(second)
+    later = [[next(first) for _ in range(samples)] for _ in range(2)]  # read from the store
+    assert [sum(1 for _, _, weight in one if not weight.numpy()[0]) for one in later] == \
+        [len(bad)] * 2
+    store = pipelines.pipeline_state[-1]
+    positions, labels = (tensor.numpy() for tensor in store.labels.export())
+    failed = sorted(listing.sample_namer(listing.train, World(), by_file=True)(int(position))
+                    for position in positions[labels < 0])
+    assert failed == sorted(bad)
+
+
 def test_augmentation_crops_anew_every_epoch_and_rank_and_validation_never_changes(tmp_path):
     """Every image of this folder is the same picture: what differs between samples, passes and
     ranks is the augmentation alone."""

@@ -88,12 +88,6 @@ class DecodeFailures:
         """tf.data step: sample ``number`` of this pass is ``position`` in the list."""
         return self.positions.scatter_nd_update([[number % POSITION_RING]], [position])
 
-    def positions_between(self, last_good, number):
-        """tf.data step: the positions of the samples numbered between two decoded ones."""
-        import tensorflow as tf
-
-        return tf.gather(self.positions, tf.range(last_good + 1, number) % POSITION_RING)
-
     def note(self, last_good, number):
         """tf.data step: record the samples numbered between two decoded ones (at least one) as
         failures."""
@@ -236,10 +230,11 @@ def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: Decod
     end = tf.data.Dataset.from_tensors((tf.constant(num_samples, tf.int64), *blank))
 
     def note_gap(last_good, count):
-        noted = [failures.note(last_good, count)]
-        if store is not None:
-            noted.append(store.mark_failed(failures.positions_between(last_good, count)))
-        with tf.control_dependencies(noted):
+        with tf.control_dependencies([failures.note(last_good, count)]):
+            return tf.identity(count)
+
+    def mark_failures(count):
+        with tf.control_dependencies([store.mark_failed_where_absent(num_samples)]):
             return tf.identity(count)
 
     def count_gaps(last_good, element):
@@ -247,6 +242,11 @@ def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: Decod
         # The variables are touched only where a sample failed: most steps cost a comparison.
         count = tf.cond(count > last_good + 1, lambda: note_gap(last_good, count),
                         lambda: count)
+        if store is not None:
+            # The sentinel: this pass was whole (it is read only when a sample failed, since
+            # take() stops at num_samples). The store learns which positions failed from what
+            # it holds, not from the ring, which another iterator may be writing at the time.
+            count = tf.cond(count == num_samples, lambda: mark_failures(count), lambda: count)
         return count, element
 
     samples = (decoded.concatenate(end)

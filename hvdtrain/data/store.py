@@ -101,12 +101,19 @@ class SampleStore:
                 .map(put_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
                 .unbatch())
 
-    def mark_failed(self, positions):
-        """An op recording that the samples at ``positions`` (a vector) did not decode."""
+    def mark_failed_where_absent(self, num_samples: int):
+        """An op recording every position below ``num_samples`` that holds no sample as failed.
+        Run at the end of a whole pass over the source: that pass tried every position and
+        stored each one that decoded, so a position still absent did not decode (decoding is
+        deterministic). Another iterator reading at the same time only stores more of the same
+        samples, so it cannot make a good position look failed."""
         import tensorflow as tf
 
-        return self.labels.insert(positions, tf.fill(tf.shape(positions),
-                                                     tf.constant(FAILED, tf.int64)))
+        positions = tf.range(num_samples, dtype=tf.int64)
+        labels = tf.ensure_shape(self.labels.lookup(positions), [num_samples])
+        absent = tf.boolean_mask(positions, labels == ABSENT)
+        return self.labels.insert(absent, tf.fill(tf.shape(absent),
+                                                  tf.constant(FAILED, tf.int64)))
 
     def stored(self, positions: tf.data.Dataset) -> tf.data.Dataset:
         """``(image, label, weight)`` of every position of ``positions``, in their order: weight
