@@ -28,7 +28,8 @@ from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, Learni
 from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, training_state,
                                  variables_bytes)
 from hvdtrain.config import ImageConfig, TrainConfig
-from hvdtrain.data import ImageDatasets, build_pipelines, choose_data_cache, load_listing
+from hvdtrain.data import (ImageDatasets, build_pipelines, choose_data_cache,
+                           disk_cache_failures_in_one_line, load_listing)
 from hvdtrain.errors import UserError, as_one_line, stop_status
 from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch, resize_notes
 from hvdtrain.preemption import PreemptionCheck, StopRequest, StopSignals, describe_stop
@@ -374,7 +375,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     if request.agreed:
         request.epoch = initial_epoch
     elif trains:
-        with tracking.failure_marked(tracker):
+        with tracking.failure_marked(tracker), disk_cache_failures_in_one_line():
             model.fit(train, epochs=config.epochs, initial_epoch=initial_epoch,
                       steps_per_epoch=plan.steps_per_epoch, validation_data=validation,
                       callbacks=callbacks, verbose=_verbosity(world),

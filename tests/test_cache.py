@@ -174,3 +174,67 @@ def test_a_killed_ranks_disk_cache_is_removed(numbered_folder, tmp_path):
     while list(scratch.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert list(scratch.iterdir()) == [], [str(path) for path in scratch.rglob("*")][:10]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real, small file system (tmpfs) for TMPDIR; needs root, as CI runs."""
+    mount_point = tmp_path / "small-disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_disk_cache_that_does_not_fit_is_one_line_at_the_start_or_when_the_disk_fills(
+        numbered_folder, small_disk, tmp_path):
+    """--cache disk on a node whose TMPDIR is too small, and on one whose disk fills up after the
+    start (another job's files): this rank's one line, exit 2, nothing left on that disk."""
+    def job(image_size: int, run_dir: Path) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-u", "-m", "hvdtrain.cnn", "--data-dir", str(numbered_folder),
+             "--image-size", str(image_size), "--cache", "disk", "--epochs", "1",
+             "--no-tensorboard", "--run-dir", str(run_dir)],
+            env=clean_env(TMPDIR=str(small_disk)), text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True)
+
+    # 4,096 images at 64x64x3 are 50 MB decoded: refused before anything is made.
+    too_big = job(64, tmp_path / "too-big")
+    output, _ = too_big.communicate(timeout=120)
+    errors = [line for line in output.splitlines() if "error" in line]
+    assert too_big.returncode == 2 and len(errors) == 1, output[-3000:]
+    assert errors[0].startswith("hvdtrain.cnn: error on rank 0: --cache disk needs 50.1 MB in "
+                                f"{small_disk}/"), errors[0]
+    assert "which has 4.2 MB free" in errors[0] and "Traceback" not in output
+    assert not (tmp_path / "too-big").exists() and list(small_disk.iterdir()) == []
+
+    # At 8x8x3 they fit (0.8 MB); once the banner is out, the disk is filled up to its last byte.
+    fills = job(8, tmp_path / "fills")
+    try:
+        lines = []
+        for line in fills.stdout:
+            lines.append(line)
+            if line.startswith("cache: disk"):
+                break
+        with open(small_disk / "another-job", "wb") as filler:
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    filler.write(b"\0" * 65536)
+                    filler.flush()
+        output, _ = fills.communicate(timeout=240)
+    finally:
+        if fills.poll() is None:
+            os.killpg(fills.pid, signal.SIGKILL)
+            fills.wait()
+    output = "".join(lines) + output
+    errors = [line for line in output.splitlines() if "error" in line]
+    assert fills.returncode == 2 and len(errors) == 1, output[-3000:]
+    assert errors[0].startswith(f"hvdtrain.cnn: error on rank 0: cannot write the disk cache in "
+                                f"{small_disk}/"), errors[0]
+    assert "No space left on device; free space there" in errors[0] and "Traceback" not in output
+    assert [path.name for path in small_disk.iterdir()] == ["another-job"]

@@ -15,7 +15,7 @@ from hvdtrain.config import ImageConfig
 from hvdtrain.data import build_pipelines, list_data, split_indices
 from hvdtrain.data.folder import list_image_folder
 from hvdtrain.data.records import file_order, files_for_rank, list_tfrecords
-from hvdtrain.errors import UserError
+from hvdtrain.errors import RankError, UserError
 from hvdtrain.runtime import World
 from hvdtrain.tfrecords import convert
 from images import make_image_folder
@@ -468,8 +468,13 @@ def test_auto_cache_never_holds_more_than_the_memory_budget():
     # What the user asks for is what they get, with the size in the reason.
     assert choose_cache("memory", bytes_per_rank=9 * GB, memory_budget=GB, disk_free=0,
                         **common).kind == "memory"
-    assert choose_cache("disk:/fast", bytes_per_rank=1, memory_budget=GB, disk_free=0,
+    assert choose_cache("disk:/fast", bytes_per_rank=GB, memory_budget=GB, disk_free=4 * GB,
                         **common).directory == "/fast"
+    # ... unless it cannot fit: the 4 local ranks' share on a disk with less free.
+    with pytest.raises(RankError, match=r"^--cache disk needs 4.0 GB in /fast \(1.0 GB decoded "
+                       r"per rank x 4 local rank\(s\)\), which has 4.0 GB free"):
+        choose_cache("disk:/fast", bytes_per_rank=GB, memory_budget=GB, disk_free=4 * GB - 1,
+                     **common)
     assert choose_cache("off", bytes_per_rank=1, memory_budget=GB, disk_free=0,
                         **common).kind == "off"
 

@@ -10,6 +10,8 @@ Every source becomes the same two ``tf.data`` pipelines per rank. The package, b
     sources.py   which source the flags name; rank 0 lists, every rank receives the listing
     shares.py    which samples a rank owns
     cache.py     where decoded images are kept between epochs, sized against the job's memory
+    store.py     the decoded samples kept, by position, in memory or on local disk
+    augment.py   random-resized crops and flips for training, a center crop for validation
     pipeline.py  a listing -> this rank's training and validation pipelines
 """
 import importlib
@@ -18,7 +20,8 @@ import importlib
 # flag parser) must not import them all, numpy and the pipeline included.
 _PUBLIC = {"CacheChoice": "cache", "choose_data_cache": "cache", "Listing": "listing",
            "Split": "listing", "split_indices": "listing", "ImageDatasets": "pipeline",
-           "build_pipelines": "pipeline", "list_data": "sources", "load_listing": "sources"}
+           "build_pipelines": "pipeline", "list_data": "sources", "load_listing": "sources",
+           "disk_cache_failures_in_one_line": "store"}
 __all__ = sorted(_PUBLIC)
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 
 from hvdtrain.data.augment import stored_shape
 from hvdtrain.data.shares import samples_for_rank
-from hvdtrain.errors import UserError
+from hvdtrain.errors import RankError, UserError
 from hvdtrain.jobmemory import job_memory_limit
 from hvdtrain.runtime.base import World
 from hvdtrain.scratch import own_directory
@@ -103,6 +103,11 @@ def choose_cache(flag: str, *, bytes_per_rank: int, local_size: int, memory_budg
     if mode == "memory":
         return CacheChoice("memory", f"--cache memory; {need}")
     if mode == "disk":
+        if disk_free is not None and node_bytes > disk_free:
+            # It would fill the disk mid-epoch; this node's disk, so this rank's line.
+            raise RankError(f"--cache disk needs {_size(node_bytes)} in {disk_dir} ({need}), "
+                            f"which has {_size(disk_free)} free: point --cache disk:DIR or "
+                            "TMPDIR at a larger local disk, or use --cache memory or off")
         return CacheChoice("disk", f"--cache disk; {need}", disk_dir)
     budget = f"{_size(memory_budget)} budget: {budget_source} for {local_size} local rank(s)"
     if node_bytes <= memory_budget:

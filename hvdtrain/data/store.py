@@ -24,10 +24,14 @@ a reader never sees a torn image.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import TYPE_CHECKING
+import re
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
+
+from hvdtrain.errors import RankError
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -38,6 +42,8 @@ FAILED = -2
 """Label of a position whose sample did not decode: read back as a blank of weight 0."""
 STORE_BATCH = 32
 """Samples a disk store writes, or reads, per call into Python."""
+DISK_CACHE_FAILURE = "cannot write the disk cache in"
+"""How a failed write of a disk store starts its message (see ``disk_cache_failure``)."""
 
 
 class SampleStore:
@@ -168,8 +174,18 @@ class SampleStore:
         return tf.ensure_shape(tf.reshape(image, self.image_shape), self.image_shape)
 
     def _write(self, positions, images) -> int:
-        for position, image in zip(positions.numpy(), images.numpy()):
-            os.pwrite(self._fd, image, int(position) * self._image_bytes)
+        try:
+            for position, image in zip(positions.numpy(), images.numpy()):
+                data, offset = memoryview(image).cast("B"), int(position) * self._image_bytes
+                while data:  # a short write (the disk filling up) writes the rest again
+                    written = os.pwrite(self._fd, data, offset)
+                    data, offset = data[written:], offset + written
+        except OSError as error:
+            # The disk filled up after the start's check (another job's files, say). TensorFlow
+            # re-raises this inside fit with its own words around it; the marker lets the rank
+            # turn it into one line (disk_cache_failure).
+            raise OSError(error.errno, f"{DISK_CACHE_FAILURE} {self.directory}: "
+                                       f"{error.strerror}") from None
         return len(positions)
 
     def _read_many(self, positions) -> np.ndarray:
@@ -178,6 +194,30 @@ class SampleStore:
         for image, position in zip(images, positions):
             os.preadv(self._fd, [image], int(position) * self._image_bytes)  # into place
         return images
+
+
+def disk_cache_failure(error: BaseException) -> str | None:
+    """The one line for ``error`` if it is a disk store's failed write, as TensorFlow raises it
+    from inside the pipeline (else None)."""
+    found = re.search(re.escape(DISK_CACHE_FAILURE) + r" (\S+): ([^\n]+)", str(error))
+    if found is None:
+        return None
+    directory, reason = found.groups()
+    return (f"{DISK_CACHE_FAILURE} {directory}: {reason.strip()}; free space there, point "
+            "--cache disk:DIR or TMPDIR at a larger local disk, or use --cache memory or off")
+
+
+@contextlib.contextmanager
+def disk_cache_failures_in_one_line() -> Iterator[None]:
+    """Inside it, a disk store's failed write ends this rank with one line (a full disk is this
+    node's own), not with TensorFlow's traceback."""
+    try:
+        yield
+    except Exception as error:
+        line = disk_cache_failure(error)
+        if line is None:
+            raise
+        raise RankError(line) from None
 
 
 def only(keep, *values) -> list:
