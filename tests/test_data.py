@@ -171,6 +171,28 @@ def test_a_class_folder_that_is_not_utf8_is_one_line(tmp_path):
                           on_bad_image="skip")
 
 
+def test_a_class_folder_that_cannot_be_listed_is_one_line(tmp_path):
+    """A class folder this user may not read, for training and the converter. Root reads any
+    folder, so the commands run as root of a user namespace: the folder's owner is not mapped
+    there, so no capability overrides its mode."""
+    import subprocess
+    import sys
+
+    if subprocess.run(["unshare", "--user", "--map-root-user", "true"]).returncode != 0:
+        pytest.skip("no user namespaces here (unshare --user)")
+    root = make_image_folder(tmp_path / "data", classes=2, per_class=3)
+    locked = root / "one"
+    os.chown(locked, 12345, 12345)
+    locked.chmod(0o700)
+    for module, out in (("hvdtrain.tfrecords", "--out"), ("hvdtrain.cnn", "--run-dir")):
+        result = subprocess.run(
+            ["unshare", "--user", "--map-root-user", sys.executable, "-m", module, "--data-dir",
+             str(root), out, str(tmp_path / module)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert result.stderr.strip() == f"{module}: error: cannot list {locked}: Permission denied"
+        assert not list(tmp_path.glob(module + "*"))
+
+
 def test_listing_opens_only_files_without_an_image_extension(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, per_class=5)
     (root / "zero" / "notes.txt").write_text("not an image")

@@ -116,6 +116,16 @@ def _is_utf8(name: str) -> bool:
     return True
 
 
+def _listed(directory: str) -> list[os.DirEntry]:
+    """The entries of a folder of the data, or one line saying why it cannot be listed (no
+    permission, a stale network mount)."""
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except OSError as error:
+        raise UserError(f"cannot list {directory}: {error.strerror or error}") from None
+
+
 def list_image_folder(data_dir: str, *, image_size: int | None, validation_fraction: float,
                       seed: int, on_bad_image: str, channels: int = 3,
                       check_images: bool = False) -> FolderListing:
@@ -128,7 +138,7 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
     started = time.monotonic()
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir}: no such directory")
-    class_names = sorted(entry.name for entry in os.scandir(data_dir)
+    class_names = sorted(entry.name for entry in _listed(data_dir)
                          if entry.is_dir() and not entry.name.startswith("."))
     unnamed_classes = [name for name in class_names if not _is_utf8(name)]
     if unnamed_classes:
@@ -141,7 +151,7 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
     if len(class_names) == 1:
         raise UserError(f"--data-dir {data_dir} has only one class folder ('{class_names[0]}'); "
                         "classification needs at least 2")
-    files_per_class = [sorted(entry.name for entry in os.scandir(os.path.join(data_dir, name))
+    files_per_class = [sorted(entry.name for entry in _listed(os.path.join(data_dir, name))
                               if entry.is_file()) for name in class_names]
     # Names that are not UTF-8 (os.scandir gives them surrogate escapes) cannot go into the name
     # table, messages or JSON: skipped and counted like files that are not images.
