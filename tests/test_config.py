@@ -58,6 +58,13 @@ def test_preset_then_overrides():
     (["--data-dir", "a", "--tfrecords", "b"], "either --data-dir or --tfrecords"),
     (["--no-such-flag"], "unrecognized arguments"),
     (["--epochs", "three"], "invalid int value"),
+    # nan and inf pass every comparison: a learning rate of nan trained to a loss of nan.
+    (["--learning-rate", "nan"], "--learning-rate must be a finite number, got nan"),
+    (["--warmup-epochs", "inf"], "--warmup-epochs must be a finite number, got inf"),
+    (["--cache-budget-gb", "nan"], "--cache-budget-gb must be a finite number, got nan"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--epochs", "99999999999999999999"], "--epochs must be at most 2147483647"),
+    (["--threads-per-worker", "100000"], "--threads-per-worker must be at most this node's"),
 ])
 def test_bad_values_are_one_line_user_errors(argv, message):
     with pytest.raises(UserError) as error:
