@@ -265,8 +265,13 @@ def _check_at_least_one(config: TrainConfig, always: list[str], when_set: list[s
 
 
 # --- command line ---------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of printing usage from every rank and exiting."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that raises a UserError (one line, once: see hvdtrain.errors.reported) instead
+    of printing its usage from every rank and exiting, and takes no abbreviated flag (`--ker 3`
+    would be read as --keras 3 after hvdtrain had chosen Keras 2 from the exact flag)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         raise UserError(f"{message} (see --help)")
@@ -277,12 +282,12 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
     """Preset named by --preset (default 'default'), then every flag given, validated.
 
     The flags are the fields of the presets' config class (a TrainConfig or a subclass)."""
-    preset_parser = _Parser(add_help=False)
+    preset_parser = OneLineParser(add_help=False)
     preset_parser.add_argument("--preset", default="default", choices=sorted(presets))
     known, _ = preset_parser.parse_known_args(argv)
     base = presets[known.preset]()
 
-    parser = _Parser(prog=prog, description=description,
+    parser = OneLineParser(prog=prog, description=description,
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", default="default", choices=sorted(presets),
                         help="Named starting configuration; the flags below override it.")

@@ -18,6 +18,7 @@ import textwrap
 from dataclasses import MISSING, dataclass, fields
 from typing import Mapping, Sequence
 
+from hvdtrain.config import OneLineParser
 from hvdtrain.errors import UserError, reported
 from hvdtrain.launch.options import MODULE_NAME, VIAS
 
@@ -351,8 +352,8 @@ def render(job: SbatchJob) -> str:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {PROGRAM}", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog=f"python -m {PROGRAM}", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     render_parser = commands.add_parser("render", help="print an sbatch script")
     for spec in fields(SbatchJob):

@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TextIO
 
+from hvdtrain.config import OneLineParser
 from hvdtrain.data.folder import FolderListing, list_image_folder
 from hvdtrain.data.images import image_format_of_bytes
 from hvdtrain.data.listing import DEFAULT_FILE_IMAGE_SIZE
@@ -553,8 +554,8 @@ def _clock(seconds: float) -> str:
 
 # --- command line --------------------------------------------------------------------------------
 def run(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {PROGRAM}", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog=f"python -m {PROGRAM}", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True, help="image folder, one sub-folder per class")
     parser.add_argument("--out", required=True,
                         help="new directory for the shards (written in OUT.partial until done)")

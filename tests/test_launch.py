@@ -537,10 +537,39 @@ def test_hosts_outside_slurm_give_the_rank_count_and_the_host_list():
     assert mpirun[1:5] == ("-np", "3", "-H", "node1:2,node2:1")
 
 
-@pytest.mark.parametrize("hosts", ["node1:0", "node1:2,node1:2", "node1:x", "a b:2", ""])
+@pytest.mark.parametrize("hosts", ["node1:0", "node1:00", "node1:2,node1:2", "node1:x", "a b:2",
+                                   ""])
 def test_bad_hosts_are_one_line_errors(hosts):
     with pytest.raises(UserError, match="--hosts"):
         build_launch(options(hosts=hosts), None, gpus=0)
+
+
+@pytest.mark.parametrize("changes, message", [
+    # Checked here, not only by the preflight that --skip-preflight skips (0 planned 1 rank;
+    # -2 reached horovodrun as -np -2, a traceback).
+    ({"np": 0}, "--np must be at least 1, got 0"),
+    ({"np": -2}, "--np must be at least 1, got -2"),
+    ({"binding_args": "--bind-to 'core"}, "--binding-args \"--bind-to 'core\": No closing"),
+])
+def test_bad_launch_options_are_one_line_errors_without_the_preflight(changes, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        build_launch(options(**changes), None, gpus=0)
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("hvdtrain.launch", ["--np", "abc", "hvdtrain.cnn"],
+     "hvdtrain.launch: error: argument --np: invalid int value: 'abc' (see --help)"),
+    ("hvdtrain.slurm", ["render", "--name", "x", "--nodes", "two"],
+     "hvdtrain.slurm: error: argument --nodes: invalid int value: 'two' (see --help)"),
+    ("hvdtrain.launch", ["--n", "2", "hvdtrain.cnn"],  # no abbreviation stands for a flag
+     "hvdtrain.launch: error: unrecognized arguments"),
+])
+def test_a_command_line_argparse_refuses_is_one_line_under_the_programs_name(module, argv,
+                                                                            message):
+    result = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True,
+                            text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(message), result.stderr
 
 
 def test_hosts_inside_an_allocation_are_refused():

@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
-from hvdtrain.config import add_flag, field_docs
+from hvdtrain.config import OneLineParser, add_flag, field_docs
 from hvdtrain.errors import UserError
 from hvdtrain.launch.console import PROGRAM
 
@@ -130,7 +130,7 @@ _POSITIONAL = ("program", "program_args")
 
 
 def parse_options(argv: Sequence[str] | None, description: str) -> LaunchOptions:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=f"python -m {PROGRAM}", description=description, formatter_class=_HelpFormatter,
         usage="%(prog)s [options] [--] MODULE|SCRIPT.py [arguments...]")
     docs = field_docs(LaunchOptions)

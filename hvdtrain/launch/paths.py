@@ -156,6 +156,9 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         raise UserError(f"--via must be one of {', '.join(VIAS)}, got {options.via!r}")
     if options.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, got {options.max_restarts}")
+    # Here, not only in the preflight (--skip-preflight skips it): 0 would read as "unset" below.
+    if options.np is not None and options.np < 1:
+        raise UserError(f"--np must be at least 1, got {options.np}")
     if options.startup_timeout < 0:
         raise UserError(f"--startup-timeout must be 0 (none) or more, got "
                         f"{options.startup_timeout:g}")
@@ -195,7 +198,7 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         notes.append(f"network interface(s): {interface_list}")
     plan = Plan(options=options, allocation=allocation, np=np, hosts=hosts,
                 program=program_command(options), env=env, interfaces=interface_list,
-                binding=shlex.split(options.binding_args) if options.binding_args else [],
+                binding=binding_args(options.binding_args),
                 running_as_root=running_as_root,
                 forwarded=forwarded_names(environment or {}) if allocation is None else ())
     argv = LAUNCH_PATHS[options.via](plan)
@@ -241,12 +244,20 @@ def horovod_tuning_env(options: LaunchOptions) -> dict[str, str]:
     return env
 
 
+def binding_args(text: str | None) -> list[str]:
+    """--binding-args split as a shell would, or one line saying why it cannot be."""
+    try:
+        return shlex.split(text) if text else []
+    except ValueError as error:  # an unclosed quote
+        raise UserError(f"--binding-args {text!r}: {error}") from None
+
+
 def parse_hosts(text: str) -> list[tuple[str, int]]:
     """horovodrun's -H syntax, 'node1:2,node2:2' (a host without a count has 1 slot)."""
     parsed = []
     for item in text.split(","):
         match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?::(\d+))?", item.strip())
-        if not match or match.group(2) == "0":
+        if not match or (match.group(2) is not None and int(match.group(2)) == 0):
             raise UserError(f"--hosts {text!r}: give HOST:RANKS,HOST:RANKS (e.g. node1:2,node2:2)")
         parsed.append((match.group(1), int(match.group(2) or 1)))
     if len({host for host, _ in parsed}) != len(parsed):
