@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import logging
+
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
 
@@ -45,6 +47,10 @@ class Checkpoints:
             except (AssertionError, ValueError, tf.errors.OpError) as error:
                 errors.append(f"{path}: {first_line(error)}")
         if errors:
+            # The failed restores stay attached to the model: as the process ends, TensorFlow
+            # would log a WARNING for every value the checkpoint holds that this model lacks,
+            # under the one line below that already says so.
+            tf.get_logger().setLevel(logging.ERROR)
             raise UserError(f"no checkpoint in {self.manager.directory} could be restored into "
                             f"this model (first: {errors[0]}); use another --run-dir")
         return 0, None

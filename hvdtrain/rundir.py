@@ -93,16 +93,20 @@ class RunDir:
         """Why rank 0 could not write here, or None. Checked before training, not after."""
         if self.remote:
             return self._remote_problem()
+        # The room first, on the nearest directory that exists: a refusal creates nothing.
+        existing = os.path.abspath(self.path)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        free = shutil.disk_usage(existing).free
+        if free < bytes_needed:
+            return (f"run directory {self.path} has {free / 2**20:.1f} MiB free; checkpoints "
+                    f"need about {bytes_needed / 2**20:.1f} MiB")
         try:
             os.makedirs(self.checkpoints, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-test-"):
                 pass
         except OSError as error:
             return f"run directory {self.path} is not writable: {error.strerror or error}"
-        free = shutil.disk_usage(self.path).free
-        if free < bytes_needed:
-            return (f"run directory {self.path} has {free / 2**20:.1f} MiB free; checkpoints "
-                    f"need about {bytes_needed / 2**20:.1f} MiB")
         return None
 
     def _remote_problem(self) -> str | None:

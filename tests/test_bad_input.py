@@ -50,6 +50,18 @@ def test_unwritable_or_full_run_directory_is_found_before_training(tmp_path):
     free = shutil.disk_usage(tmp_path).free
     problem = RunDir(tmp_path / "run", is_chief=True).problem(bytes_needed=free + 2**30)
     assert problem and "MiB free; checkpoints need about" in problem
+    assert not (tmp_path / "run").exists()  # the refusal made nothing
+
+
+def test_a_run_directory_of_another_model_is_one_line_and_no_warning(tmp_path):
+    """Resuming a run directory with another model (here another image size): TensorFlow would
+    warn about every value of the checkpoint the model lacks, under the one line."""
+    run_dir = str(tmp_path / "run")
+    mpirun_job(1, "hvdtrain.cnn", "--preset", "tiny", "--epochs", "1", "--run-dir", run_dir)
+    result = mpirun_job(2, "hvdtrain.cnn", "--preset", "tiny", "--image-size", "16",
+                        "--run-dir", run_dir, check=False)
+    assert "could be restored into this model" in one_error(result)
+    assert "WARNING" not in result.stdout, result.stdout[-3000:]
 
 
 def test_more_ranks_than_tfrecord_files(tmp_path):
