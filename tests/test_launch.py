@@ -476,13 +476,24 @@ def test_mpirun_outside_slurm_passes_the_users_environment_on_but_not_who_it_is(
     argv = build_launch(options(via="mpirun", hosts="node1:2,node2:2", fusion_threshold_mb=32),
                         None, gpus=0, environment=shell).argv
     exported = [argv[i + 1] for i, arg in enumerate(argv) if arg == "-x"]
-    assert exported == ["FOO", "HOROVOD_FUSION_THRESHOLD", "OMPI_ALLOW_RUN_AS_ROOT", "PATH"]
+    assert exported == ["FOO", "HOROVOD_FUSION_THRESHOLD", "HVDTRAIN_KERAS",
+                        "OMPI_ALLOW_RUN_AS_ROOT", "PATH"]
     # Inside an allocation Slurm passes the environment on: only the launcher's own variables.
     inside = build_launch(options(via="mpirun", fusion_threshold_mb=32),
                           allocation(SLURM_JOB_NODELIST="n[1-2]", SLURM_TASKS_PER_NODE="2(x2)"),
                           gpus=0, environment=shell).argv
     assert [inside[i + 1] for i, arg in enumerate(inside) if arg == "-x"] == [
-        "HOROVOD_FUSION_THRESHOLD"]
+        "HOROVOD_FUSION_THRESHOLD", "HVDTRAIN_KERAS"]
+
+
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_every_rank_gets_the_launchers_keras_whatever_its_environment_holds(keras):
+    # A Keras 3 process exports HVDTRAIN_KERAS=3 to what it starts: a launcher it starts
+    # without --keras 3 still gives its ranks Keras 2, as its help says.
+    for via in ("horovodrun", "mpirun"):
+        launch = build_launch(options(via=via, keras=keras), None, gpus=0,
+                              environment={"HVDTRAIN_KERAS": "3" if keras == "2" else "2"})
+        assert launch.env["HVDTRAIN_KERAS"] == keras
 
 
 def test_the_orphan_guard_asks_rank_0s_host_only_when_it_is_another_one():

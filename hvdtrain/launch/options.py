@@ -47,7 +47,8 @@ class LaunchOptions:
     keras: Literal["2", "3"] = "2"
     """The Keras of the ranks: 2 (tf_keras, which horovod.tensorflow.keras needs; a script runs
     through hvdtrain.script, which selects it) or 3 (TensorFlow's own: a script runs as is, and
-    hvdtrain's jobs get HVDTRAIN_KERAS=3 and hvdtrain's own horovod integration)."""
+    hvdtrain's jobs get HVDTRAIN_KERAS=3 and hvdtrain's own horovod integration). Every rank
+    gets HVDTRAIN_KERAS set to this, whatever the launcher's environment holds."""
     dry_run: bool = False
     """Print the command and environment, start nothing."""
     skip_preflight: bool = False

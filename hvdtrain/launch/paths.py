@@ -186,9 +186,10 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         notes.append(f"no Slurm allocation: {np} rank(s) on this machine"
                      + ("" if options.np else f" (one per GPU; {gpus} GPU(s) seen)"))
     env = horovod_tuning_env(options)
-    if options.keras == "3":
-        # hvdtrain chooses its Keras at import, in each rank: tell every rank, on every node.
-        env["HVDTRAIN_KERAS"] = "3"
+    # hvdtrain chooses its Keras at import, in each rank: tell every rank, on every node, also
+    # when it is 2 (a Keras 3 process exports HVDTRAIN_KERAS=3 to whatever it starts, and
+    # the ranks would inherit it from a launcher started by one).
+    env["HVDTRAIN_KERAS"] = options.keras
     interface_list = ",".join(interfaces) if interfaces else None
     if interface_list:
         # Every transport picks its own interface, and each can pick one that connects nothing
