@@ -18,7 +18,7 @@ import textwrap
 from dataclasses import MISSING, dataclass, fields
 from typing import Mapping, Sequence
 
-from hvdtrain.config import OneLineParser
+from hvdtrain.config import OneLineParser, field_docs
 from hvdtrain.errors import UserError, reported
 from hvdtrain.launch.options import MODULE_NAME, VIAS
 
@@ -164,6 +164,7 @@ class SbatchJob:
     """Slurm job name (also names the run directory and log file)."""
     description: str = "hvdtrain data-parallel training job"
     nodes: int = 1
+    """Nodes the job asks for (#SBATCH --nodes)."""
     gpus_per_node: int = 0
     """GPUs per node (--gres=gpu:N); 0 for a CPU job."""
     tasks_per_node: int | None = None
@@ -171,6 +172,7 @@ class SbatchJob:
     cpus_per_task: int = 8
     """CPU cores per rank: input pipeline and TensorFlow threads."""
     time: str = "02:00:00"
+    """Time limit, as sbatch --time takes it: minutes, hours:minutes:seconds, days-hours, ..."""
     partition: str | None = None
     """Leave unset to take it from `sbatch -p` or $SBATCH_PARTITION at submission."""
     account: str | None = None
@@ -195,6 +197,8 @@ class SbatchJob:
             raise ValueError("tasks_per_node must be >= 1")
         if self.max_requeues < 0:
             raise ValueError("max_requeues must be >= 0")
+        if self.signal_seconds < 1:
+            raise ValueError(f"signal_seconds must be >= 1, got {self.signal_seconds}")
         if self.via not in VIAS:
             raise ValueError(f"via must be one of {', '.join(VIAS)}, got {self.via!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
@@ -208,8 +212,11 @@ class SbatchJob:
         for label, value in (("partition", self.partition), ("account", self.account)):
             if value is not None and not re.fullmatch(r"[A-Za-z0-9_.,-]+", value):
                 raise ValueError(f"{label} {value!r}: use letters, digits, '.', ',', '_' or '-'")
-        if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", self.time):
-            raise ValueError(f"time {self.time!r}: use [days-]hours:minutes:seconds")
+        # sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+        # days-hours:minutes or days-hours:minutes:seconds.
+        if not re.fullmatch(r"\d+(:\d{2}){0,2}|\d+-\d{1,2}(:\d{2}){0,2}", self.time):
+            raise ValueError(f"time {self.time!r}: use minutes, hours:minutes:seconds or "
+                             "days-hours:minutes:seconds, as sbatch --time takes it")
 
     @property
     def ranks_per_node(self) -> int:
@@ -356,13 +363,14 @@ def run(argv: Sequence[str] | None = None) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     render_parser = commands.add_parser("render", help="print an sbatch script")
+    docs = field_docs(SbatchJob)
     for spec in fields(SbatchJob):
         if spec.name in ("description", "args"):
             continue
         kind = int if spec.name in ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task",
                                     "signal_seconds", "max_requeues") else str
         render_parser.add_argument("--" + spec.name.replace("_", "-"), type=kind,
-                                   required=spec.name == "name",
+                                   required=spec.name == "name", help=docs.get(spec.name),
                                    default=None if spec.default is MISSING else spec.default)
     render_parser.add_argument("args", nargs=argparse.REMAINDER,
                                help="training flags baked into the script (after --)")

@@ -241,6 +241,19 @@ def test_render_cli_writes_a_custom_script():
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "job name" in bad.stderr
 
 
+@pytest.mark.parametrize("time", ["120", "30:00", "02:00:00", "1-12", "1-12:30", "1-00:00:00"])
+def test_a_rendered_time_limit_takes_every_form_sbatch_takes(time):
+    assert f"#SBATCH --time={time}\n" in render(SbatchJob(name="x", time=time))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"time": "12:3"}, "time '12:3': use minutes"), ({"time": "1-"}, "time '1-'"),
+    ({"signal_seconds": -5}, "signal_seconds must be >= 1, got -5")])
+def test_a_bad_rendered_job_is_refused(changes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SbatchJob(name="x", **changes)
+
+
 
 # --- what runs on every rank: a module or a script --------------------------------------------
 def test_a_script_path_runs_as_python_script_under_every_launcher(tmp_path):

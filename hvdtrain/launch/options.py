@@ -64,9 +64,10 @@ class LaunchOptions:
     TensorFlow's import and a Charliecloud image's start are not in it (a pyxis image import
     would be: no deadline with pyxis). 0: wait forever."""
     min_nodes: int = 0
-    """With --hosts and --max-restarts: after a failure, drop the hosts that no longer answer
-    ssh and restart on the rest (every slot of theirs, from the last checkpoint) when at least
-    this many are left; fewer: end with one line (see hvdtrain.launch.survivors). 0: off."""
+    """With --max-restarts, on several hosts (--hosts, or the nodes of a Slurm allocation):
+    after a failure, drop the hosts that no longer answer (ssh, or an srun step inside an
+    allocation) and restart on the rest (every slot of theirs, from the last checkpoint) when at
+    least this many are left; fewer: end with one line (see hvdtrain.launch.survivors). 0: off."""
     health_check: bool = False
     """Before the job, run hvdtrain.health on every rank through the same launch: each node's
     GPUs (or CPU share), the links between nodes, the same numbers on every rank; a failure ends
@@ -116,7 +117,7 @@ class LaunchOptions:
     are seen at the same paths (see hvdtrain.launch.container)."""
     container_runtime: Literal["auto", "charliecloud", "pyxis"] = "auto"
     """How --container runs: pyxis where srun has --container-image, else Charliecloud's
-    ch-run --join on every node."""
+    ch-run for every rank (not --join: see hvdtrain.launch.container)."""
     container_python: str = "python"
     """The ranks' interpreter inside --container (the image's python on its PATH)."""
 
