@@ -135,9 +135,7 @@ class MlflowRun:
         except UserError:
             raise
         except Exception as error:  # noqa: BLE001 - whatever the client raises: HTTP, auth, store
-            raise UserError(f"--track mlflow: the tracking server at {uri} did not take the run "
-                            f"({as_one_line(error)}); check --tracking-uri or "
-                            "MLFLOW_TRACKING_URI, or drop --track") from None
+            raise UserError(_refused(uri, error)) from None
         return tracked
 
     def describe(self, experiment: str) -> str:
@@ -261,6 +259,30 @@ def start(program: str, config, runtime, run_dir: RunDir, params: Mapping[str, s
 
     runtime.print0(runtime.from_chief(open_run))
     return started[0] if started else None
+
+
+def check_server(config, runtime) -> None:
+    """Rank 0 asks the tracking server one question before the run directory is made (every
+    rank waits): a server that does not answer (a wrong --tracking-uri, one that is down) is
+    one line that leaves no run directory behind."""
+    if config.track == "off":
+        return
+
+    def ask() -> None:
+        mlflow = import_mlflow()
+        uri = config.tracking_uri or mlflow.get_tracking_uri()
+        try:
+            mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        except Exception as error:  # noqa: BLE001 - whatever the client raises: HTTP, auth, store
+            raise UserError(_refused(uri, error)) from None
+
+    runtime.from_chief(ask)
+
+
+def _refused(uri: str, error: BaseException) -> str:
+    return (f"--track mlflow: the tracking server at {uri} did not take the run "
+            f"({as_one_line(error)}); check --tracking-uri or MLFLOW_TRACKING_URI, or drop "
+            "--track")
 
 
 def _absolute(path: str) -> str:
