@@ -574,6 +574,12 @@ def test_bad_hosts_are_one_line_errors(hosts):
     ({"np": 0}, "--np must be at least 1, got 0"),
     ({"np": -2}, "--np must be at least 1, got -2"),
     ({"binding_args": "--bind-to 'core"}, "--binding-args \"--bind-to 'core\": No closing"),
+    ({"max_requeues": -1}, "--max-requeues must be 0 or more, got -1"),
+    # Horovod takes whatever its variables say.
+    ({"fusion_threshold_mb": -1.0}, "--fusion-threshold-mb must be a number >= 0, got -1.0"),
+    ({"cycle_time_ms": float("nan")}, "--cycle-time-ms must be a number >= 0, got nan"),
+    ({"stall_check_shutdown_seconds": 0},
+     "--stall-check-shutdown-seconds must be a number >= 1, got 0"),
 ])
 def test_bad_launch_options_are_one_line_errors_without_the_preflight(changes, message):
     with pytest.raises(UserError, match=re.escape(message)):

@@ -7,6 +7,7 @@ horovod feature, one line in ``preflight``). Pure: nothing here starts a process
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -156,6 +157,8 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         raise UserError(f"--via must be one of {', '.join(VIAS)}, got {options.via!r}")
     if options.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, got {options.max_restarts}")
+    if options.max_requeues < 0:
+        raise UserError(f"--max-requeues must be 0 or more, got {options.max_requeues}")
     # Here, not only in the preflight (--skip-preflight skips it): 0 would read as "unset" below.
     if options.np is not None and options.np < 1:
         raise UserError(f"--np must be at least 1, got {options.np}")
@@ -218,6 +221,16 @@ def forwarded_names(environment: Mapping[str, str]) -> tuple[str, ...]:
 
 def horovod_tuning_env(options: LaunchOptions) -> dict[str, str]:
     """Horovod's knobs as the environment variables horovod reads in every rank."""
+    # Horovod takes whatever the variables say (a negative fusion buffer, a cycle of -1 ms):
+    # each must be a finite number, and a time a positive one.
+    for flag, value, least in (("--fusion-threshold-mb", options.fusion_threshold_mb, 0),
+                               ("--cycle-time-ms", options.cycle_time_ms, 0),
+                               ("--stall-check-warning-seconds",
+                                options.stall_check_warning_seconds, 1),
+                               ("--stall-check-shutdown-seconds",
+                                options.stall_check_shutdown_seconds, 1)):
+        if value is not None and not (math.isfinite(value) and value >= least):
+            raise UserError(f"{flag} must be a number >= {least}, got {value}")
     env = {}
     if options.timeline_filename:
         env["HOROVOD_TIMELINE"] = options.timeline_filename
