@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import os
 import typing
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
@@ -147,7 +146,6 @@ class TrainConfig:
             if allowed and value not in allowed:
                 raise ValueError(f"{_flag(field.name)} must be one of {', '.join(allowed)}, "
                                  f"got {value!r}")
-            _check_number(field.name, value)
         positive = ["batch_size", "epochs", "grad_accum_steps", "keep_checkpoints",
                     "signal_check_every_steps"]
         optional_positive = ["steps_per_epoch", "steps_per_execution", "threads_per_worker"]
@@ -165,11 +163,10 @@ class TrainConfig:
             raise ValueError("--run-dir must not be empty")
         if self.seed < 0:  # numpy's and TensorFlow's seeds are unsigned
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
-        cores = os.cpu_count() or 1
-        if self.threads_per_worker is not None and self.threads_per_worker > cores:
-            # More threads than cores only contend (100,000 once made 30k threads and 15 GB).
-            raise ValueError(f"--threads-per-worker must be at most this node's {cores} "
-                             f"core(s), got {self.threads_per_worker}")
+        # After the checks that say more (--epochs -3000000000: "at least 1").
+        for field in dataclasses.fields(self):
+            if not (isinstance(field.default, float) and not math.isfinite(field.default)):
+                _check_number(field.name, getattr(self, field.name))  # (inf by default: inf ok)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -254,8 +251,11 @@ def _check_number(name: str, value) -> None:
     of nan trained to a loss of nan and exited 0); an int one must fit TensorFlow's int32."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{_flag(name)} must be a finite number, got {value}")
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > LARGEST_INT:
-        raise ValueError(f"{_flag(name)} must be at most {LARGEST_INT}, got {value}")
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value > LARGEST_INT:
+            raise ValueError(f"{_flag(name)} must be at most {LARGEST_INT}, got {value}")
+        if value < -LARGEST_INT:
+            raise ValueError(f"{_flag(name)} must be at least {-LARGEST_INT}, got {value}")
 
 
 def _check_at_least_one(config: TrainConfig, always: list[str], when_set: list[str]) -> None:

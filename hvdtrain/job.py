@@ -12,6 +12,7 @@ import sys
 from typing import Callable, Mapping, Sequence
 
 from hvdtrain.config import ImageConfig, TrainConfig, parse_config
+from hvdtrain.data import disk_cache_failures_in_one_line
 from hvdtrain.errors import UserError, reported
 from hvdtrain.scratch import use_rank_scratch
 from hvdtrain.task import Task
@@ -63,7 +64,8 @@ def run(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | N
     result = train.run(program, config, runtime, job_task)
     # 4. what the job makes of a finished run, then the summary
     if after is not None and result.exit_code == 0:
-        after(result, runtime)
+        with disk_cache_failures_in_one_line():  # it may read the data (the autoencoder does)
+            after(result, runtime)
     runtime.print0(train.summary(result))
     return result.exit_code
 

@@ -213,8 +213,9 @@ class SbatchJob:
             if value is not None and not re.fullmatch(r"[A-Za-z0-9_.,-]+", value):
                 raise ValueError(f"{label} {value!r}: use letters, digits, '.', ',', '_' or '-'")
         # sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
-        # days-hours:minutes or days-hours:minutes:seconds.
-        if not re.fullmatch(r"\d+(:\d{2}){0,2}|\d+-\d{1,2}(:\d{2}){0,2}", self.time):
+        # days-hours:minutes, days-hours:minutes:seconds, or UNLIMITED/INFINITE.
+        if not re.fullmatch(r"\d+(:\d{2}){0,2}|\d+-\d{1,2}(:\d{2}){0,2}|UNLIMITED|INFINITE",
+                            self.time):
             raise ValueError(f"time {self.time!r}: use minutes, hours:minutes:seconds or "
                              "days-hours:minutes:seconds, as sbatch --time takes it")
 

@@ -294,10 +294,10 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     state_variables = training_state(model)
 
     # --- run directory and resume ---------------------------------------------------------------
+    tracking.check_server(config, runtime)  # before the run directory is made
     # Rank 0 also takes the run directory's lock, held until this process ends: a second job on
     # the same directory (a duplicate sbatch, a requeued job whose old copy still runs) is
     # refused on every rank, naming the holder, before it writes anything.
-    tracking.check_server(config, runtime)
     lock_note = ensure_writable(run_dir, runtime, bytes_needed=(config.keep_checkpoints + 1)
                                 * variables_bytes(state_variables) + 2**20,
                                 job=job_label(os.environ))

@@ -690,3 +690,16 @@ def test_augmentation_crops_anew_every_epoch_and_rank_and_validation_never_chang
     for _, again in (passes(0, "memory"), passes(0, "off"), passes(0, "disk")):
         assert all(np.array_equal(image, center) for batch in again for image in batch)
     assert all(np.array_equal(image, center) for batch in validation for image in batch)
+
+
+def test_a_disk_cache_failure_is_found_in_tensorflows_words_whatever_its_directory():
+    from hvdtrain.data.store import disk_cache_failure
+
+    said = ("Graph execution error:\n\nError in user-defined function passed to ParallelMapDatasetV2"
+            ": OSError: [Errno 28] cannot write the disk cache in /scratch/my job: 2/training: "
+            "No space left on device\nTraceback (most recent call last):\n  File ...")
+    assert disk_cache_failure(Exception(said)) == (
+        "cannot write the disk cache in /scratch/my job: 2/training: No space left on device; "
+        "free space there, point --cache disk:DIR or TMPDIR at a larger local disk, or use "
+        "--cache memory or off")
+    assert disk_cache_failure(Exception("OSError: [Errno 5] Input/output error")) is None

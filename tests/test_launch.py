@@ -241,7 +241,8 @@ def test_render_cli_writes_a_custom_script():
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "job name" in bad.stderr
 
 
-@pytest.mark.parametrize("time", ["120", "30:00", "02:00:00", "1-12", "1-12:30", "1-00:00:00"])
+@pytest.mark.parametrize("time", ["120", "30:00", "02:00:00", "1-12", "1-12:30", "1-00:00:00",
+                                  "UNLIMITED"])
 def test_a_rendered_time_limit_takes_every_form_sbatch_takes(time):
     assert f"#SBATCH --time={time}\n" in render(SbatchJob(name="x", time=time))
 
@@ -578,8 +579,10 @@ def test_bad_hosts_are_one_line_errors(hosts):
     # Horovod takes whatever its variables say.
     ({"fusion_threshold_mb": -1.0}, "--fusion-threshold-mb must be a number >= 0, got -1.0"),
     ({"cycle_time_ms": float("nan")}, "--cycle-time-ms must be a number >= 0, got nan"),
-    ({"stall_check_shutdown_seconds": 0},
-     "--stall-check-shutdown-seconds must be a number >= 1, got 0"),
+    ({"stall_check_shutdown_seconds": -1},
+     "--stall-check-shutdown-seconds must be a number >= 0, got -1"),
+    ({"stall_check_warning_seconds": 0},
+     "--stall-check-warning-seconds must be a number >= 1, got 0"),
 ])
 def test_bad_launch_options_are_one_line_errors_without_the_preflight(changes, message):
     with pytest.raises(UserError, match=re.escape(message)):

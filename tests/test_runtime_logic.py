@@ -170,3 +170,17 @@ def test_first_line_of_a_tensorflow_graph_error_is_the_ops_own_message():
         checked(tf.constant(2.0))
     assert str(caught.value).startswith("Graph execution error:")
     assert first_line(caught.value).startswith("assertion failed: [too big] [Condition x < y")
+
+
+def test_more_threads_per_worker_than_the_nodes_cores_is_this_ranks_one_line():
+    # Once 100,000: 30k threads and 15 GB before a step. Nodes differ: a RankError, printed by
+    # the rank that sees it.
+    import os
+
+    from hvdtrain.runtime import World
+    from hvdtrain.runtime.base import configure_devices
+
+    cores = os.cpu_count()
+    with pytest.raises(RankError, match=f"--threads-per-worker {cores + 1} is more than this "
+                                        f"node's {cores} core"):
+        configure_devices(World(), threads_per_worker=cores + 1)

@@ -25,6 +25,7 @@ a reader never sees a torn image.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 from typing import TYPE_CHECKING, Iterator
@@ -179,6 +180,8 @@ class SampleStore:
                 data, offset = memoryview(image).cast("B"), int(position) * self._image_bytes
                 while data:  # a short write (the disk filling up) writes the rest again
                     written = os.pwrite(self._fd, data, offset)
+                    if written == 0:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                     data, offset = data[written:], offset + written
         except OSError as error:
             # The disk filled up after the start's check (another job's files, say). TensorFlow
@@ -199,7 +202,9 @@ class SampleStore:
 def disk_cache_failure(error: BaseException) -> str | None:
     """The one line for ``error`` if it is a disk store's failed write, as TensorFlow raises it
     from inside the pipeline (else None)."""
-    found = re.search(re.escape(DISK_CACHE_FAILURE) + r" (\S+): ([^\n]+)", str(error))
+    # The directory may hold spaces and colons; the reason (strerror) holds neither ": " nor
+    # a newline.
+    found = re.search(re.escape(DISK_CACHE_FAILURE) + r" (.+): ([^:\n]+)", str(error))
     if found is None:
         return None
     directory, reason = found.groups()

@@ -222,13 +222,13 @@ def forwarded_names(environment: Mapping[str, str]) -> tuple[str, ...]:
 def horovod_tuning_env(options: LaunchOptions) -> dict[str, str]:
     """Horovod's knobs as the environment variables horovod reads in every rank."""
     # Horovod takes whatever the variables say (a negative fusion buffer, a cycle of -1 ms):
-    # each must be a finite number, and a time a positive one.
+    # each must be a finite number; a shutdown limit of 0 is horovod's "never".
     for flag, value, least in (("--fusion-threshold-mb", options.fusion_threshold_mb, 0),
                                ("--cycle-time-ms", options.cycle_time_ms, 0),
                                ("--stall-check-warning-seconds",
                                 options.stall_check_warning_seconds, 1),
                                ("--stall-check-shutdown-seconds",
-                                options.stall_check_shutdown_seconds, 1)):
+                                options.stall_check_shutdown_seconds, 0)):
         if value is not None and not (math.isfinite(value) and value >= least):
             raise UserError(f"{flag} must be a number >= {least}, got {value}")
     env = {}

@@ -155,6 +155,12 @@ def configure_devices(world: World, threads_per_worker: int | None,
             tf.config.experimental.set_memory_growth(gpus[index], True)
             tf.config.set_visible_devices(gpus[index], "GPU")
             return Devices("gpu", f"GPU {index} of {len(gpus)}")
+        cores = os.cpu_count() or 1
+        if threads_per_worker is not None and threads_per_worker > cores:
+            # More threads than cores only contend (100,000 once made 30k threads and 15 GB
+            # before a step). This node's own count: nodes differ, so this rank's line.
+            raise RankError(f"--threads-per-worker {threads_per_worker} is more than this "
+                            f"node's {cores} core(s)")
         threads = threads_per_worker or cpu_threads_per_local_rank(
             local_cpu_sets or [os.sched_getaffinity(0)])[world.local_rank]
         tf.config.threading.set_intra_op_parallelism_threads(threads)
