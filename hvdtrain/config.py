@@ -288,7 +288,7 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
     base = presets[known.preset]()
 
     parser = OneLineParser(prog=prog, description=description,
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", default="default", choices=sorted(presets),
                         help="Named starting configuration; the flags below override it.")
     config_class = type(base)

@@ -6,6 +6,8 @@ import tempfile
 
 import numpy as np
 
+from hvdtrain.rundir import nearest_existing
+
 
 NOT_CURVES = frozenset({"epoch", "samples_per_sec", "train_seconds", "epoch_seconds",
                         "cpu_seconds", "first_step_seconds", "resident_mb", "learning_rate",
@@ -78,12 +80,8 @@ def _writable_config_home() -> bool:
     """Whether matplotlib's default configuration directory is (or can be made) writable."""
     config = os.path.join(os.environ.get("XDG_CONFIG_HOME")
                           or os.path.join(os.path.expanduser("~"), ".config"), "matplotlib")
-    while not os.path.exists(config):
-        parent = os.path.dirname(config)
-        if parent == config:
-            return False
-        config = parent
-    return os.access(config, os.W_OK)
+    existing = nearest_existing(config)
+    return existing is not None and os.access(existing, os.W_OK)
 
 
 def save_figure(figure, path: str) -> None:

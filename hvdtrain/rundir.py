@@ -54,6 +54,17 @@ def is_url(path: str) -> bool:
     return _URL.match(path) is not None
 
 
+def nearest_existing(path: str) -> str | None:
+    """``path``, or its closest ancestor that exists; None when none of them does (a relative
+    path whose first part is missing)."""
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return path
+
+
 class RunDir:
     """Rank 0's reader and writer of one run directory, on a local disk or behind a URL."""
 
@@ -94,10 +105,7 @@ class RunDir:
         if self.remote:
             return self._remote_problem()
         # The room first, on the nearest directory that exists: a refusal creates nothing.
-        existing = os.path.abspath(self.path)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        free = shutil.disk_usage(existing).free
+        free = shutil.disk_usage(nearest_existing(os.path.abspath(self.path))).free
         if free < bytes_needed:
             return (f"run directory {self.path} has {free / 2**20:.1f} MiB free; checkpoints "
                     f"need about {bytes_needed / 2**20:.1f} MiB")

@@ -37,6 +37,9 @@ for the model, TensorFlow, the shuffle buffers and whatever else runs there."""
 DISK_HEADROOM = 1.1
 """A disk cache needs this much more free space than it will write (file system overhead)."""
 CACHE_DIR_PREFIX = "hvdtrain-cache-"
+DISK_ADVICE = ("point --cache disk:DIR or TMPDIR at a larger local disk, or use --cache memory "
+               "or off")
+"""What to do about a disk cache that does not fit: at the start (here) or mid-run (store.py)."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,7 @@ def choose_cache(flag: str, *, bytes_per_rank: int, local_size: int, memory_budg
         if disk_free is not None and node_bytes > disk_free:
             # It would fill the disk mid-epoch; this node's disk, so this rank's line.
             raise RankError(f"--cache disk needs {_size(node_bytes)} in {disk_dir} ({need}), "
-                            f"which has {_size(disk_free)} free: point --cache disk:DIR or "
-                            "TMPDIR at a larger local disk, or use --cache memory or off")
+                            f"which has {_size(disk_free)} free: {DISK_ADVICE}")
         return CacheChoice("disk", f"--cache disk; {need}", disk_dir)
     budget = f"{_size(memory_budget)} budget: {budget_source} for {local_size} local rank(s)"
     if node_bytes <= memory_budget:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
+from hvdtrain.data.cache import DISK_ADVICE
 from hvdtrain.errors import RankError
 
 if TYPE_CHECKING:
@@ -208,8 +209,7 @@ def disk_cache_failure(error: BaseException) -> str | None:
     if found is None:
         return None
     directory, reason = found.groups()
-    return (f"{DISK_CACHE_FAILURE} {directory}: {reason.strip()}; free space there, point "
-            "--cache disk:DIR or TMPDIR at a larger local disk, or use --cache memory or off")
+    return f"{DISK_CACHE_FAILURE} {directory}: {reason.strip()}; free space there, {DISK_ADVICE}"
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shlex
 import sys
 import typing
 from dataclasses import dataclass
@@ -129,6 +130,15 @@ _SECTIONS = {"sbatch": "in an sbatch script",
              "container": "containers (Slurm's pyxis, or Charliecloud)"}
 _SHORT_FLAGS = {"hosts": "-H"}
 _POSITIONAL = ("program", "program_args")
+
+
+def shell_words(text: str, what: str) -> list[str]:
+    """``text`` split as a shell would, or one line naming ``what`` and why it cannot be (an
+    unclosed quote)."""
+    try:
+        return shlex.split(text)
+    except ValueError as error:
+        raise UserError(f"{what}: {error}") from None
 
 
 def parse_options(argv: Sequence[str] | None, description: str) -> LaunchOptions:

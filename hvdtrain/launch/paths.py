@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 
 from hvdtrain.errors import UserError
 from hvdtrain.launch import container
-from hvdtrain.launch.options import VIAS, LaunchOptions, program_command
+from hvdtrain.launch.options import VIAS, LaunchOptions, program_command, shell_words
 from hvdtrain.launcher_env import is_identity
 from hvdtrain.slurm import Allocation
 
@@ -202,7 +202,8 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         notes.append(f"network interface(s): {interface_list}")
     plan = Plan(options=options, allocation=allocation, np=np, hosts=hosts,
                 program=program_command(options), env=env, interfaces=interface_list,
-                binding=binding_args(options.binding_args),
+                binding=shell_words(options.binding_args or "",
+                                    f"--binding-args {options.binding_args!r}"),
                 running_as_root=running_as_root,
                 forwarded=forwarded_names(environment or {}) if allocation is None else ())
     argv = LAUNCH_PATHS[options.via](plan)
@@ -256,14 +257,6 @@ def horovod_tuning_env(options: LaunchOptions) -> dict[str, str]:
     if options.controller == "gloo" and options.via != "horovodrun":
         raise UserError("--controller gloo needs --via horovodrun (it runs the Gloo rendezvous)")
     return env
-
-
-def binding_args(text: str | None) -> list[str]:
-    """--binding-args split as a shell would, or one line saying why it cannot be."""
-    try:
-        return shlex.split(text) if text else []
-    except ValueError as error:  # an unclosed quote
-        raise UserError(f"--binding-args {text!r}: {error}") from None
 
 
 def parse_hosts(text: str) -> list[tuple[str, int]]:

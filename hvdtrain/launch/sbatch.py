@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import shlex
 import subprocess
 from typing import Mapping
 
 from hvdtrain.errors import EXIT_PREEMPTED, UserError, first_line
 from hvdtrain.launch.console import say
-from hvdtrain.launch.options import VIAS, LaunchOptions, is_script_path
+from hvdtrain.launch.options import VIAS, LaunchOptions, is_script_path, shell_words
 from hvdtrain.slurm import default_run_dir, requeue_decision
 
 
@@ -36,10 +35,7 @@ def batch_options(options: LaunchOptions, env: Mapping[str, str]) -> tuple[Launc
     if via not in VIAS:
         raise UserError(f"HVDTRAIN_VIA must be one of {', '.join(VIAS)}, got {via!r}")
     run_dir = env.get("HVDTRAIN_RUN_DIR") or default_run_dir(env)
-    try:
-        extra_args = shlex.split(env.get("HVDTRAIN_ARGS", ""))
-    except ValueError as error:
-        raise UserError(f"HVDTRAIN_ARGS: {error}") from None
+    extra_args = shell_words(env.get("HVDTRAIN_ARGS", ""), "HVDTRAIN_ARGS")
     # An hvdtrain module is told its run directory; a script of your own gets only your flags
     # (and finds the directory in HVDTRAIN_RUN_DIR).
     run_dir_args = [] if is_script_path(program) else ["--run-dir", run_dir]
