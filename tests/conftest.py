@@ -93,6 +93,11 @@ def shared_dir(runtime, tmp_path_factory):
     return Path(runtime.broadcast_object(path))
 
 
+#: The test clusters' nodes declare four GPUs that are plain files (tests/cluster/lib.sh), so their
+#: jobs run CPU ranks where Slurm gave GPUs: hvdtrain refuses that unless told (hvdtrain.gpus).
+FAKE_GPU_NODES = {"HVDTRAIN_ALLOW_CPU": "1"}
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment for a job a test starts, as from the user's shell: none of this process's
     MPI/horovod/Slurm identity, nor the parent make's (`make test` runs lanes under make -j2,

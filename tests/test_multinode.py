@@ -33,7 +33,8 @@ from typing import Callable
 
 import pytest
 
-from conftest import REPO, VENV_BIN, apt_install, clean_env, have_command, integration, run_job
+from conftest import (FAKE_GPU_NODES, REPO, VENV_BIN, apt_install, clean_env, have_command,
+                      integration, run_job)
 from benchmarks.threads import CLOCK_TICKS, thread_ticks
 from hvdtrain.launcher_env import processes
 from hvdtrain.scratch import PREFIX as SCRATCH_PREFIX
@@ -85,7 +86,7 @@ def cluster_env() -> dict[str, str]:
     exported = subprocess.run(["bash", str(CLUSTER), "env"], capture_output=True, text=True,
                               check=True, timeout=30).stdout
     slurm_conf = re.search(r"SLURM_CONF=(\S+)", exported).group(1)
-    yield clean_env(SLURM_CONF=slurm_conf, TF_CPP_MIN_LOG_LEVEL="2")
+    yield clean_env(SLURM_CONF=slurm_conf, TF_CPP_MIN_LOG_LEVEL="2", **FAKE_GPU_NODES)
     if not was_up:
         down = subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, text=True,
                               timeout=300)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, VENV_BIN, clean_env, integration, run_job
+from conftest import FAKE_GPU_NODES, REPO, VENV_BIN, clean_env, integration, run_job
 from hostlists import BAD_HOSTLISTS, HOSTLISTS
 
 pytestmark = [integration, pytest.mark.timeout(900)]
@@ -78,7 +78,7 @@ def submit(slurm_cluster, tmp_path):
         log = tmp_path / f"slurm-{len(jobs)}.out"
         array = any(arg.startswith("--array") for arg in args)
         output = tmp_path / f"slurm-{len(jobs)}-%a.out" if array else log
-        env = clean_env(HVDTRAIN_RUN_DIR=str(run_dir or tmp_path / "run"), **env)
+        env = clean_env(HVDTRAIN_RUN_DIR=str(run_dir or tmp_path / "run"), **FAKE_GPU_NODES, **env)
         job_id = run_job(["sbatch", "--parsable", f"--output={output}", *args], timeout=60,
                          env=env, cwd=cwd).stdout.strip().split(";")[0]
         jobs.append(job_id)
@@ -106,7 +106,7 @@ def preempted_4gpu_job(slurm_cluster, tmp_path_factory):
     run_dir, log = directory / "run", directory / "slurm.out"
     job_id = run_job(["sbatch", "--parsable", f"--output={log}", "slurm/4gpu.sh", "--preset",
                       "tiny", "--no-tensorboard", "--epochs", str(PREEMPTED_EPOCHS)], timeout=60,
-                     env=clean_env(HVDTRAIN_RUN_DIR=str(run_dir)), cwd=REPO).stdout.strip()
+                     env=clean_env(HVDTRAIN_RUN_DIR=str(run_dir), **FAKE_GPU_NODES), cwd=REPO).stdout.strip()
     job = Job(job_id.split(";")[0], log)
     try:
         deadline = time.monotonic() + 300

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from hvdtrain.errors import UserError
+from hvdtrain.gpus import cpu_allowed, given_gpus, not_seen
 from hvdtrain.launch.probe import ask
 from hvdtrain.launch.options import LaunchOptions
 from hvdtrain.slurm import Allocation
@@ -27,6 +28,10 @@ class Build:
     gloo: bool
     nccl: bool = False
     gpus: int = 0
+    """GPUs TensorFlow lists on this node."""
+    tensorflow_version: str = ""
+    cuda: bool = False
+    """TensorFlow was built with CUDA (tensorflow[and-cuda]), not tensorflow-cpu."""
     error: str | None = None
     """Why the horovod TensorFlow extension did not load (e.g. built against another TF)."""
 
@@ -102,6 +107,10 @@ def preflight(build: Build, allocation: Allocation | None, np: int | None,
                             "GPU(s) per node; use --ntasks-per-node <= --gres=gpu:N")
     elif np is not None and build.gpus and np > build.gpus:
         problems.append(f"--np {np} but this machine has {build.gpus} GPU(s); one rank per GPU")
+    given = given_gpus(env)
+    if build.tensorflow and not build.gpus and given and not cpu_allowed(env):
+        # TensorFlow's count, not Slurm's: the ranks would train on the CPU without a word.
+        problems.append(not_seen(given, build.tensorflow_version, build.cuda))
     if np is not None and np < 1:
         problems.append(f"--np must be at least 1, got {np}")
     root_ok = env.get("OMPI_ALLOW_RUN_AS_ROOT") == "1" and \

@@ -28,6 +28,8 @@ def build() -> dict:
         import tensorflow as tf
 
         result["gpus"] = len(tf.config.list_physical_devices("GPU"))
+        result["tensorflow_version"] = tf.__version__
+        result["cuda"] = tf.test.is_built_with_cuda()
         from hvdtrain.runtime.horovod import build_info
 
         result.update(build_info())

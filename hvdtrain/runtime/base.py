@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable, Sequence, TypeVar
 
 from hvdtrain.errors import RankError, UserError
+from hvdtrain.gpus import cpu_allowed, given_gpus, not_seen
 
 T = TypeVar("T")
 
@@ -147,6 +148,11 @@ def configure_devices(world: World, threads_per_worker: int | None,
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
+    given = given_gpus(os.environ)
+    if not gpus and given and not cpu_allowed(os.environ):
+        # The same on every rank of this node: its local rank 0 says it, the others exit too.
+        error = RankError if world.local_rank == 0 else UserError
+        raise error(not_seen(given, tf.__version__, tf.test.is_built_with_cuda()))
     index = choose_gpu(len(gpus), world.local_rank, world.local_size,
                        os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:

@@ -1,0 +1,54 @@
+"""GPUs the scheduler gave a process, and the one line when TensorFlow sees none of them.
+
+A job that asked for GPUs and trains on the CPU runs 10-100x slower and says nothing (the CPU
+TensorFlow wheel, or a node whose driver is missing, both show TensorFlow no GPU). So a rank whose
+scheduler assigned GPUs but whose TensorFlow lists none stops (``runtime.base.configure_devices``),
+and the launcher asks the same before it starts anything (``launch.preflight``). Nothing here
+imports TensorFlow: the launcher uses it too.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+#: The opt-out, for the rare job that wants CPU ranks on a GPU node (or a test cluster whose
+#: "GPUs" are plain files): HVDTRAIN_ALLOW_CPU=1.
+ALLOW_CPU = "HVDTRAIN_ALLOW_CPU"
+
+#: What Slurm sets when a job or step got GPUs (--gres=gpu:N, --gpus, --gpus-per-node/-task).
+_SLURM_GPU_VARIABLES = ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS",
+                        "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_GPUS")
+
+
+def given_gpus(env: Mapping[str, str]) -> str | None:
+    """The variable that says this process was given GPUs (``NAME=value``), or None.
+
+    CUDA_VISIBLE_DEVICES counts when it names a device: "", "-1" and Slurm's "NoDevFiles" hide
+    every GPU on purpose. A Slurm count of 0 is no GPU.
+    """
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and any(device.strip() not in ("", "-1", "NoDevFiles")
+                                   for device in visible.split(",")):
+        return f"CUDA_VISIBLE_DEVICES={visible}"
+    for name in _SLURM_GPU_VARIABLES:
+        value = env.get(name, "").strip()
+        if value and value not in ("0", "(null)") and not value.endswith(":0"):
+            return f"{name}={value}"
+    return None
+
+
+def cpu_allowed(env: Mapping[str, str]) -> bool:
+    return env.get(ALLOW_CPU) == "1"
+
+
+def not_seen(given: str, tensorflow_version: str, built_with_cuda: bool) -> str:
+    """The one line for a process given GPUs (``given``) whose TensorFlow sees none."""
+    if not built_with_cuda:
+        cause = (f"this TensorFlow {tensorflow_version} is a CPU-only build (tensorflow-cpu): "
+                 "install the GPU flavor (HVDTRAIN_TF_FLAVOR=gpu make install, or pip install "
+                 f"'tensorflow[and-cuda]=={tensorflow_version}')")
+    else:
+        cause = (f"TensorFlow {tensorflow_version} has CUDA but found no usable GPU: the NVIDIA "
+                 "driver (libcuda.so.1) is missing or too old for it, or the devices are not "
+                 "mounted into this container; check `nvidia-smi` on this node")
+    return (f"GPUs were given ({given}) but TensorFlow sees none: {cause}; {ALLOW_CPU}=1 runs "
+            "on the CPU anyway")
