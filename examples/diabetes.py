@@ -7,7 +7,7 @@ The 442 patients ship inside scikit-learn (no download). Run it like any hvdtrai
 
 and it gets hvdtrain's flags (--help), banner, run directory, checkpoints, resume and preemption.
 """
-import hvdtrain  # first: it selects the Keras (tf_keras; Keras 3 with HVDTRAIN_KERAS=3)
+import hvdtrain  # first: it selects the Keras (Keras 3; tf_keras with HVDTRAIN_KERAS=2)
 
 import keras  # noqa: E402  (the Keras hvdtrain selected)
 import numpy as np  # noqa: E402

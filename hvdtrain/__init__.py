@@ -5,15 +5,16 @@ Importing this package chooses the Keras every hvdtrain module (and your model f
 imported, hence at package import time: every entry point is ``python -m hvdtrain.<module>``,
 which runs this file first.
 
-* **Keras 2 (default)**: ``horovod.tensorflow.keras`` (0.28.1) needs Keras 2 (it does ``from keras
-  import backend`` and calls ``K.get_value``, which Keras 3 removed), while TensorFlow >= 2.16
-  ships Keras 3. ``TF_USE_LEGACY_KERAS=1`` makes ``tf.keras`` resolve to ``tf_keras``, and an
-  import hook makes ``import keras`` (which horovod does) give ``tf_keras`` too. The hook rather
-  than importing ``tf_keras`` here, so that tools which never touch Keras (the launcher, the Slurm
-  renderer) start in milliseconds instead of loading TensorFlow.
-* **Keras 3** (``--keras 3`` on the command line or ``HVDTRAIN_KERAS=3``): TensorFlow's own Keras,
-  untouched; hvdtrain then distributes it with its own integration on horovod's TensorFlow
-  collectives (``runtime/keras3.py``) instead of ``horovod.tensorflow.keras``.
+* **Keras 3** (the default, as ``import keras`` gives on TensorFlow >= 2.16): TensorFlow's own
+  Keras, untouched; hvdtrain distributes it with its own integration on horovod's TensorFlow
+  collectives (``runtime/keras3.py``), because ``horovod.tensorflow.keras`` cannot run on it.
+* **Keras 2** (``--keras 2``, ``HVDTRAIN_KERAS=2``, or ``TF_USE_LEGACY_KERAS=1`` in the
+  environment, which asks the same of TensorFlow): ``horovod.tensorflow.keras`` (0.28.1) needs it
+  (it does ``from keras import backend`` and calls ``K.get_value``, which Keras 3 removed).
+  ``TF_USE_LEGACY_KERAS=1`` makes ``tf.keras`` resolve to ``tf_keras``, and an import hook makes
+  ``import keras`` (which horovod does) give ``tf_keras`` too. The hook rather than importing
+  ``tf_keras`` here, so that tools which never touch Keras (the launcher, the Slurm renderer)
+  start in milliseconds instead of loading TensorFlow.
 
 ``KERAS`` holds the choice ("2" or "3").
 
@@ -22,10 +23,13 @@ Every rank imports this first, so it also makes the rank's stdout and stderr wri
 """
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import io
 import os
+import re
 import sys
+import tempfile
 import time
 
 STARTED = time.monotonic()
@@ -76,20 +80,28 @@ class _KerasIsTfKeras(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__spec__ = self._real_specs[module.__name__]
 
 
+def default_keras(env) -> str:
+    """The Keras a process gets without ``--keras``: HVDTRAIN_KERAS when it says 2 or 3, else the
+    one ``import keras`` and ``tf.keras`` give there: 2 under ``TF_USE_LEGACY_KERAS=1``, else 3."""
+    if env.get("HVDTRAIN_KERAS") in ("2", "3"):
+        return env["HVDTRAIN_KERAS"]
+    return "2" if env.get("TF_USE_LEGACY_KERAS") == "1" else "3"
+
+
 def _requested_keras(argv: list[str], env) -> str:
-    """The Keras asked for: a ``--keras N`` / ``--keras=N`` argument, else HVDTRAIN_KERAS, else 2.
+    """The Keras asked for: a ``--keras N`` / ``--keras=N`` argument, else ``default_keras``.
 
     Read from the command line here because the choice must be made before the job's module
     imports TensorFlow, long before it parses its flags (its ``--keras`` flag then only checks and
-    records it). A value other than 2 or 3 selects 2; the job's flag parser rejects it.
+    records it). Any other value selects the default; the job's flag parser rejects it.
     """
-    requested = env.get("HVDTRAIN_KERAS", "2")
+    requested = default_keras(env)
     for index, argument in enumerate(argv):
         if argument == "--keras" and index + 1 < len(argv):
             requested = argv[index + 1]
         elif argument.startswith("--keras="):
             requested = argument.split("=", 1)[1]
-    return requested if requested in ("2", "3") else "2"
+    return requested if requested in ("2", "3") else default_keras(env)
 
 
 def _select_keras(version: str) -> None:
@@ -124,6 +136,57 @@ def _select_keras(version: str) -> None:
 
 KERAS = _requested_keras(sys.argv, os.environ)
 _select_keras(KERAS)
+
+#: What TensorFlow >= 2.19 writes to stderr at import whatever TF_CPP_MIN_LOG_LEVEL says
+#: (tensorflow#100442): absl's notice that logging is not initialised, and oneDNN's INFO line,
+#: once per shared library, from every rank.
+_IMPORT_NOISE = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called "
+                           r"are written to STDERR|I\d{4} [\d:. ]+\d+ port\.cc:\d+\] oneDNN custom "
+                           r"operations are on")
+
+
+class _QuietTensorFlowImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The first ``import tensorflow`` with TensorFlow's import-time INFO lines left out of
+    stderr, when TF_CPP_MIN_LOG_LEVEL asks for no INFO (hvdtrain's default, 2). Everything else
+    written to stderr meanwhile is written after the import, in order."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "tensorflow":
+            return None
+        sys.meta_path.remove(self)  # once: the package's own imports find it as usual
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self.loader
+        if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") in ("0", ""):
+            self.loader.exec_module(module)
+            return
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as captured:
+            os.dup2(captured.fileno(), 2)
+            try:
+                self.loader.exec_module(module)
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                os.close(saved)
+                captured.seek(0)
+                kept = [line for line in captured.read().splitlines(keepends=True)
+                        if not _IMPORT_NOISE.match(line.decode(errors="replace"))]
+                if kept:
+                    os.write(2, b"".join(kept))
+
+
+if "tensorflow" not in sys.modules and not any(
+        isinstance(finder, _QuietTensorFlowImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _QuietTensorFlowImport())
 
 
 class _WholeLines(io.TextIOWrapper):

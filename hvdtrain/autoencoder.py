@@ -11,7 +11,7 @@ import dataclasses
 from typing import Sequence
 
 import tensorflow as tf
-import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
+import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain import job, train
 from hvdtrain.config import ImageConfig

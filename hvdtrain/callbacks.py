@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 
-import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
+import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain import ranklog
 from hvdtrain.errors import UserError, no_step_report, report_once

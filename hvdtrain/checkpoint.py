@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 import tensorflow as tf
-import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
+import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain.errors import UserError, first_line
 from hvdtrain.preemption import StopRequest

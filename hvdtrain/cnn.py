@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
+import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain import job
 from hvdtrain.config import ImageConfig

@@ -93,8 +93,8 @@ class TrainConfig:
     keras: KerasVersion = dataclasses.field(default_factory=selected_keras)
     """The Keras the job runs on: '2' (tf_keras, with horovod's Keras API) or '3' (TensorFlow's
     Keras 3, with hvdtrain's own integration on horovod's collectives). Chosen when hvdtrain is
-    imported, from this flag or HVDTRAIN_KERAS (default 2); Keras 3 runs on the horovod and
-    single backends."""
+    imported, from this flag or HVDTRAIN_KERAS, else what `import keras` gives (3; 2 under
+    TF_USE_LEGACY_KERAS=1); Keras 3 runs on the horovod and single backends."""
     backend: Backend = "auto"
     """'auto' picks a TPU when one is reachable, horovod when launched by horovodrun/mpirun/srun,
     else 'single'. 'mirrored' is tf.distribute.MirroredStrategy over this host's GPUs."""

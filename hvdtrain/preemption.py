@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
+import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain.errors import RELAYED_STOP, signal_name
 

@@ -2,7 +2,7 @@
 
 The public API (exported from ``hvdtrain``; README "Your own training job")::
 
-    import hvdtrain          # first: it selects the Keras (tf_keras unless --keras 3)
+    import hvdtrain          # first: it selects the Keras (Keras 3 unless --keras 2)
     import keras             # that Keras
 
     def datasets(shard: hvdtrain.Shard) -> hvdtrain.Datasets:

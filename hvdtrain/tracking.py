@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
+import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain import __version__
 from hvdtrain.errors import UserError, as_one_line

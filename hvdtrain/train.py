@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import tensorflow as tf
-import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
+import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain import KERAS, STARTED, __version__, ranklog, tracking
 from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
@@ -62,10 +62,15 @@ def start_runtime(config: TrainConfig) -> Runtime:
     # where `auto` would otherwise run a single process.
     needs_horovod = config.grad_accum_steps > 1
     backend = select_backend(config.backend, needs_horovod=needs_horovod)
-    if KERAS == "3" and backend in ("tpu", "mirrored"):
-        # Resolved first, so `auto` landing on a strategy is refused before anything starts.
-        raise UserError(f"--keras 3 runs on the horovod and single backends, not '{backend}' "
-                        "(use --keras 2 there)")
+    # Resolved first, so `auto` landing on a strategy is refused before anything starts.
+    if KERAS == "3" and backend == "tpu":
+        raise UserError("Keras 3 (the default) runs on the horovod, single and mirrored "
+                        "backends; on 'tpu' it has never run here: pass --keras 2")
+    if KERAS == "3" and backend == "mirrored" and (config.steps_per_execution or 1) > 1:
+        # Keras 3.15's multi-step function under MirroredStrategy fails at its first call
+        # ("You must feed a value for placeholder tensor ..."); one step per call trains.
+        raise UserError("--steps-per-execution above 1 with --backend mirrored fails inside "
+                        "Keras 3: pass --keras 2, or --steps-per-execution 1")
     return make_runtime(backend, threads_per_worker=config.threads_per_worker,
                         needs_horovod=needs_horovod)
 

@@ -172,7 +172,7 @@ def test_a_plain_horovod_keras_script_runs_unchanged_through_the_launcher(tmp_pa
 
 @integration
 def test_without_hvdtrain_script_the_horovod_keras_script_fails_on_keras_3(tmp_path):
-    # Why the launcher runs scripts through hvdtrain.script: TensorFlow 2.18's own Keras is 3.
+    # Why the launcher runs such scripts through hvdtrain.script: TensorFlow's own Keras is 3.
     result = subprocess.run([sys.executable, str(REPO / "examples" / "plain_horovod.py")],
                             cwd=tmp_path, capture_output=True, text=True, timeout=120,
                             env=clean_env())
@@ -189,7 +189,7 @@ def test_a_job_that_is_not_a_task_is_refused_before_anything_starts(tmp_path):
 
 
 def test_a_model_made_at_its_first_call_gets_its_variables_or_one_line():
-    import tf_keras as keras
+    import keras  # the Keras conftest's hvdtrain import selected
 
     from hvdtrain import train
 

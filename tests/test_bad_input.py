@@ -24,7 +24,8 @@ BAD_INPUT = [
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
     (["--batch-policy", "global", "--batch-size", "33"], "global batch 33 does not divide by 2"),
     (["--batch-size", "2000"], "fewer than one global batch"),
-    (["--backend", "tpu"], "started as 2 ranks by a launcher, but --backend tpu runs one"),
+    (["--backend", "tpu", "--keras", "2"],
+     "started as 2 ranks by a launcher, but --backend tpu runs one"),
 ]
 
 

@@ -1,8 +1,9 @@
-"""Keras 3 (`--keras 3`): the choice at import, and hvdtrain's own horovod integration across ranks.
+"""Keras 3 (the default) and Keras 2 (`--keras 2`): the choice at import, and hvdtrain's own
+horovod integration across ranks.
 
-This pytest process runs Keras 2 (conftest imports hvdtrain first), and a process has one Keras,
-so everything that trains on Keras 3 runs in jobs of its own (integration tier): the collective
-checks in tests/scripts/keras3_ranks.py under `mpirun -np 2`, and the CLI as users run it.
+A process has one Keras, chosen when conftest imports hvdtrain (HVDTRAIN_KERAS, else the default),
+so the jobs here that need a given Keras say so: the collective checks in
+tests/scripts/keras3_ranks.py under `mpirun -np 2`, and the CLI as users run it.
 """
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.mark.parametrize("argv, env, expected", [
-    ([], {}, "2"),
-    ([], {"HVDTRAIN_KERAS": "3"}, "3"),
-    (["-m", "--preset", "tiny", "--keras", "3"], {}, "3"),
-    (["-m", "--keras=3"], {}, "3"),
-    (["-m", "--keras", "2"], {"HVDTRAIN_KERAS": "3"}, "2"),  # the command line wins
-    (["-m", "--keras", "4"], {}, "2"),  # left to the flag parser, which names the choices
-    (["-m", "--keras"], {"HVDTRAIN_KERAS": "3"}, "3"),
+    ([], {}, "3"),  # what `import keras` gives on TensorFlow >= 2.16
+    ([], {"TF_USE_LEGACY_KERAS": "1"}, "2"),  # ... and what it gives tf.keras there
+    ([], {"HVDTRAIN_KERAS": "2"}, "2"),
+    ([], {"HVDTRAIN_KERAS": "3", "TF_USE_LEGACY_KERAS": "1"}, "3"),
+    (["-m", "--preset", "tiny", "--keras", "2"], {}, "2"),
+    (["-m", "--keras=2"], {}, "2"),
+    (["-m", "--keras", "3"], {"HVDTRAIN_KERAS": "2"}, "3"),  # the command line wins
+    (["-m", "--keras", "4"], {}, "3"),  # left to the flag parser, which names the choices
+    (["-m", "--keras"], {"HVDTRAIN_KERAS": "2"}, "2"),
 ])
 def test_the_keras_is_chosen_from_the_command_line_then_the_environment(argv, env, expected):
     assert _requested_keras(argv, env) == expected
@@ -40,19 +43,45 @@ def test_the_launcher_tells_every_rank_on_every_node():
         assert launch.env["HVDTRAIN_KERAS"] == "3"
         if via == "mpirun":  # remote ranks see only what -x names
             assert ("-x", "HVDTRAIN_KERAS") in zip(launch.argv, launch.argv[1:])
-    keras_2 = build_launch(LaunchOptions(program="hvdtrain.cnn", hosts="node1:2"), None, gpus=0)
+    keras_2 = build_launch(LaunchOptions(program="hvdtrain.cnn", hosts="node1:2", keras="2"), None,
+                           gpus=0, environment={"HVDTRAIN_KERAS": "3"})
     assert keras_2.env["HVDTRAIN_KERAS"] == "2"  # said too: a launcher may have inherited 3
+    # auto: what `import keras` gives where the launcher runs ...
+    for environment, keras in (({}, "3"), ({"TF_USE_LEGACY_KERAS": "1"}, "2")):
+        auto = build_launch(LaunchOptions(program="hvdtrain.cnn", hosts="node1:2"), None,
+                            gpus=0, environment=environment)
+        assert auto.env["HVDTRAIN_KERAS"] == keras and not any("Keras" in n for n in auto.notes)
+
+
+def test_a_script_on_horovods_keras_api_gets_keras_2_and_any_other_the_default(tmp_path):
+    plain = str(REPO / "examples" / "plain_horovod.py")  # import horovod.tensorflow.keras as hvd
+    launch = build_launch(LaunchOptions(program=plain, hosts="node1:2"), None, gpus=0,
+                          environment={})
+    assert launch.env["HVDTRAIN_KERAS"] == "2"
+    assert f" -m hvdtrain.script {plain}" in " ".join(launch.argv), launch.argv
+    assert any(note.startswith("Keras 2: ") and "horovod's Keras API or tf_keras" in note
+               for note in launch.notes), launch.notes
+    other = tmp_path / "train.py"
+    other.write_text("import keras\nimport horovod.tensorflow as hvd\n")
+    launch = build_launch(LaunchOptions(program=str(other), hosts="node1:2"), None, gpus=0,
+                          environment={})
+    assert launch.env["HVDTRAIN_KERAS"] == "3" and "hvdtrain.script" not in launch.argv
+    forced = build_launch(LaunchOptions(program=plain, hosts="node1:2", keras="3"), None, gpus=0,
+                          environment={})
+    assert forced.env["HVDTRAIN_KERAS"] == "3" and "hvdtrain.script" not in forced.argv
 
 
 def test_a_config_for_the_other_keras_is_refused_in_one_line():
     import dataclasses
 
-    from hvdtrain import train
+    from hvdtrain import KERAS, train
     from hvdtrain.cnn import tiny
     from hvdtrain.errors import UserError
 
-    with pytest.raises(UserError, match=r"this process runs Keras 2 .* HVDTRAIN_KERAS=3"):
-        train.check_keras(dataclasses.replace(tiny(), keras="3"))
+    other = "2" if KERAS == "3" else "3"
+    with pytest.raises(UserError, match=rf"this process runs Keras {KERAS} .* HVDTRAIN_KERAS="
+                                        rf"{other}"):
+        train.check_keras(dataclasses.replace(tiny(), keras=other))
 
 
 def keras3_env(**extra: str) -> dict[str, str]:
@@ -111,11 +140,17 @@ def test_a_keras_3_user_model_trains_on_two_ranks_and_its_export_loads(tmp_path)
 
 
 @integration
-def test_keras_3_where_it_cannot_run_is_one_line(tmp_path):
-    result = run_job([sys.executable, "-m", "hvdtrain.cnn", "--keras", "3", "--backend",
-                      "mirrored", "--run-dir", str(tmp_path / "r")], timeout=120, check=False)
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "tpu"], "Keras 3 (the default) runs on the horovod, single and mirrored "
+                           "backends; on 'tpu' it has never run here: pass --keras 2"),
+    (["--backend", "mirrored", "--steps-per-execution", "4"],
+     "--steps-per-execution above 1 with --backend mirrored fails inside Keras 3: pass --keras "
+     "2, or --steps-per-execution 1"),
+])
+def test_keras_3_where_it_cannot_run_is_one_line(tmp_path, args, message):
+    result = run_job([sys.executable, "-m", "hvdtrain.cnn", "--keras", "3", *args, "--run-dir",
+                      str(tmp_path / "r")], timeout=120, check=False)
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert result.returncode == 2, result.stdout[-2000:]
-    assert lines[-1] == ("hvdtrain.cnn: error: --keras 3 runs on the horovod and single backends, not "
-                         "'mirrored' (use --keras 2 there)"), lines
+    assert lines[-1] == f"hvdtrain.cnn: error: {message}", lines
     assert not (tmp_path / "r").exists()

@@ -260,15 +260,15 @@ def test_a_bad_rendered_job_is_refused(changes, message):
 def test_a_script_path_runs_as_python_script_under_every_launcher(tmp_path):
     script = tmp_path / "my jobs" / "train.py"
     script.parent.mkdir()
-    script.write_text("print('hi')\n")
+    script.write_text("import horovod.tensorflow.keras as hvd\n")
     alloc = allocation(SLURM_JOB_NODELIST="gpu01", SLURM_TASKS_PER_NODE="2")
     for via in ("horovodrun", "mpirun", "srun"):
         argv = build_launch(options(program=str(script), program_args=("--lr", "0.1"), via=via),
-                            alloc, gpus=0).argv
+                            alloc, gpus=0, environment={}).argv
         # Through hvdtrain.script, which selects Keras 2 for horovod's Keras API first.
         assert argv[-6:] == (PY, "-m", "hvdtrain.script", str(script), "--lr", "0.1"), (via, argv)
         keras_3 = build_launch(options(program=str(script), via=via, keras="3"), alloc,
-                               gpus=0).argv
+                               gpus=0, environment={}).argv
         assert keras_3[-2:] == (PY, str(script)) and "-m" not in keras_3, (via, keras_3)
     module = build_launch(options(program_args=("--lr", "0.1")), None, gpus=0).argv
     assert module[-5:] == (PY, "-m", "hvdtrain.cnn", "--lr", "0.1")
@@ -278,13 +278,12 @@ def test_what_counts_as_a_script(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train").write_text("")  # an existing file without .py is run as a script
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "run.py").write_text("")
-    script = [PY, "-m", "hvdtrain.script"]
-    for program, expected in (("train", [*script, "train"]),
-                              ("sub/run.py", [*script, "sub/run.py"]),
+    (tmp_path / "sub" / "run.py").write_text("import tf_keras\n")  # Keras 2: hvdtrain.script
+    for program, expected in (("train", [PY, "train"]),
+                              ("sub/run.py", [PY, "-m", "hvdtrain.script", "sub/run.py"]),
                               ("mypackage.train", [PY, "-m", "mypackage.train"])):
-        assert list(build_launch(options(program=program), None, gpus=0).argv[-len(expected):]) \
-            == expected
+        assert list(build_launch(options(program=program), None, gpus=0,
+                                 environment={}).argv[-len(expected):]) == expected
     for program, message in (("missing.py", "no such script: missing.py"),
                              ("sub/missing", "no such script: sub/missing"),
                              ("not a-module", "neither a module name")):
@@ -304,8 +303,9 @@ def test_dry_run_shows_a_script_path_as_python_script():
     assert result.returncode == 0, result.stderr
     command = shlex.split(result.stdout.splitlines()[-1])
     assert command[1:5] == ["-np", "2", "-H", "localhost:2"]
-    assert command[-6:] == [sys.executable, "-m", "hvdtrain.script",
-                            "tests/scripts/hello_horovod.py", "--greeting", "hi there"]
+    # Keras 3 (the default): hello_horovod.py imports neither horovod's Keras API nor tf_keras.
+    assert command[-4:] == [sys.executable, "tests/scripts/hello_horovod.py", "--greeting",
+                            "hi there"]
 
 
 def test_a_missing_script_is_one_line_and_exit_2():

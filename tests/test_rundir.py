@@ -337,8 +337,8 @@ def test_curves_are_redrawn_at_most_as_often_as_asked_and_always_at_the_end(tmp_
                                                                           plot_every_seconds):
     # Rank 0's plotting is time every rank waits for (they move in lock-step): with a long
     # interval the plot is drawn after the first epoch and at the end, not after every epoch.
+    import keras  # the Keras conftest's hvdtrain import selected, as hvdtrain.callbacks'
     import numpy as np
-    import tf_keras as keras
 
     from hvdtrain.callbacks import MetricsLog, Throughput
     from hvdtrain.preemption import StopRequest

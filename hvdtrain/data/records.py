@@ -43,10 +43,13 @@ def shard_name(split_prefix: str, shard: int, count: int) -> str:
 def serialize_example(encoded_image: bytes, label: int) -> bytes:
     import tensorflow as tf
 
+    # deterministic: the same bytes for the same sample in every process (the protobuf that
+    # TensorFlow 2.21 brings orders a map's entries differently from one process to the next),
+    # so a shard written twice, or by another worker, is the same file.
     return tf.train.Example(features=tf.train.Features(feature={
         "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[encoded_image])),
         "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
-    })).SerializeToString()
+    })).SerializeToString(deterministic=True)
 
 
 def parse_example(record):

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
+from hvdtrain import default_keras
 from hvdtrain.config import OneLineParser, add_flag, field_docs
 from hvdtrain.errors import UserError
 from hvdtrain.launch.console import PROGRAM
@@ -45,11 +46,13 @@ class LaunchOptions:
     """Horovod's controller (horovodrun only; default: horovodrun's choice, MPI)."""
     python: str = sys.executable
     """Interpreter of the ranks (default: this one)."""
-    keras: Literal["2", "3"] = "2"
-    """The Keras of the ranks: 2 (tf_keras, which horovod.tensorflow.keras needs; a script runs
-    through hvdtrain.script, which selects it) or 3 (TensorFlow's own: a script runs as is, and
-    hvdtrain's jobs get HVDTRAIN_KERAS=3 and hvdtrain's own horovod integration). Every rank
-    gets HVDTRAIN_KERAS set to this, whatever the launcher's environment holds."""
+    keras: Literal["auto", "2", "3"] = "auto"
+    """The Keras of the ranks: 3 (TensorFlow's own: a script runs as is, and hvdtrain's jobs use
+    hvdtrain's own horovod integration) or 2 (tf_keras, which horovod.tensorflow.keras needs: a
+    script runs through hvdtrain.script, which selects it). auto: 2 for a script that imports
+    horovod.tensorflow.keras, horovod.keras or tf_keras, else what `import keras` gives here (3,
+    or 2 under TF_USE_LEGACY_KERAS=1). Every rank gets HVDTRAIN_KERAS set to the choice,
+    whatever the launcher's environment holds."""
     dry_run: bool = False
     """Print the command and environment, start nothing."""
     skip_preflight: bool = False
@@ -182,8 +185,30 @@ def is_script_path(program: str) -> bool:
     return program.endswith(".py") or os.sep in program or os.path.isfile(program)
 
 
-def program_command(options: LaunchOptions) -> list[str]:
-    """What every rank runs: `python -m hvdtrain.script script.py args` (or with --keras 3
+#: What a script written for Keras 2 says: ``import horovod.tensorflow.keras as hvd``, ``from
+#: horovod.tensorflow.keras import ...``, ``import horovod.keras``, ``import tf_keras``.
+_KERAS_2_IMPORT = re.compile(
+    r"^\s*(?:import|from)\s+(?:horovod\.(?:tensorflow\.)?keras|tf_keras)\b", re.MULTILINE)
+
+
+def ranks_keras(options: LaunchOptions, env: Mapping[str, str]) -> str:
+    """The Keras every rank selects ("2" or "3"): --keras, or for auto the script's own need
+    (horovod's Keras API runs on Keras 2 only; a script importing tf_keras is written for it),
+    else what ``import keras`` gives in ``env``."""
+    if options.keras != "auto":
+        return options.keras
+    if is_script_path(options.program) and os.path.isfile(options.program):
+        try:
+            with open(options.program, encoding="utf-8", errors="replace") as script:
+                if _KERAS_2_IMPORT.search(script.read()):
+                    return "2"
+        except OSError:
+            pass  # program_command says why the script cannot be run
+    return default_keras(env)
+
+
+def program_command(options: LaunchOptions, env: Mapping[str, str] = os.environ) -> list[str]:
+    """What every rank runs: `python -m hvdtrain.script script.py args` (or on Keras 3
     `python script.py args`) or `python -m module args`.
 
     The ranks start in the launcher's working directory (horovodrun, mpirun and srun all keep
@@ -194,7 +219,7 @@ def program_command(options: LaunchOptions) -> list[str]:
         if not os.path.isfile(options.program):
             raise UserError(f"no such script: {options.program} (a script path runs as `python "
                             "PATH`, a module name like hvdtrain.cnn as `python -m MODULE`)")
-        if options.keras == "3":
+        if ranks_keras(options, env) == "3":
             return [python, options.program, *options.program_args]
         # horovod.tensorflow.keras needs Keras 2; hvdtrain.script selects it, then runs the
         # script exactly as `python script.py args` would.

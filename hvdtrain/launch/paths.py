@@ -15,9 +15,10 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from hvdtrain import default_keras
 from hvdtrain.errors import UserError
 from hvdtrain.launch import container
-from hvdtrain.launch.options import VIAS, LaunchOptions, program_command, shell_words
+from hvdtrain.launch.options import VIAS, LaunchOptions, program_command, ranks_keras, shell_words
 from hvdtrain.launcher_env import is_identity
 from hvdtrain.slurm import Allocation
 
@@ -189,10 +190,14 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         notes.append(f"no Slurm allocation: {np} rank(s) on this machine"
                      + ("" if options.np else f" (one per GPU; {gpus} GPU(s) seen)"))
     env = horovod_tuning_env(options)
-    # hvdtrain chooses its Keras at import, in each rank: tell every rank, on every node, also
-    # when it is 2 (a Keras 3 process exports HVDTRAIN_KERAS=3 to whatever it starts, and
-    # the ranks would inherit it from a launcher started by one).
-    env["HVDTRAIN_KERAS"] = options.keras
+    # hvdtrain chooses its Keras at import, in each rank: tell every rank, on every node, the
+    # one choice (a Keras 3 process exports HVDTRAIN_KERAS=3 to whatever it starts, and the
+    # ranks would inherit it from a launcher started by one).
+    launcher_env = os.environ if environment is None else environment
+    env["HVDTRAIN_KERAS"] = ranks_keras(options, launcher_env)
+    if options.keras == "auto" and env["HVDTRAIN_KERAS"] != default_keras(launcher_env):
+        notes.append(f"Keras 2: {options.program} imports horovod's Keras API or tf_keras "
+                     "(--keras 3 to override)")
     interface_list = ",".join(interfaces) if interfaces else None
     if interface_list:
         # Every transport picks its own interface, and each can pick one that connects nothing
@@ -201,7 +206,7 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
         env["NCCL_SOCKET_IFNAME"] = interface_list
         notes.append(f"network interface(s): {interface_list}")
     plan = Plan(options=options, allocation=allocation, np=np, hosts=hosts,
-                program=program_command(options), env=env, interfaces=interface_list,
+                program=program_command(options, launcher_env), env=env, interfaces=interface_list,
                 binding=shell_words(options.binding_args or "",
                                     f"--binding-args {options.binding_args!r}"),
                 running_as_root=running_as_root,

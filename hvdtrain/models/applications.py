@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
+import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 
 def _to_float(images):

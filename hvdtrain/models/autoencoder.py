@@ -6,7 +6,7 @@ reconstructs pixels in [0, 1]. Height and width must be divisible by 4 (two halv
 """
 from __future__ import annotations
 
-import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
+import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 FILTERS = (32, 64)
 

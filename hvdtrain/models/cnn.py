@@ -5,7 +5,7 @@ least 2 pixels wide (8x8 digits get 2 blocks, 64x64 images 3), with 16, 32, 64 f
 """
 from __future__ import annotations
 
-import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
+import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 FILTERS = (16, 32, 64)
 

@@ -1,8 +1,8 @@
 """A user's own model: ``--model path/to/file.py:FUNCTION``.
 
 ``FUNCTION(input_shape, num_classes) -> keras.Model`` receives uint8 images of ``input_shape``
-and returns logits. ``import keras`` in that file gets the Keras hvdtrain trains with (tf_keras
-through hvdtrain's import hook, or Keras 3 with ``--keras 3``). Everything that can be wrong with
+and returns logits. ``import keras`` in that file gets the Keras hvdtrain trains with (Keras 3,
+or tf_keras through hvdtrain's import hook with ``--keras 2``). Everything that can be wrong with
 the file is a ValueError of one line naming the file, raised on every rank alike (every rank loads
 the same file).
 """
@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Callable
 
-import keras  # the Keras hvdtrain selected on import (tf_keras unless --keras 3)
+import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain.errors import first_line
 
