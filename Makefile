@@ -15,9 +15,9 @@ MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # The collective tests run once as 2 ranks. Oversubscribe: CI machines may have fewer cores.
 MPIRUN := $(MPI_ENV) mpirun -np 2 --oversubscribe --bind-to none
 
-.PHONY: install train test test-clusters test-local test-unit test-mpi bench slurm-up slurm-down cluster-up cluster-down clean distclean
+.PHONY: install train test test-clusters test-local test-unit test-mpi test-stack bench slurm-up slurm-down cluster-up cluster-down clean distclean
 
-$(STAMP): setup.cfg scripts/install.sh scripts/constraints.txt
+$(STAMP): setup.cfg scripts/install.sh $(wildcard scripts/constraints/*.txt scripts/horovod-patches/*.patch)
 	HVDTRAIN_VENV=$(VENV) bash scripts/install.sh
 
 install:
@@ -59,6 +59,30 @@ test-unit: $(STAMP)
 
 test-mpi: $(STAMP)
 	$(PYTEST_MPI)
+
+# Another TensorFlow without growing CI (CI keeps the default stack): `make test-stack TF=2.19.1`
+# builds its own venv with horovod patched and compiled against that TensorFlow, then runs the
+# distributed subset: a Keras 3 job that resumes, a Keras 3 export, a plain horovod.tensorflow.keras
+# script on Keras 2, the GPU-given check, and the mpirun pass under each Keras. The pytest summary
+# lines land in docs/stack/tf-$(TF).txt (docs/stack.md reads them).
+TF ?=
+STACK_VENV = .venv-tf$(TF)
+STACK_TESTS := tests/test_keras3.py tests/test_gpus.py tests/test_stack.py \
+  tests/test_api.py::test_a_plain_horovod_keras_script_runs_unchanged_through_the_launcher
+test-stack:
+	@[[ -n "$(TF)" ]] || { echo "usage: make test-stack TF=2.19.1 (a TensorFlow release)" >&2; exit 2; }
+	HVDTRAIN_VENV=$(STACK_VENV) HVDTRAIN_TF_VERSION=$(TF) bash scripts/install.sh
+	mkdir -p docs/stack
+	set -o pipefail; log=$$(mktemp); \
+	{ failed=0; \
+	  $(STACK_VENV)/bin/python -u -m pytest $(STACK_TESTS) -p no:cacheprovider --color=no || failed=1; \
+	  for keras in 3 2; do HVDTRAIN_KERAS=$$keras $(MPIRUN) $(STACK_VENV)/bin/python -u -m pytest \
+	    tests/ -p no:cacheprovider --color=no || failed=1; done; exit $$failed; \
+	} 2>&1 | tee $$log; status=$$?; \
+	{ echo "# make test-stack TF=$(TF) on $$(date -u +%F), $$(uname -m), $$(nproc) cores"; \
+	  cat $(STACK_VENV)/.hvdtrain-installed; \
+	  grep -E '^(=+ .*(passed|failed|error).* =+$$|FAILED |ERROR )' $$log; } >docs/stack/tf-$(TF).txt; \
+	rm -f $$log; cat docs/stack/tf-$(TF).txt; exit $$status
 
 bench: $(STAMP)
 	$(MPI_ENV) $(PYTHON) -m benchmarks all $(ARGS)

@@ -2,9 +2,9 @@
 
 ``scripts/install.sh`` builds hvdtrain's own pinned stack. On a stack someone else built (an NGC
 TensorFlow container, a site's modules) ``HVDTRAIN_STACK=existing`` installs hvdtrain alone,
-without its dependencies (pip would otherwise replace that TensorFlow to satisfy ``tf_keras``'s
-pin), and runs this check in the same interpreter: one line per problem and exit status 2, or one
-line saying what was found. The facts come from the launcher's own probe (``launch.probe.build``:
+without its dependencies (so that pip changes nothing of that stack), builds horovod against its
+TensorFlow when it has none, and runs this check in the same interpreter: one line per problem
+and exit status 2, or one line saying what was found. The facts come from the launcher's own probe (``launch.probe.build``:
 horovod's TensorFlow extension, its controllers, the GPUs), plus the versions and the tools around
 them; the rules (``problems``) are pure.
 """
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from hvdtrain.errors import EXIT_USAGE
 from hvdtrain.launch.probe import ask
 
-#: The one combination hvdtrain's tests run on (README, Version matrix).
-VERIFIED_TENSORFLOW = "2.18"
+#: The TensorFlow minors horovod is built and hvdtrain tested on (docs/stack.md has the matrix:
+#: the whole suite on the newest, the distributed subset on the others).
+TESTED_TENSORFLOW = ("2.18", "2.19", "2.20", "2.21")
 #: hvdtrain selects Keras 2 with TF_USE_LEGACY_KERAS, which TensorFlow reads from 2.16 on.
 OLDEST_TENSORFLOW = (2, 16)
 #: What hvdtrain imports besides TensorFlow and horovod (setup.cfg; mpi4py for the horovod backend).
@@ -99,8 +100,8 @@ def problems(stack: Stack) -> list[str]:
         found.append(f"tf_keras {stack.tf_keras} beside TensorFlow {stack.tensorflow}: they must "
                      f"match: pip install --no-deps 'tf_keras=={tensorflow[0]}.{tensorflow[1]}.*'")
     if stack.tf_keras is None and (stack.keras is None or _minor(stack.keras) < (3, 0)):
-        found.append(f"no Keras hvdtrain can use: pip install --no-deps "
-                     f"'tf_keras=={tensorflow[0]}.{tensorflow[1]}.*' (Keras 2, the default)")
+        found.append(f"no Keras hvdtrain can use: pip install 'keras>=3' (the default), or "
+                     f"--no-deps 'tf_keras=={tensorflow[0]}.{tensorflow[1]}.*' for --keras 2")
     rebuild = ("HOROVOD_WITH_TENSORFLOW=1 pip install --no-build-isolation --no-cache-dir "
                "horovod==0.28.1")
     if stack.horovod is None:
@@ -128,14 +129,17 @@ def problems(stack: Stack) -> list[str]:
 
 def describe(stack: Stack) -> str:
     """The stack in one line, with what it was not tested on."""
-    keras = (f"tf_keras {stack.tf_keras}" if stack.tf_keras
-             else f"Keras {stack.keras} only (run with --keras 3)")
+    keras = (f"Keras {stack.keras}" + (f" + tf_keras {stack.tf_keras}" if stack.tf_keras
+                                       else " (no tf_keras: no --keras 2)"))
+    if stack.keras is None or _minor(stack.keras) < (3, 0):
+        keras = f"tf_keras {stack.tf_keras} only (run with --keras 2)"
     controllers = [name for name, built in (("MPI", stack.mpi), ("Gloo", stack.gloo),
                                             ("NCCL", stack.nccl)) if built]
     line = (f"TensorFlow {stack.tensorflow}, {keras}, horovod {stack.horovod} "
             f"({' + '.join(controllers)}), {stack.gpus} GPU(s)")
-    if not stack.tensorflow.startswith(VERIFIED_TENSORFLOW + "."):
-        line += f"; hvdtrain's tests run on TensorFlow {VERIFIED_TENSORFLOW} only"
+    if ".".join(map(str, _minor(stack.tensorflow))) not in TESTED_TENSORFLOW:
+        line += (f"; hvdtrain's tests run on TensorFlow {TESTED_TENSORFLOW[0]}-"
+                 f"{TESTED_TENSORFLOW[-1]} only")
     return line
 
 

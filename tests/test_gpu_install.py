@@ -1,5 +1,5 @@
-"""The GPU install's first step (scripts/gpu_toolchain.py): a CUDA 12 toolkit and NCCL found, or
-one line per missing piece, before anything is downloaded.
+"""The GPU install's toolchain (scripts/gpu_toolchain.py): a CUDA 12 toolkit and NCCL the machine
+has, or else one assembled from PyPI's CUDA wheels.
 
 No GPU, CUDA toolkit or NCCL exists on the machines these tests run on: the toolchain is made of
 stand-ins (an ``nvcc`` script that answers ``--version`` as NVIDIA's does, empty library files,
@@ -92,7 +92,7 @@ def test_a_toolkit_that_is_not_cuda_12_is_refused_by_its_version(tmp_path, relea
     cuda = fake_cuda(tmp_path / "cuda", release=release)
     found = find({"HOROVOD_CUDA_HOME": str(cuda), "HOROVOD_NCCL_HOME":
                   str(fake_nccl(tmp_path / "nccl"))})
-    assert found.problems == [f"{cuda}/bin/nvcc is CUDA {release}; TensorFlow 2.18.1's GPU wheels "
+    assert found.problems == [f"{cuda}/bin/nvcc is CUDA {release}; TensorFlow's GPU wheels "
                               f"are CUDA 12: {gpu_toolchain.FIX}"]
     assert "HOROVOD_CUDA_HOME" not in found.build_env
 
@@ -118,23 +118,90 @@ def test_an_nccl_header_of_another_major_version_is_refused(tmp_path):
     assert found.problems == [f"{nccl}/include/nccl.h is not NCCL 2 (1.3.4): {gpu_toolchain.FIX}"]
 
 
-def test_install_sh_stops_before_downloading_anything_when_the_toolchain_is_incomplete(
-        tmp_path):
-    """The real search on this machine (which has no NCCL; a CUDA 13 toolkit on some): its
-    verdict, line for line, is install.sh's, and nothing was installed or created."""
+def test_without_a_toolkit_install_sh_plans_the_cuda_wheels_and_changes_nothing(tmp_path):
+    """The real search on this machine (no NCCL; a CUDA 13 toolkit on some): the GPU install
+    goes on with PyPI's CUDA wheels instead of stopping, says why, and its plan touches
+    nothing."""
     venv = tmp_path / "venv"
     # PYTHON: any 3.11 will do to reach the check (this one; a pyenv shim needs more of PATH).
-    env = clean_env(HVDTRAIN_TF_FLAVOR="gpu", HVDTRAIN_VENV=str(venv),
+    env = clean_env(HVDTRAIN_TF_FLAVOR="gpu", HVDTRAIN_VENV=str(venv), HVDTRAIN_INSTALL_PLAN="1",
                     HVDTRAIN_WHEEL_CACHE=str(tmp_path / "wheels"), PYTHON=sys.executable)
     expected = gpu_toolchain.find_toolchain(env).problems
     if not expected:
-        pytest.skip("this machine has a CUDA 12 toolkit and NCCL: nothing is missing")
+        pytest.skip("this machine has a CUDA 12 toolkit and NCCL: the wheels are not needed")
     result = subprocess.run(["bash", str(REPO / "scripts" / "install.sh")], env=env,
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1, result
-    assert result.stderr.splitlines() == [f"install: gpu: {line}" for line in expected]
+    assert result.returncode == 0, result
+    reason = expected[0].removesuffix(f": {gpu_toolchain.FIX}")
+    assert result.stderr.splitlines() == [
+        f"[install] gpu: no CUDA 12 toolkit with NCCL here ({reason}); horovod's CUDA code will "
+        "be compiled with PyPI's CUDA wheels"], result.stderr
+    plan = dict(line.split("=", 1) for line in result.stdout.splitlines())
+    assert plan["cuda"] == "PyPI wheels" and plan["tensorflow"] == "tensorflow[and-cuda]==2.21.0"
     assert not venv.exists() and not (tmp_path / "wheels").exists()
-    assert result.stdout == ""  # not even the apt-get step
+
+
+def fake_wheels(root: Path) -> tuple[Path, Path]:
+    """The layout of the venv's nvidia wheels (tensorflow[and-cuda]) and of the unpacked CUDA 13
+    compiler wheels, with empty files where binaries and libraries are."""
+    site = root / "site-packages"
+    for path in ("nvidia/cuda_runtime/include/cuda_runtime.h",
+                 "nvidia/cuda_runtime/lib/libcudart_static.a",
+                 "nvidia/cuda_runtime/lib/libcudart.so.12", "nvidia/cuda_runtime/__init__.py",
+                 "nvidia/cuda_nvcc/include/fatbinary_section.h",
+                 "nvidia/nccl/include/nccl.h", "nvidia/nccl/lib/libnccl.so.2"):
+        (site / path).parent.mkdir(parents=True, exist_ok=True)
+        (site / path).write_bytes(b"")
+    compiler = root / "unpacked"
+    for path in ("nvidia/cu13/bin/nvcc.profile", "nvidia/cu13/nvvm/bin/cicc",
+                 "nvidia/cu13/include/crt/host_runtime.h",
+                 "nvidia/cuda_cccl/include/cub/cub.cuh"):
+        (compiler / path).parent.mkdir(parents=True, exist_ok=True)
+        (compiler / path).write_bytes(b"")
+    fake_cuda(compiler / "nvidia" / "cu13-nvcc", release="13.0")
+    (compiler / "nvidia/cu13-nvcc/bin/nvcc").rename(compiler / "nvidia/cu13/bin/nvcc")
+    return site, compiler
+
+
+def test_a_cuda_home_is_assembled_from_the_wheels(tmp_path):
+    site, compiler = fake_wheels(tmp_path)
+    home = tmp_path / "home"
+    found = gpu_toolchain.from_wheels(str(site), str(compiler), str(home))
+    assert found.problems == []
+    cuda, nccl = home / "cuda", home / "nccl"
+    assert found.build_env == {
+        "HOROVOD_CUDA_HOME": str(cuda), "CUDAToolkit_ROOT": str(cuda),
+        "HOROVOD_NCCL_INCLUDE": f"{nccl}/include", "HOROVOD_NCCL_LIB": f"{nccl}/lib",
+        "HOROVOD_NCCL_LINK": "SHARED", "HOROVOD_BUILD_CUDA_CC_LIST": "75,80,90",
+        "LDFLAGS": "-Wl,-rpath,$ORIGIN/../../nvidia/nccl/lib"}
+    # nvcc 13 and its crt/ headers; every other header, the runtime and NCCL are CUDA 12's.
+    assert (cuda / "bin" / "nvcc").is_file() and not (cuda / "bin" / "nvcc").is_symlink()
+    assert gpu_toolchain.nvcc_release(str(cuda / "bin" / "nvcc")) == (13, 0)
+    assert (cuda / "include" / "crt").resolve() == compiler / "nvidia/cu13/include/crt"
+    for header, wheel in (("cuda_runtime.h", site / "nvidia/cuda_runtime/include"),
+                          ("cub", compiler / "nvidia/cuda_cccl/include"),
+                          ("fatbinary_section.h", site / "nvidia/cuda_nvcc/include")):
+        assert (cuda / "include" / header).resolve() == wheel / header
+    assert not (cuda / "include" / "__init__.py").exists()
+    assert (cuda / "lib64" / "libcudart_static.a").resolve() == \
+        site / "nvidia/cuda_runtime/lib/libcudart_static.a"
+    assert (cuda / "lib64" / "libcudart.so").resolve() == \
+        site / "nvidia/cuda_runtime/lib/libcudart.so.12"
+    assert (cuda / "nvvm" / "bin" / "cicc").exists()
+    assert (nccl / "lib" / "libnccl.so").resolve() == site / "nvidia/nccl/lib/libnccl.so.2"
+    assert (nccl / "include" / "nccl.h").exists()
+    assert found.found[0].startswith("nvcc 13.0 and CUDA 12's runtime")
+
+
+def test_a_missing_wheel_piece_is_one_line_each(tmp_path):
+    site, compiler = fake_wheels(tmp_path)
+    (site / "nvidia/cuda_runtime/lib/libcudart_static.a").unlink()
+    (site / "nvidia/nccl/include/nccl.h").unlink()
+    found = gpu_toolchain.from_wheels(str(site), str(compiler), str(tmp_path / "home"))
+    assert [line.split(":")[0] for line in found.problems] == [
+        "the CUDA runtime (nvidia-cuda-runtime-cu12) is missing",
+        "NCCL's header (nvidia-nccl-cu12) is missing"]
+    assert not (tmp_path / "home").exists()
 
 
 def test_a_real_nvcc_s_version_is_read(tmp_path):

@@ -167,3 +167,65 @@ def test_cpu_install_has_one_tensorflow_and_no_cuda_noise():
     noise = [line for line in result.stderr.splitlines()
              if re.search(r"cuda|cudnn|cufft|cublas|cuinit|GPU will not be used", line, re.I)]
     assert not noise, "\n".join(noise)
+
+
+@pytest.mark.parametrize("extra", ["mlflow", "cpu"])
+def test_installing_an_extra_never_brings_another_tensorflow(tmp_path, extra):
+    # tf_keras, or any requirement naming `tensorflow`, made pip install plain tensorflow over
+    # tensorflow-cpu (both own tensorflow/; every rank then printed CUDA errors). A made venv that
+    # sees this venv's packages (a .pth line) holds tensorflow-cpu as a user's would; --no-index:
+    # a TensorFlow pip wanted to add would be "no matching distribution", not a 600 MB download.
+    if not installed("tensorflow-cpu"):
+        pytest.skip("this venv has no tensorflow-cpu")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    site = Path(subprocess.run([venv / "bin" / "python", "-c", "import site; "
+                                "print(site.getsitepackages()[0])"], capture_output=True,
+                               text=True, check=True, timeout=60).stdout.strip())
+    (site / "outer.pth").write_text(
+        "".join(path + "\n" for path in sys.path if path.endswith("site-packages")))
+    result = subprocess.run(
+        [venv / "bin" / "python", "-m", "pip", "install", "--no-index", "--no-build-isolation",
+         "--disable-pip-version-check", "-e", f"{REPO}[{extra}]"],
+        capture_output=True, text=True, timeout=300, env=clean_env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    present = subprocess.run(
+        [venv / "bin" / "python", "-c", "import importlib.metadata as m\n"
+         "for name in ('tensorflow', 'tensorflow-cpu', 'tensorflow-gpu', 'tf_keras', 'hvdtrain'):\n"
+         "    try: print(name, m.version(name))\n"
+         "    except m.PackageNotFoundError: pass"],
+        capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    assert "tensorflow-cpu" in present and "hvdtrain" in present, present
+    assert "tensorflow" not in present and "tensorflow-gpu" not in present, present
+
+
+@pytest.mark.parametrize("gpu_machine, flavor", [(True, "gpu"), (False, "cpu")])
+def test_install_picks_the_gpu_flavor_on_a_gpu_machine(tmp_path, gpu_machine, flavor):
+    # nvidia-smi answering `-L` with a GPU is what a GPU node shows; this machine has none, so
+    # a stand-in answers (what is tested is install.sh's choice, shown by its plan, not CUDA).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if gpu_machine:
+        (bin_dir / "nvidia-smi").write_text(
+            "#!/bin/sh\necho 'GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-5a1c)'\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in clean_env(HVDTRAIN_INSTALL_PLAN="1").items()
+           if k != "HVDTRAIN_TF_FLAVOR"}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    plan = subprocess.run(["bash", str(REPO / "scripts" / "install.sh")], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert plan.returncode == 0, plan.stderr
+    facts = dict(line.split("=", 1) for line in plan.stdout.splitlines())
+    assert facts["flavor"].startswith(flavor), facts
+    assert facts["tensorflow"] == ("tensorflow[and-cuda]==2.21.0" if gpu_machine
+                                   else "tensorflow-cpu==2.21.0"), facts
+    if gpu_machine:
+        assert "nvidia-smi" in facts["flavor"] and "HVDTRAIN_TF_FLAVOR=cpu" in facts["flavor"]
+    # An explicit flavor wins, and the wheel's cache key names TensorFlow and the patches.
+    explicit = subprocess.run(["bash", str(REPO / "scripts" / "install.sh")], capture_output=True,
+                              text=True, timeout=60, env={**env, "HVDTRAIN_TF_FLAVOR": "cpu",
+                                                          "HVDTRAIN_TF_VERSION": "2.18.1"})
+    facts = dict(line.split("=", 1) for line in explicit.stdout.splitlines())
+    assert facts["flavor"].startswith("cpu") and facts["tensorflow"] == "tensorflow-cpu==2.18.1"
+    assert re.search(r"horovod-0\.28\.1-patches-[0-9a-f]{12}_tensorflow-cpu-2\.18\.1_",
+                     facts["horovod"]), facts
