@@ -65,12 +65,13 @@ class BenchmarkFailed(RuntimeError):
     """A measured command failed; the message ends with its output."""
 
 
-def _run(argv: list[str], timeout: float, *, what: str | None = None) -> tuple[float, str]:
+def _run(argv: list[str], timeout: float, *, what: str | None = None,
+         env: dict[str, str] | None = None) -> tuple[float, str]:
     """Run one measured command: (wall seconds, its stdout), or BenchmarkFailed."""
     what = what or " ".join(argv[:6]) + " ..."
     start = time.perf_counter()
     try:
-        completed = subprocess.run(argv, env=_env(), capture_output=True, text=True,
+        completed = subprocess.run(argv, env=env or _env(), capture_output=True, text=True,
                                    timeout=timeout)
     except subprocess.TimeoutExpired:
         raise BenchmarkFailed(f"{what} did not finish in {timeout} s") from None
@@ -176,10 +177,16 @@ def _baseline_args(s: Settings, out: Path, data: str = "synthetic") -> list[str]
             "--threads", "1", "--json", str(out)]
 
 
+def _baseline_env() -> dict[str, str]:
+    # The baselines are plain tf_keras programs that reuse hvdtrain's model and throughput
+    # callback: their process selects Keras 2, so those build tf_keras objects too.
+    return {**_env(), "HVDTRAIN_KERAS": "2"}
+
+
 def plain_keras_run(s: Settings, workdir: Path) -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir)) / "metrics.json"
     wall, _ = _run([sys.executable, "-m", "benchmarks.baselines", "plain",
-                    *_baseline_args(s, out)], s.timeout)
+                    *_baseline_args(s, out)], s.timeout, env=_baseline_env())
     return steady_state(json.loads(out.read_text()), wall)
 
 
@@ -187,8 +194,8 @@ def mwms_run(s: Settings, workdir: Path, data: str = "synthetic") -> dict:
     from benchmarks.baselines import worker_commands
 
     out = Path(tempfile.mkdtemp(dir=workdir)) / "metrics.json"
-    wall = _run_together(worker_commands(2, _baseline_args(s, out, data), _env()), s.timeout,
-                         "MultiWorkerMirroredStrategy workers")
+    wall = _run_together(worker_commands(2, _baseline_args(s, out, data), _baseline_env()),
+                         s.timeout, "MultiWorkerMirroredStrategy workers")
     return steady_state(json.loads(out.read_text()), wall)
 
 
