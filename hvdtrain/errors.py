@@ -135,8 +135,9 @@ def reported(program: str, rank: Callable[[], int] = launch_rank) -> Iterator[No
         print(f"{program}: error on rank {rank()}: {error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USAGE)
     except UserError as error:
-        if rank() == 0:
-            print(f"{program}: error: {error}", file=sys.stderr, flush=True)
+        # Rank 0 prints; the others give it the grace to do so before their exit makes mpirun
+        # end it (seen under load: rank 1 exited first and the line was never printed).
+        report_once(f"{program}: error: {error}", rank())
         sys.exit(EXIT_USAGE)
     except KeyboardInterrupt:
         sys.exit(130)
