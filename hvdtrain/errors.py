@@ -8,6 +8,7 @@ that rank prints with its rank number.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -122,6 +123,21 @@ def first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def leave(status: int) -> None:
+    """Exit with ``status``. Once TensorFlow is loaded, without Python's finalization: a tf.data
+    iterator freed with the exception that ended the run waits, holding the GIL, for its worker
+    threads, and a worker inside a ``py_function`` (the disk store's writes) waits for the GIL:
+    that hung 1 exit in 5 of a rank whose disk filled up under load. The exit handlers (the
+    scratch directory's removal, horovod's shutdown) still run, and what was printed is flushed."""
+    if "tensorflow" not in sys.modules:
+        sys.exit(status)
+    atexit._run_exitfuncs()  # what sys.exit would run; CPython's, as the interpreter calls it
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
 @contextlib.contextmanager
 def reported(program: str, rank: Callable[[], int] = launch_rank) -> Iterator[None]:
     """Turn exceptions into the project's failure contract (see module docstring).
@@ -133,14 +149,14 @@ def reported(program: str, rank: Callable[[], int] = launch_rank) -> Iterator[No
         yield
     except RankError as error:
         print(f"{program}: error on rank {rank()}: {error}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USAGE)
+        leave(EXIT_USAGE)
     except UserError as error:
         # Rank 0 prints; the others give it the grace to do so before their exit makes mpirun
         # end it (seen under load: rank 1 exited first and the line was never printed).
         report_once(f"{program}: error: {error}", rank())
-        sys.exit(EXIT_USAGE)
+        leave(EXIT_USAGE)
     except KeyboardInterrupt:
-        sys.exit(130)
+        leave(130)
     except Exception as error:  # a bug: rank 0 shows where, the others one line each
         this_rank = rank()
         # A rank's log keeps what it printed before failing (on its node, after the launcher
@@ -151,7 +167,7 @@ def reported(program: str, rank: Callable[[], int] = launch_rank) -> Iterator[No
             # Horovod ends every rank's pending collective with this when a rank failed or
             # stalled past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: every rank reaches it together.
             report_once(shut_down_report(program, this_rank, log), this_rank)
-            sys.exit(1)
+            leave(1)
         if this_rank == 0 or os.environ.get("HVDTRAIN_TRACEBACKS") == "all":
             traceback.print_exc()
             if log:
@@ -160,4 +176,4 @@ def reported(program: str, rank: Callable[[], int] = launch_rank) -> Iterator[No
             print(f"{program}: rank {this_rank} failed: {type(error).__name__}: "
                   f"{first_line(error)}{its_log} (HVDTRAIN_TRACEBACKS=all shows every rank's "
                   "traceback)", file=sys.stderr, flush=True)
-        sys.exit(1)
+        leave(1)
