@@ -47,11 +47,11 @@ test: $(STAMP)
 	@$(MAKE) --no-print-directory -j2 test-clusters test-local
 
 test-clusters: $(STAMP)
-	set -o pipefail; $(PYTEST) $(CLUSTER_LANE) -p no:cacheprovider --durations=15 $(PYTEST_ARGS) \
+	set -o pipefail; $(PYTEST) $(CLUSTER_LANE) -p no:cacheprovider --durations=30 $(PYTEST_ARGS) \
 	  $(LANE_PREFIX)
 
 test-local: $(STAMP)
-	set -o pipefail; { $(PYTEST) tests/ $(addprefix --ignore=,$(CLUSTER_LANE)) --durations=20 \
+	set -o pipefail; { $(PYTEST) tests/ $(addprefix --ignore=,$(CLUSTER_LANE)) --durations=40 \
 	  $(PYTEST_ARGS) && $(PYTEST_MPI); } $(LANE_PREFIX)
 
 test-unit: $(STAMP)

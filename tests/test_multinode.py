@@ -360,9 +360,16 @@ def job_snapshot(env: dict[str, str], job_id: str) -> str:
     function it sleeps in, and the last lines of every slurmd's log. A job that sat RUNNING for
     minutes with nothing in its log, twice in CI (never here), left no trace of where it
     waited: an srun of mpirun's waiting for its step, daemons without ranks, or ranks stuck."""
-    steps = subprocess.run(["squeue", "--steps", "--jobs", job_id], capture_output=True,
-                           text=True, timeout=30, env=env).stdout
-    lines = [f"its steps:\n{steps.rstrip()}", "its processes (pid, CPU s, waiting in):"]
+    def slurm(*command: str) -> str:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30,
+                              env=env).stdout.rstrip()
+
+    # A job that never left PENDING says why (a node DOWN after a fault test, say).
+    state = slurm("squeue", "--noheader", "--jobs", job_id, "--format", "%T %r")
+    nodes = slurm("sinfo", "--noheader", "--Node", "--format", "%N %T %E")
+    steps = slurm("squeue", "--steps", "--jobs", job_id)
+    lines = [f"its state and reason: {state or '(not listed)'}", f"the nodes:\n{nodes}",
+             f"its steps:\n{steps}", "its processes (pid, CPU s, waiting in):"]
     for process in processes():
         if process.env.get("SLURM_JOB_ID") != job_id:
             continue
@@ -638,6 +645,11 @@ def test_a_rank_stalled_on_node2_ends_the_job_in_one_line_naming_it(cluster_env,
 @pytest.mark.timeout(300)
 def test_a_job_whose_ranks_never_start_ends_at_the_startup_deadline(cluster_env, run_dir,
                                                                     tmp_path):
+    # After the fault tests (node2's link down, ranks killed) the job once sat 240 s unstarted
+    # in CI, why unrecorded (the snapshot now says); here node2's link down for 100 s left it
+    # not responding until 20 s after the link came back. cluster_up waits for every node to be
+    # usable and resumes one left down or drained.
+    cluster_up()
     deadline = 20
     script = tmp_path / "job.sh"
     script.write_text(
