@@ -73,16 +73,21 @@ test-stack:
 	@[[ -n "$(TF)" ]] || { echo "usage: make test-stack TF=2.19.1 (a TensorFlow release)" >&2; exit 2; }
 	HVDTRAIN_VENV=$(STACK_VENV) HVDTRAIN_TF_VERSION=$(TF) bash scripts/install.sh
 	mkdir -p docs/stack
-	set -o pipefail; log=$$(mktemp); \
-	{ failed=0; \
-	  $(STACK_VENV)/bin/python -u -m pytest $(STACK_TESTS) -p no:cacheprovider --color=no || failed=1; \
-	  for keras in 3 2; do HVDTRAIN_KERAS=$$keras $(MPIRUN) $(STACK_VENV)/bin/python -u -m pytest \
-	    tests/ -p no:cacheprovider --color=no || failed=1; done; exit $$failed; \
-	} 2>&1 | tee $$log; status=$$?; \
+	@# Each pass, and each rank of the mpirun passes, into a log of its own: two ranks writing one
+	@# stream interleaved their summary lines.
+	set -o pipefail; logs=$$(mktemp -d); failed=0; \
+	$(STACK_VENV)/bin/python -u -m pytest $(STACK_TESTS) -p no:cacheprovider --color=no 2>&1 \
+	  | tee $$logs/subset || failed=1; \
+	for keras in 3 2; do HVDTRAIN_KERAS=$$keras $(MPIRUN) bash -c 'set -o pipefail; "$$0" -u -m \
+	  pytest tests/ -p no:cacheprovider --color=no 2>&1 | tee "$$1/mpirun-keras$$2-rank$$OMPI_COMM_WORLD_RANK"' \
+	  $(STACK_VENV)/bin/python $$logs $$keras || failed=1; done; \
 	{ echo "# make test-stack TF=$(TF) on $$(date -u +%F), $$(uname -m), $$(nproc) cores"; \
 	  cat $(STACK_VENV)/.hvdtrain-installed; \
-	  grep -E '^(=+ .*(passed|failed|error).* =+$$|FAILED |ERROR )' $$log; } >docs/stack/tf-$(TF).txt; \
-	rm -f $$log; cat docs/stack/tf-$(TF).txt; exit $$status
+	  for pass in subset mpirun-keras3-rank0 mpirun-keras3-rank1 mpirun-keras2-rank0 \
+	      mpirun-keras2-rank1; do echo "## $$pass"; \
+	    grep -E '^(=+ .*(passed|failed|error).* =+$$|FAILED |ERROR )' $$logs/$$pass; done; \
+	} >docs/stack/tf-$(TF).txt; \
+	rm -rf $$logs; cat docs/stack/tf-$(TF).txt; exit $$failed
 
 bench: $(STAMP)
 	$(MPI_ENV) $(PYTHON) -m benchmarks all $(ARGS)
