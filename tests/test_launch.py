@@ -457,17 +457,25 @@ def test_templates_exec_the_launcher_with_their_defaults_as_flags(file_name):
     assert "--max-requeues 20 --" in custom and "(default 20;" in custom
 
 
-def test_a_bad_requeue_cap_stops_the_template_with_one_line(tmp_path):
+@pytest.mark.parametrize("name, value, remedy", [
+    ("HVDTRAIN_MAX_REQUEUES", "three", "give it in digits 0-9 (e.g. HVDTRAIN_MAX_REQUEUES=2), "
+                                       "or unset it"),
+    # str.isdigit takes '²', which int() refuses: it was a traceback
+    ("HVDTRAIN_MAX_RESTARTS", "\u00b2", "give it in digits 0-9 (e.g. HVDTRAIN_MAX_RESTARTS=2), "
+                                       "or unset it"),
+    # read at the end of a preempted job to cap its requeues: a traceback there, after training
+    ("SLURM_RESTART_COUNT", "x", "Slurm sets it to the job's requeue count; unset it")])
+def test_a_bad_job_variable_stops_the_template_with_one_line(tmp_path, name, value, remedy):
     """The template execs the launcher, which refuses the variable before anything starts."""
     script = tmp_path / "job.sh"
     script.write_text(render(TEMPLATES["cpu.sh"]))
-    env = clean_env(HVDTRAIN_MAX_REQUEUES="three", HVDTRAIN_RUN_DIR=str(tmp_path / "run"),
-                    HVDTRAIN_PYTHON=sys.executable, SLURM_JOB_ID="7")
+    env = clean_env(HVDTRAIN_RUN_DIR=str(tmp_path / "run"), HVDTRAIN_PYTHON=sys.executable,
+                    SLURM_JOB_ID="7", **{name: value})
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
                             env=env, cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == ["hvdtrain.launch: error: HVDTRAIN_MAX_REQUEUES must be "
-                                          "a whole number, got 'three'"]
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [f"hvdtrain.launch: error: {name} must be a whole "
+                                          f"number, got {value!r}: {remedy}"]
     assert not (tmp_path / "run").exists()
 
 

@@ -35,6 +35,9 @@ def batch_options(options: LaunchOptions, env: Mapping[str, str]) -> tuple[Launc
     if via not in VIAS:
         raise UserError(f"HVDTRAIN_VIA must be one of {', '.join(VIAS)}, got {via!r}")
     run_dir = env.get("HVDTRAIN_RUN_DIR") or default_run_dir(env)
+    # Read again after the job, to cap the requeues: checked now, before anything starts.
+    requeued = whole_number(env, "SLURM_RESTART_COUNT", 0,
+                            remedy="Slurm sets it to the job's requeue count; unset it")
     extra_args = shell_words(env.get("HVDTRAIN_ARGS", ""), "HVDTRAIN_ARGS")
     # An hvdtrain module is told its run directory; a script of your own gets only your flags
     # (and finds the directory in HVDTRAIN_RUN_DIR).
@@ -47,18 +50,20 @@ def batch_options(options: LaunchOptions, env: Mapping[str, str]) -> tuple[Launc
         min_nodes=whole_number(env, "HVDTRAIN_MIN_NODES", options.min_nodes),
         health_check=switch(env, "HVDTRAIN_HEALTH_CHECK", options.health_check),
         network_interface=env.get("HVDTRAIN_NETWORK_INTERFACE") or options.network_interface)
-    say(f"job {env['SLURM_JOB_ID']} run {env.get('SLURM_RESTART_COUNT') or 0} on "
+    say(f"job {env['SLURM_JOB_ID']} run {requeued} on "
         f"{env.get('SLURM_JOB_NODELIST', '?')}: {program} "
         f"({datetime.datetime.now().astimezone().isoformat(timespec='seconds')})")
     return changed, run_dir
 
 
-def whole_number(env: Mapping[str, str], name: str, default: int) -> int:
+def whole_number(env: Mapping[str, str], name: str, default: int, remedy: str = "") -> int:
     value = env.get(name)
     if not value:
         return default
-    if not value.isdigit():
-        raise UserError(f"{name} must be a whole number, got {value!r}")
+    # isdigit alone takes '²' and other digits int() refuses
+    if not (value.isascii() and value.isdigit()):
+        raise UserError(f"{name} must be a whole number, got {value!r}: "
+                        + (remedy or f"give it in digits 0-9 (e.g. {name}=2), or unset it"))
     return int(value)
 
 
