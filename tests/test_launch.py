@@ -3,6 +3,7 @@ which exits restart; and (integration tier) a plain horovod script run through t
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
 import signal
@@ -488,6 +489,35 @@ def test_a_plain_horovod_script_runs_on_two_ranks_through_the_launcher():
     lines = re.findall(r"rank (\d) of (\d): sum (\d+) args (.*?\])", result.stdout)
     assert sorted(lines) == [("0", "2", "1", "['--greeting', 'hi there']"),
                              ("1", "2", "1", "['--greeting', 'hi there']")], result.stdout[-3000:]
+
+
+@integration
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("full", [("stdout",), ("stdout", "stderr")])
+def test_a_full_disk_under_the_launchers_output_neither_hangs_nor_fails_the_job(tmp_path, full):
+    """stdout (and stderr: slurm-*.out holds both) on /dev/full, which fails every write with
+    ENOSPC: the relay must keep draining the job's pipes (1 MB per rank and stream, well past
+    a pipe's 64 KB) and the launcher exit 0 with the job, saying once what it could not show."""
+    job = tmp_path / "chatty.py"
+    job.write_text("import sys\nfor stream in (sys.stdout, sys.stderr):\n"
+                   "    stream.write(('x' * 1023 + '\\n') * 1024)\n")
+    streams = {name: open("/dev/full", "w") if name in full else subprocess.PIPE
+               for name in ("stdout", "stderr")}
+    launcher = subprocess.Popen([sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via",
+                                 "mpirun", "--skip-preflight", "--", str(job)], cwd=REPO,
+                                env=clean_env(), text=True, start_new_session=True, **streams)
+    try:
+        _, said = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, said
+    if said is not None:  # stderr works: one line about stdout, then not a line of the job's
+        lost = [line for line in said.splitlines() if "cannot write" in line]
+        assert lost == ["hvdtrain.launch: cannot write the job's output to stdout (No space left "
+                        "on device): not showing it there any more; the job goes on"], said[-2000:]
+        assert "Traceback" not in said and said.count("x" * 1023) == 2 * 1024, said[-2000:]
 
 
 # --- several hosts: --hosts and the network interface --------------------------------------------

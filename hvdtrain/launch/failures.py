@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from hvdtrain.errors import NO_STEP_REPORT, SHUT_DOWN_REPORT, signal_name
+from hvdtrain.launch.console import lost_stream
 from hvdtrain.runtime.base import host_of_each_rank, rank_ranges, ranks_in
 
 #: The prefix horovodrun/mpirun put on a rank's line: ``[1,3]<stderr>:``; horovodrun's Gloo
@@ -159,20 +160,25 @@ def _logs(logs_dir: str | None, ranks: list[int]) -> str:
     return f"; their logs: {logs_dir}/rank-<K>.log for K in {rank_ranges(ranks)}"
 
 
-def relay(source: IO[bytes], destination: IO[bytes], output: JobOutput) -> threading.Thread:
-    """Copy the job's lines from ``source`` to ``destination`` as they come, reading each into
-    ``output``; on a thread of its own, which ends when every writer of the pipe is gone."""
+def relay(source: IO[bytes], destination: IO[bytes], output: JobOutput,
+          name: str = "stdout", logs_dir: str | None = None) -> threading.Thread:
+    """Copy the job's lines from ``source`` to ``destination`` (the launcher's ``name``) as they
+    come, reading each into ``output``; on a thread of its own, which ends when every writer of
+    the pipe is gone."""
     def copy() -> None:
+        shown = True
         for line in iter(source.readline, b""):
-            if output.read(line.decode(errors="replace")):
+            if output.read(line.decode(errors="replace")) and shown:
                 try:
                     destination.write(line)
                     destination.flush()
-                except (BrokenPipeError, ValueError):  # the launcher's own console is gone
-                    pass
+                except (OSError, ValueError) as failure:  # a full disk, the console gone
+                    # The pipe is still drained to its end: a job blocked on a full pipe would
+                    # hang, and a job that succeeded must not be failed for the launcher's disk.
+                    shown = False
+                    lost_stream(name, failure, logs_dir)
         source.close()
 
     thread = threading.Thread(target=copy, name="hvdtrain-relay", daemon=True)
     thread.start()
     return thread
-

@@ -332,13 +332,17 @@ def end_command(process: subprocess.Popen) -> int:
     return 1
 
 
-def relay_output(process: subprocess.Popen, output: JobOutput) -> list[threading.Thread]:
+def relay_output(process: subprocess.Popen, output: JobOutput,
+                 logs_dir: str | None) -> list[threading.Thread]:
     """Copy the job's stdout and stderr to the launcher's own, reading each line into
-    ``output``."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return [relay(process.stdout, sys.stdout.buffer, output),
-            relay(process.stderr, sys.stderr.buffer, output)]
+    ``output`` (``logs_dir``: where the ranks' logs are, named if the launcher's fail)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # said by the relay, on its first line
+            pass
+    return [relay(process.stdout, sys.stdout.buffer, output, "stdout", logs_dir),
+            relay(process.stderr, sys.stderr.buffer, output, "stderr", logs_dir)]
 
 
 def finish_relays(relays: list[threading.Thread], seconds: float = 5.0) -> None:
@@ -368,7 +372,7 @@ def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
         if not restarts:
             say(shlex.join(launch.argv))
         output = JobOutput()
-        relays = relay_output(process, output)
+        relays = relay_output(process, output, logs_dir)
         startup = StartupDeadline(startup_seconds) if startup_seconds else None
         status = signals.wait(process, rank_zero, startup)
         if status == 0:
