@@ -4,13 +4,17 @@ The slow link and the perturbed rank across real nodes are in test_multinode.py.
 """
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import clean_env, integration
+from conftest import REPO, clean_env, integration
+from hvdtrain.launcher_env import marked
 from hvdtrain.health import (AllreduceTiming, RankReport, allreduce_findings, device_findings,
                              disagreeing, nccl_hints, rate_text, slow_links, time_allreduce)
 
@@ -82,6 +86,57 @@ def test_a_rank_computing_other_numbers_fails_the_check_before_the_job(tmp_path)
                     r"allreduce 16 MiB [\d.]+ [GMk]bit/s bus \(MPI\), [\d.]+ s$", lines[1]), lines
     assert len(lines) == 2, lines
     assert not (tmp_path / "run").exists()
+
+
+def tagged(tag: str) -> list:
+    """The processes on this machine whose environment holds ``tag`` (NAME=VALUE)."""
+    return marked(tag)
+
+
+def wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {seconds:g} s")
+        time.sleep(0.1)
+
+
+@integration
+@pytest.mark.timeout(120)
+def test_a_stop_signal_or_a_killed_launcher_during_the_check_leaves_nothing_running(tmp_path):
+    """Ctrl-C to the launcher while the check runs: it stops the check's ranks and exits 130 (it
+    used to wait for the check and exit 0); a SIGKILLed launcher: its watcher ends them (it used
+    to start only after the check). The ranks take a minute to start (a sitecustomize that
+    sleeps in them only), so only a stop ends them in seconds, and no TensorFlow is loaded."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nif 'OMPI_COMM_WORLD_RANK' in os.environ:\n    time.sleep(60)\n")
+    for stop in (signal.SIGINT, signal.SIGKILL):
+        tag = f"HVDTRAIN_TEST_TAG={os.getpid()}.{stop}"  # on the launcher and all it starts
+        env = clean_env(PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', REPO)}",
+                        **dict([tag.split("=")]))
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via", "mpirun",
+             "--skip-preflight", "--health-check-only", "hvdtrain.cnn"], cwd=REPO, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            wait_for(lambda: sum(p.rank is not None for p in tagged(tag)) == 2, 30,
+                     "the check's 2 ranks did not start")
+            launcher.send_signal(stop)
+            output, _ = launcher.communicate(timeout=20)
+            wait_for(lambda: not tagged(tag), 20,
+                     f"processes of the check outlived the launcher ({stop.name})")
+        finally:
+            for process in [launcher, *tagged(tag)]:
+                try:
+                    os.kill(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            launcher.wait()
+        if stop == signal.SIGINT:
+            assert launcher.returncode == 130, output
+            assert output.splitlines()[-1] == ("hvdtrain.launch: the health check stopped on "
+                                               "SIGINT; not starting the job"), output
+            assert "Traceback" not in output, output
 
 
 def test_with_two_nodes_a_slow_sender_is_named_not_its_receiver():

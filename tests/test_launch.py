@@ -22,7 +22,7 @@ from hvdtrain.launch.preflight import Build, preflight
 from hvdtrain.launch.sbatch import batch_options
 from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, StartupDeadline, judge_exit,
                                        rank_zero_host, wait_for_job)
-from hvdtrain.launcher_env import child_env
+from hvdtrain.launcher_env import child_env, marked
 from hvdtrain.slurm import (TEMPLATES, Allocation, Requeue, SbatchJob, expand_hostlist,
                             expand_tasks_per_node, render, requeue_decision)
 from slurm_templates import COMMAND as WRITE_TEMPLATES
@@ -516,8 +516,45 @@ def test_a_full_disk_under_the_launchers_output_neither_hangs_nor_fails_the_job(
     if said is not None:  # stderr works: one line about stdout, then not a line of the job's
         lost = [line for line in said.splitlines() if "cannot write" in line]
         assert lost == ["hvdtrain.launch: cannot write the job's output to stdout (No space left "
-                        "on device): not showing it there any more; the job goes on"], said[-2000:]
+                        "on device): not showing it there any more; the job goes on"], \
+            said[-2000:]
         assert "Traceback" not in said and said.count("x" * 1023) == 2 * 1024, said[-2000:]
+
+
+@integration
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stop, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_a_stop_signal_during_the_preflight_probe_stops_the_launcher_in_one_line(stop, to_group):
+    """Ctrl-C reaches the whole foreground group (the probe too, mid TensorFlow import: it used
+    to read "cannot import hvdtrain/horovod: KeyboardInterrupt", exit 2); a SIGTERM reaches the
+    launcher alone (which used to wait for the probe). Both: the signal's status, one line."""
+    tag = f"HVDTRAIN_TEST_TAG={os.getpid()}.{stop}"  # on the launcher and all it starts
+
+    def probes():
+        return [process for process in marked(tag) if "hvdtrain.launch.probe" in process.argv]
+
+    launcher = subprocess.Popen([sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--",
+                                 "hvdtrain.cnn"], cwd=REPO, text=True,
+                                env=clean_env(**dict([tag.split("=")])), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(process.argv[-1] == "build" for process in probes()):
+            assert launcher.poll() is None and time.monotonic() < deadline, "no probe started"
+            time.sleep(0.05)
+        if to_group:
+            os.killpg(launcher.pid, stop)
+        else:
+            launcher.send_signal(stop)
+        output, _ = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 128 + stop, output
+    assert output.splitlines() == [f"hvdtrain.launch: {stop.name} before the ranks started; not "
+                                   "starting them"], output
+    assert not probes()
 
 
 # --- several hosts: --hosts and the network interface --------------------------------------------

@@ -7,9 +7,9 @@ from typing import Sequence
 
 import hvdtrain.launch
 from hvdtrain import ranklog
-from hvdtrain.errors import EXIT_USAGE, reported
+from hvdtrain.errors import EXIT_USAGE, reported, signal_name, stop_status
 from hvdtrain.launch import container, sbatch
-from hvdtrain.launch.console import PROGRAM, error
+from hvdtrain.launch.console import PROGRAM, error, say
 from hvdtrain.launch.health_check import health_options, run_health_check
 from hvdtrain.launch.network import local_host_names, network_interfaces
 from hvdtrain.launch.options import (is_script_path, parse_options, program_command,
@@ -17,8 +17,8 @@ from hvdtrain.launch.options import (is_script_path, parse_options, program_comm
 from hvdtrain.launch.paths import build_launch, describe, job_hosts
 from hvdtrain.launch.preflight import (check_module, count_gpus_without_tensorflow, preflight,
                                        probe_build)
-from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, SignalForwarder, rank_zero_host,
-                                       run_attempts)
+from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, SignalForwarder, StoppedBeforeLaunch,
+                                       rank_zero_host, run_attempts)
 from hvdtrain.launch.survivors import Survivors, check_min_nodes
 from hvdtrain.launch.watcher import watching
 from hvdtrain.slurm import Allocation
@@ -64,12 +64,6 @@ def run(argv: Sequence[str] | None = None) -> int:
     if options.dry_run:
         print(describe(launch))
         return 0
-    if options.health_check or options.health_check_only:
-        gpus_per_node = (allocation.gpus_per_host if allocation and allocation.gpus_per_host
-                         is not None else gpus)
-        status = run_health_check(launch_for(health_options(options, gpus_per_node), allocation))
-        if status or options.health_check_only:
-            return status
     run_dir = run_dir_of(options, os.environ)  # None: a job the launcher cannot tell
 
     def rank_zero_of(job_options, job_allocation):
@@ -84,7 +78,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     # pyxis imports the image inside each task's start, before any rank process exists: minutes
     # for a large image, which a start-up deadline would take for a node never reached.
     pyxis = options.container and options.container_runtime == "pyxis"
-    with watching(options.python):
+    with watching(options.python):  # the health check's ranks too
+        if options.health_check or options.health_check_only:
+            gpus_per_node = (allocation.gpus_per_host if allocation and allocation.gpus_per_host
+                             is not None else gpus)
+            status = run_health_check(
+                launch_for(health_options(options, gpus_per_node), allocation), signals)
+            if status or options.health_check_only:
+                return status
         status = run_attempts(launch, options.max_restarts, signals,
                               rank_zero_of(options, allocation),
                               logs_dir=run_dir and os.path.join(run_dir, ranklog.LOGS),
@@ -97,7 +98,12 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     with reported(PROGRAM):
-        sys.exit(run(argv))
+        try:
+            status = run(argv)
+        except StoppedBeforeLaunch as stop:  # e.g. Ctrl-C during the preflight probe
+            say(f"{signal_name(stop.signum)} before the ranks started; not starting them")
+            status = stop_status(stop.signum)
+        sys.exit(status)
 
 
 if __name__ == "__main__":

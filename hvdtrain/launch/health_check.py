@@ -12,10 +12,11 @@ import signal
 import subprocess
 from typing import Callable
 
-from hvdtrain.errors import EXIT_USAGE, UserError
-from hvdtrain.launch.console import error
+from hvdtrain.errors import EXIT_USAGE, UserError, signal_name, stop_status
+from hvdtrain.launch.console import error, say
 from hvdtrain.launch.options import HEALTH_PROGRAM, LaunchOptions
 from hvdtrain.launch.paths import Launch
+from hvdtrain.launch.supervise import ATTEMPT_VARIABLE, SignalForwarder, end_attempt
 
 #: Seconds for the whole check: every rank's Python and TensorFlow start, a matrix product, and
 #: two transfers over every link of the ring.
@@ -32,13 +33,17 @@ def health_options(options: LaunchOptions, gpus_per_node: int) -> LaunchOptions:
         program_args=("--gpus-per-rank", "1" if gpus_per_node else "0"))
 
 
-def run_health_check(launch: Launch, timeout: float = HEALTH_SECONDS,
+def run_health_check(launch: Launch, signals: SignalForwarder, timeout: float = HEALTH_SECONDS,
                      print_line: Callable[[str], None] = print) -> int:
     """Run the check; print its lines; its exit status (EXIT_USAGE when it failed, or when it
-    could not run or finish, with one line saying so)."""
-    process = subprocess.Popen(launch.argv, env={**os.environ, **launch.env},
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, stdin=subprocess.DEVNULL)
+    could not run or finish, with one line saying so; a stop signal's status after one)."""
+    # Marked and signalled as an attempt of the job is: a stop signal stops the check's ranks,
+    # and the watcher ends them if the launcher dies (see watcher.py).
+    marker = f"{ATTEMPT_VARIABLE}={os.getpid()}.health"
+    process = signals.start(launch, marker, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    if process is None:
+        return stop_status(signals.first)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -47,6 +52,12 @@ def run_health_check(launch: Launch, timeout: float = HEALTH_SECONDS,
         error(f"the health check did not finish in {timeout:g} s (a rank that does not "
             "start, or a link that carries nothing?)")
         return EXIT_USAGE
+    finally:
+        signals.ended()
+        end_attempt(process.pid, marker)  # nothing of the check runs beside the job
+    if signals.received:
+        say(f"the health check stopped on {signal_name(signals.first)}; not starting the job")
+        return stop_status(signals.first)
     said = [line[line.index(MARK):] for line in output.splitlines() if MARK in line]
     for line in said:
         print_line(line)

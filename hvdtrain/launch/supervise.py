@@ -169,12 +169,24 @@ def stop_job(job: dict[int, bool], signum: int, command_group: int | None = None
     signal_each(targets)
 
 
+class StoppedBeforeLaunch(BaseException):
+    """A stop signal arrived before anything was launched (the checks before it, such as the
+    preflight probe, a child that Ctrl-C interrupts too): raised by the signal handler, so the
+    launcher stops at once with the signal's exit status, as KeyboardInterrupt would."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class SignalForwarder:
-    """SIGUSR1/SIGTERM/SIGINT sent to the launcher: recorded from the moment it starts (the
-    preflight probe takes seconds), and passed on to the ranks of the attempt that is running."""
+    """SIGUSR1/SIGTERM/SIGINT sent to the launcher: before anything is launched they stop it
+    (StoppedBeforeLaunch); from then on they are recorded and passed on to the processes of
+    what is running (the health check, an attempt of the job)."""
 
     def __init__(self):
         self.received: list[int] = []
+        self._launched = False
         self._job_pid: int | None = None
         self._marker = ""
         for signum in FORWARDED_SIGNALS:
@@ -184,13 +196,16 @@ class SignalForwarder:
         self.received.append(signum)
         if self._job_pid is not None:
             stop_job(attempt_processes(self._marker), signum, command_group=self._job_pid)
+        elif not self._launched:
+            raise StoppedBeforeLaunch(signum)
 
     @property
     def first(self) -> int | None:
         return self.received[0] if self.received else None
 
-    def start(self, launch: Launch, marker: str) -> subprocess.Popen | None:
-        """Start the command in its own process group, or None if a stop signal came first."""
+    def start(self, launch: Launch, marker: str, **streams) -> subprocess.Popen | None:
+        """Start the command in its own process group, or None if a stop signal came first.
+        Its stdout and stderr are pipes, unless ``streams`` says otherwise (Popen's arguments)."""
         def prepare_child():
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
             # horovodrun execs `/bin/sh -c mpirun ...`; a shell that starts with a signal ignored
@@ -205,23 +220,29 @@ class SignalForwarder:
         # until the job is known, so each one is either "before the start" or forwarded.
         signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
         try:
+            self._launched = True
             if self.received:
                 return None
             name, value = marker.split("=", 1)
             # Its output comes through the launcher (see relay_output), which reads why it failed.
             process = subprocess.Popen(launch.argv, env={**os.environ, **launch.env, name: value},
                                        start_new_session=True, preexec_fn=prepare_child,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                       **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
+                                          **streams})
             self._job_pid, self._marker = process.pid, marker
             return process
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
 
+    def ended(self) -> None:
+        """What was started has ended: a signal from now on is only recorded."""
+        self._job_pid = None
+
     def wait(self, process: subprocess.Popen, rank_zero: RankZeroHost | None = None,
              startup: StartupDeadline | None = None) -> int:
         """The job's exit status (128 + N when it ended on signal N)."""
         returncode = wait_for_job(process, self._marker, rank_zero, startup=startup)
-        self._job_pid = None
+        self.ended()
         status = returncode if returncode >= 0 else 128 - returncode
         if status and self.received:
             # The ranks stopped on the forwarded signal (75 or 143, checkpoint written), but the
