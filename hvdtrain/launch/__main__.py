@@ -78,19 +78,19 @@ def run(argv: Sequence[str] | None = None) -> int:
     # pyxis imports the image inside each task's start, before any rank process exists: minutes
     # for a large image, which a start-up deadline would take for a node never reached.
     pyxis = options.container and options.container_runtime == "pyxis"
+    status = 0
     with watching(options.python):  # the health check's ranks too
         if options.health_check or options.health_check_only:
             gpus_per_node = (allocation.gpus_per_host if allocation and allocation.gpus_per_host
                              is not None else gpus)
             status = run_health_check(
                 launch_for(health_options(options, gpus_per_node), allocation), signals)
-            if status or options.health_check_only:
-                return status
-        status = run_attempts(launch, options.max_restarts, signals,
-                              rank_zero_of(options, allocation),
-                              logs_dir=run_dir and os.path.join(run_dir, ranklog.LOGS),
-                              survivors=survivors,
-                              startup_seconds=0 if pyxis else options.startup_timeout)
+        if not (status or options.health_check_only):
+            status = run_attempts(launch, options.max_restarts, signals,
+                                  rank_zero_of(options, allocation),
+                                  logs_dir=run_dir and os.path.join(run_dir, ranklog.LOGS),
+                                  survivors=survivors,
+                                  startup_seconds=0 if pyxis else options.startup_timeout)
     if options.sbatch:
         sbatch.requeue_if_stopped(status, options, run_dir, os.environ)
     return status
