@@ -23,7 +23,7 @@ from hvdtrain.launch.failures import JobOutput, relay
 from hvdtrain.launch.paths import Launch
 from hvdtrain.launch.probe import ask
 from hvdtrain.launch.survivors import Survivors
-from hvdtrain.launcher_env import marked
+from hvdtrain.launcher_env import Process, marked
 
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 #: Pause between a failed attempt and the next, in seconds: long enough for the ports and GPU
@@ -118,23 +118,45 @@ def rank_zero_host(hosts: list[str], local_names: set[str], python: str,
     return RankZeroHost(first, python, command)
 
 
-def end_attempt(job_pid: int, marker: str, grace_seconds: float = 30) -> list[int]:
-    """Kill what is left on this machine of a failed attempt; the pids still alive after
-    ``grace_seconds`` of SIGKILL.
+def finishes_a_rank(process: Process) -> bool:
+    """The helpers a rank leaves to finish after it: its scratch janitor (``python -m
+    hvdtrain.scratch``) removes the rank's scratch directory and disk cache, its log tees
+    (hvdtrain.ranklog) copy its last lines into its log. Each ends on its own at the end of
+    file of a pipe that only the rank and its children hold."""
+    return (process.argv[1:3] == ("-m", "hvdtrain.scratch")
+            or os.path.basename(process.argv[0] if process.argv else "") == "tee")
+
+
+def end_attempt(job_pid: int | None, marker: str, grace_seconds: float = 30, *,
+                whole: bool = True) -> list[int]:
+    """Kill what is left on this machine of a failed attempt (with ``whole`` False, of every
+    attempt of one launcher); the pids still alive after ``grace_seconds`` of SIGKILL.
+    ``job_pid``: the launch command's process group, killed first (None: not known).
 
     mpirun takes its ranks down with it when one dies, but a process it lost (a rank's child in
     a session of its own, a Gloo rank) would run on, beside the next attempt: in its allreduce,
-    on its GPU, holding the run directory's lock.
+    on its GPU, holding the run directory's lock. The ranks' finishers (finishes_a_rank) are
+    killed only if they outlive everything else by ``grace_seconds``: killed with their rank,
+    they would leave its scratch directory and disk cache on the node for good.
     """
-    try:
-        os.killpg(job_pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    if job_pid is not None:
+        try:
+            os.killpg(job_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     deadline = time.monotonic() + grace_seconds
-    while (left := list(attempt_processes(marker))) and time.monotonic() < deadline:
-        signal_each((pid, signal.SIGKILL) for pid in left)
+    while (others := [process.pid for process in marked(marker, prefix=not whole)
+                      if not finishes_a_rank(process)]) and time.monotonic() < deadline:
+        signal_each((pid, signal.SIGKILL) for pid in others)
         time.sleep(0.1)
-    return left
+    if others:
+        return others
+    deadline = time.monotonic() + grace_seconds  # the finishers' pipes are closed now
+    while (finishers := [process.pid for process in marked(marker, prefix=not whole)]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    signal_each((pid, signal.SIGKILL) for pid in finishers)  # stuck: not worth a restart
+    return []
 
 
 def signal_each(targets) -> None:

@@ -8,7 +8,8 @@ watcher holds the read end of a pipe whose write end only the launcher has. The 
 "done" before it exits normally; end of file without it means the launcher died. Then the job
 is stopped as a SIGTERM to the launcher would stop it (``supervise.stop_job``: its ranks here get
 SIGTERM, mpirun passes the stand-in to the ranks of every node; they checkpoint and stop
-together), and what is still alive after ``GRACE_SECONDS`` gets SIGKILL.
+together), and what is still alive after ``GRACE_SECONDS`` gets SIGKILL
+(``supervise.end_attempt``: the ranks' scratch janitors last).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import sys
 import time
 
 from hvdtrain.launch.console import say
-from hvdtrain.launch.supervise import ATTEMPT_VARIABLE, attempt_processes, signal_each, stop_job
+from hvdtrain.launch.supervise import ATTEMPT_VARIABLE, attempt_processes, end_attempt, stop_job
 
 #: Seconds the job gets to checkpoint and stop after SIGTERM.
 GRACE_SECONDS = 60.0
@@ -64,7 +65,8 @@ def main(argv: list[str]) -> int:
     deadline = time.monotonic() + GRACE_SECONDS
     while (left := attempt_processes(marker, whole=False)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    signal_each((pid, signal.SIGKILL) for pid in left)
+    if left:
+        end_attempt(None, marker, whole=False)
     return 0
 
 
