@@ -110,6 +110,8 @@ chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb \
   >"$workdir/install.log" 2>&1 || { tail -n 40 "$workdir/install.log" >&2; die "install.sh failed in the root"; }
 grep '^\[install\] ok:' "$workdir/install.log" | sed 's/^\[install\] /[container] /'
 release_root "$root" || die "could not unmount what the build mounted in $root"
+# This machine's apt logins and proxy passwords and pip's index tokens were for the install.
+remove_host_credentials "$root"
 
 # --- what a runtime expects of the image ---------------------------------------------------------
 venv_bin=/opt/hvdtrain/.venv/bin

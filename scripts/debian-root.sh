@@ -5,13 +5,20 @@
 #   bootstrap_root ROOT LOG [PKG,...]
 #                                  debootstrap --variant=minbase bookworm into ROOT, adding PKGs
 #   copy_host_access ROOT          what reaching the package archives needs, from this machine:
-#                                  the bookworm apt sources, apt's Acquire settings, resolv.conf,
-#                                  hosts, CA certificates and pip's configuration; fills PIP_ENV
-#                                  with the PIP_*/SSL variables to pass into the root
+#                                  the bookworm apt sources, apt's Acquire settings and logins,
+#                                  resolv.conf, hosts, CA certificates and pip's configuration;
+#                                  fills PIP_ENV with the PIP_*/SSL variables to pass into the root
+#   remove_host_credentials ROOT   after the install: removes what copy_host_access copied that
+#                                  may hold this machine's secrets (apt's Acquire settings and
+#                                  auth.conf: proxy passwords; pip's configuration: index tokens)
+#                                  and user:password@ from the root's apt sources, so that an
+#                                  image packed from ROOT carries none of them
 #   mount_system ROOT              /proc, /sys and /dev (with /dev/shm and /dev/pts) in ROOT
 #   release_root ROOT              end the processes running in ROOT, then unmount everything
 #                                  under it (deepest first); status 1 if a mount is left
-# Callers set `set -euo pipefail` and define die().
+# Callers set `set -euo pipefail` and define die(). This machine's files are read under
+# $HOST_ROOT (default /; a test points it at a made-up machine) and the user's under $HOME.
+HOST_ROOT=${HOST_ROOT:-}
 
 # Prints "URI SUITE" for every enabled `deb` entry, one-line and deb822 formats alike.
 _deb_entries() {
@@ -40,16 +47,16 @@ _deb_entries() {
   done
 }
 
-_apt_source_files() {
+_apt_source_files() {  # this machine's apt source files, as paths on it
   local file
   for file in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
-    [[ -f $file ]] && printf '%s\n' "$file"
+    [[ -f $HOST_ROOT$file ]] && printf '%s\n' "$file"
   done
 }
 
 debian_mirror() {
-  local files mirror
-  mapfile -t files < <(_apt_source_files)
+  local files=() file mirror
+  while read -r file; do files+=("$HOST_ROOT$file"); done < <(_apt_source_files)
   mirror=$(_deb_entries "${files[@]}" | awk '$2 == "bookworm" { print $1; exit }')
   [[ -n $mirror ]] || die "no 'deb ... bookworm' entry in this machine's apt sources (${files[*]:-none})"
   printf '%s\n' "$mirror"
@@ -66,13 +73,25 @@ bootstrap_root() {
     >"$log" 2>&1 || { tail -n 30 "$log" >&2; die "debootstrap failed (log: $log)"; }
 }
 
-_copy_into() {  # _copy_into ROOT PATH...: each existing file or directory to the same place
+_copy_into() {  # _copy_into ROOT PATH...: each existing file or directory of this machine to the same place
   local root=$1 path
   shift
   for path in "$@"; do
-    [[ -e $path ]] || continue
+    [[ -e $HOST_ROOT$path ]] || continue
     mkdir -p "$root$(dirname "$path")"
-    cp -rL "$path" "$root$(dirname "$path")/"
+    cp -rL "$HOST_ROOT$path" "$root$(dirname "$path")/"
+  done
+}
+
+# The paths in the root of what copy_host_access copied that may hold this machine's secrets.
+HOST_CREDENTIALS=()
+_copy_credentials_into() {  # _copy_credentials_into ROOT PATH...: as _copy_into, and noted
+  local root=$1 path
+  shift
+  for path in "$@"; do
+    [[ -e $HOST_ROOT$path ]] || continue
+    _copy_into "$root" "$path"
+    HOST_CREDENTIALS+=("$path")
   done
 }
 
@@ -81,7 +100,7 @@ copy_host_access() {
   local root=$1 files=() bookworm=() file name path
   mapfile -t files < <(_apt_source_files)
   for file in "${files[@]}"; do
-    if _deb_entries "$file" | awk '$2 ~ /^bookworm(-updates|-security|-backports)?$/ { found = 1 } END { exit !found }'; then
+    if _deb_entries "$HOST_ROOT$file" | awk '$2 ~ /^bookworm(-updates|-security|-backports)?$/ { found = 1 } END { exit !found }'; then
       bookworm+=("$file")
     fi
   done
@@ -89,11 +108,15 @@ copy_host_access() {
     rm -f "$root/etc/apt/sources.list"
     _copy_into "$root" "${bookworm[@]}"
   fi
+  HOST_CREDENTIALS=()
   # Acquire settings only (proxy, validity of snapshot mirrors); hooks that run this machine's
-  # programs (Invoke) would fail in a bare root.
-  for file in /etc/apt/apt.conf /etc/apt/apt.conf.d/*; do
-    [[ -f $file ]] && grep -q 'Acquire::' "$file" && ! grep -q 'Invoke' "$file" && _copy_into "$root" "$file"
+  # programs (Invoke) would fail in a bare root. With the logins of auth.conf, for the install
+  # only (remove_host_credentials).
+  for file in "$HOST_ROOT"/etc/apt/apt.conf "$HOST_ROOT"/etc/apt/apt.conf.d/*; do
+    [[ -f $file ]] && grep -q 'Acquire::' "$file" && ! grep -q 'Invoke' "$file" \
+      && _copy_credentials_into "$root" "${file#"$HOST_ROOT"}"
   done
+  _copy_credentials_into "$root" /etc/apt/auth.conf /etc/apt/auth.conf.d
   _copy_into "$root" /etc/resolv.conf /etc/hosts
   # Local CAs first, then the bundle built from them (the root's own bundle lacks them).
   _copy_into "$root" /usr/local/share/ca-certificates /etc/ssl/certs/ca-certificates.crt
@@ -105,13 +128,29 @@ copy_host_access() {
     esac
   done
   [[ -n ${PIP_CERT:-} ]] && _copy_into "$root" "$PIP_CERT"
-  _copy_into "$root" /etc/pip.conf /etc/xdg/pip
+  _copy_credentials_into "$root" /etc/pip.conf /etc/xdg/pip
   for path in "$HOME/.config/pip" "$HOME/.pip"; do
     if [[ -e $path ]]; then
       mkdir -p "$root/root/${path#"$HOME"/}"
       cp -rL "$path/." "$root/root/${path#"$HOME"/}/"
+      HOST_CREDENTIALS+=("/root/${path#"$HOME"/}")
     fi
   done
+  return 0
+}
+
+remove_host_credentials() {
+  local root=$1 path
+  for path in "${HOST_CREDENTIALS[@]}"; do
+    rm -rf --one-file-system "${root:?}$path"
+  done
+  HOST_CREDENTIALS=()
+  # A source's URI may carry a login (https://user:token@host/...): the image keeps the mirror,
+  # not the login.
+  for path in "$root"/etc/apt/sources.list "$root"/etc/apt/sources.list.d/*; do
+    [[ -f $path && ! -L $path ]] && sed -i -E 's#([a-z+]+://)[^/@[:space:]]+@#\1#g' "$path"
+  done
+  return 0
 }
 
 mount_system() {

@@ -139,3 +139,52 @@ def test_the_build_script_refuses_in_one_line_without_root_or_with_bad_formats(t
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert result.stderr.startswith("containers/build.sh: ")
+
+
+SECRET = "s3cr3t-of-the-build-host"
+#: A made-up build machine whose apt and pip settings hold SECRET (paths under HOST_ROOT).
+BUILD_HOST = {
+    "etc/apt/sources.list.d/debian.sources": (
+        f"Types: deb\nURIs: https://alice:{SECRET}@mirror.example/debian\n"
+        "Suites: bookworm bookworm-updates\nComponents: main\n"),
+    "etc/apt/apt.conf.d/80proxy": f'Acquire::http::Proxy "http://bob:{SECRET}@proxy.example";\n',
+    "etc/apt/auth.conf.d/mirror.conf": f"machine mirror.example login alice password {SECRET}\n",
+    "etc/pip.conf": f"[global]\nindex-url = https://carol:{SECRET}@pypi.example/simple\n",
+    "usr/local/share/ca-certificates/site.crt": "a site CA\n",
+    "etc/resolv.conf": "nameserver 192.0.2.53\n",
+}
+
+
+def test_the_image_root_keeps_none_of_the_build_hosts_credentials(tmp_path):
+    """The steps of containers/build.sh that put this machine's settings into the image root
+    (scripts/debian-root.sh), on a made-up machine: apt's proxy password and login and pip's
+    index tokens reach the root for the install, and none is left in what is packed. The whole
+    build (debootstrap, TensorFlow and horovod installed in the root) takes many minutes and runs
+    in tests/test_multinode.py; the steps that copy and remove are all of it that touches them."""
+    host, home, root = tmp_path / "host", tmp_path / "home", tmp_path / "root"
+    for path, text in {**BUILD_HOST, "../home/.config/pip/pip.conf": f"token = {SECRET}\n"}.items():
+        (host / path).parent.mkdir(parents=True, exist_ok=True)
+        (host / path).write_text(text)
+    (root / "etc" / "apt").mkdir(parents=True)
+    (root / "etc" / "apt" / "sources.list").write_text(f"deb https://alice:{SECRET}@m/ bookworm\n")
+    script = ('set -euo pipefail; die() { echo "$*" >&2; exit 1; }; source "$0"; '
+              'copy_host_access "$1"; grep -rl "$2" "$1" | sort >"$3"; '
+              'remove_host_credentials "$1"')
+    during = tmp_path / "during-install.txt"
+    subprocess.run(["bash", "-c", script, str(REPO / "scripts" / "debian-root.sh"), str(root),
+                    SECRET, str(during)], check=True, timeout=60,
+                   env={"PATH": "/usr/bin:/bin", "HOME": str(home), "HOST_ROOT": str(host)})
+    assert during.read_text().splitlines() == [str(root / path) for path in (
+        "etc/apt/apt.conf.d/80proxy", "etc/apt/auth.conf.d/mirror.conf",
+        "etc/apt/sources.list.d/debian.sources", "etc/pip.conf", "root/.config/pip/pip.conf")]
+    left = subprocess.run(["grep", "-rl", SECRET, str(root)], capture_output=True, text=True)
+    assert left.returncode == 1 and left.stdout == "", left.stdout
+    # What the image needs to reach the archives stays: the mirror (without the login), the CAs.
+    assert "URIs: https://mirror.example/debian\n" in \
+        (root / "etc/apt/sources.list.d/debian.sources").read_text()
+    assert (root / "usr/local/share/ca-certificates/site.crt").read_text() == "a site CA\n"
+    # containers/build.sh removes them after the install, before it packs anything.
+    build = (REPO / "containers" / "build.sh").read_text()
+    removed = build.index('remove_host_credentials "$root"')
+    assert build.index("bash scripts/install.sh") < removed < build.index('mksquashfs "$root"')
+    assert removed < build.index('oci_archive.py" "$root"')
