@@ -11,8 +11,9 @@ horovod's build, the GPUs per node and the rank count; each problem is one line 
 
 Signals: SIGUSR1, SIGTERM and SIGINT are forwarded to the ranks (SIGUSR1 is Slurm's warning before
 the time limit; the ranks write a checkpoint and exit 75). The exit status is the job's. Before
-anything is launched (the preflight probe) they stop the launcher at once; during the health check
-they stop the check's ranks; either way the exit status is the signal's (130, 143, or 75).
+anything is launched (the preflight probe) SIGTERM and SIGINT stop the launcher at once; during the
+health check the signals stop the check's ranks; either way the exit status is the signal's (143,
+130, or 75 after SIGUSR1).
 
 Failures: the job's output passes through the launcher, which ends a failed job with one line
 naming the rank(s) and host at fault and the log to read (``job exited 137: rank 3 on node2 ended

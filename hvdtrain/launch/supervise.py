@@ -192,9 +192,11 @@ def stop_job(job: dict[int, bool], signum: int, command_group: int | None = None
 
 
 class StoppedBeforeLaunch(BaseException):
-    """A stop signal arrived before anything was launched (the checks before it, such as the
-    preflight probe, a child that Ctrl-C interrupts too): raised by the signal handler, so the
-    launcher stops at once with the signal's exit status, as KeyboardInterrupt would."""
+    """SIGINT or SIGTERM arrived before anything was launched (the checks before it, such as
+    the preflight probe, a child that Ctrl-C interrupts too): raised by the signal handler, so
+    the launcher stops at once with the signal's exit status, as KeyboardInterrupt would.
+    SIGUSR1 is only recorded: the launcher then exits 75 without starting the ranks, which an
+    sbatch script answers with a requeue."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -202,9 +204,9 @@ class StoppedBeforeLaunch(BaseException):
 
 
 class SignalForwarder:
-    """SIGUSR1/SIGTERM/SIGINT sent to the launcher: before anything is launched they stop it
-    (StoppedBeforeLaunch); from then on they are recorded and passed on to the processes of
-    what is running (the health check, an attempt of the job)."""
+    """SIGUSR1/SIGTERM/SIGINT sent to the launcher: recorded from the moment it starts, and
+    passed on to the processes of what is running (the health check, an attempt of the job);
+    before anything is launched SIGTERM and SIGINT stop it at once (StoppedBeforeLaunch)."""
 
     def __init__(self):
         self.received: list[int] = []
@@ -218,7 +220,7 @@ class SignalForwarder:
         self.received.append(signum)
         if self._job_pid is not None:
             stop_job(attempt_processes(self._marker), signum, command_group=self._job_pid)
-        elif not self._launched:
+        elif not self._launched and signum != signal.SIGUSR1:
             raise StoppedBeforeLaunch(signum)
 
     @property
