@@ -25,6 +25,14 @@ def error(message: str) -> None:
     say(f"error: {message}")
 
 
+def show(line: str) -> None:
+    """A line of the job's (the health check's findings) on the launcher's stdout."""
+    try:
+        print(line, flush=True)
+    except (OSError, ValueError) as failure:
+        lost_stream("stdout", failure, None)
+
+
 def lost_stream(name: str, failure: Exception, logs_dir: str | None) -> None:
     """Say, once per stream and on the other one, that the job's output can no longer be
     written to the launcher's ``name`` ("stdout" or "stderr")."""

@@ -10,10 +10,9 @@ import dataclasses
 import os
 import signal
 import subprocess
-from typing import Callable
 
 from hvdtrain.errors import EXIT_USAGE, UserError, signal_name, stop_status
-from hvdtrain.launch.console import error, say
+from hvdtrain.launch.console import error, say, show
 from hvdtrain.launch.options import HEALTH_PROGRAM, LaunchOptions
 from hvdtrain.launch.paths import Launch
 from hvdtrain.launch.supervise import ATTEMPT_VARIABLE, SignalForwarder, end_attempt
@@ -33,9 +32,9 @@ def health_options(options: LaunchOptions, gpus_per_node: int) -> LaunchOptions:
         program_args=("--gpus-per-rank", "1" if gpus_per_node else "0"))
 
 
-def run_health_check(launch: Launch, signals: SignalForwarder, timeout: float = HEALTH_SECONDS,
-                     print_line: Callable[[str], None] = print) -> int:
-    """Run the check; print its lines; its exit status (EXIT_USAGE when it failed, or when it
+def run_health_check(launch: Launch, signals: SignalForwarder,
+                     timeout: float = HEALTH_SECONDS) -> int:
+    """Run the check; show its lines; its exit status (EXIT_USAGE when it failed, or when it
     could not run or finish, with one line saying so; a stop signal's status after one)."""
     # Marked and signalled as an attempt of the job is: a stop signal stops the check's ranks,
     # and the watcher ends them if the launcher dies (see watcher.py).
@@ -60,7 +59,7 @@ def run_health_check(launch: Launch, signals: SignalForwarder, timeout: float = 
         return stop_status(signals.first)
     said = [line[line.index(MARK):] for line in output.splitlines() if MARK in line]
     for line in said:
-        print_line(line)
+        show(line)
     if process.returncode == 0 or (said and process.returncode == EXIT_USAGE):
         return process.returncode
     last = next((line for line in reversed(output.splitlines()) if line.strip()), "no output")
