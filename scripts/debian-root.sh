@@ -73,7 +73,7 @@ bootstrap_root() {
     >"$log" 2>&1 || { tail -n 30 "$log" >&2; die "debootstrap failed (log: $log)"; }
 }
 
-_copy_into() {  # _copy_into ROOT PATH...: each existing file or directory of this machine to the same place
+_copy_into() {  # _copy_into ROOT PATH...: each existing file or directory of this machine, the same place
   local root=$1 path
   shift
   for path in "$@"; do

@@ -227,9 +227,9 @@ class SignalForwarder:
     def first(self) -> int | None:
         return self.received[0] if self.received else None
 
-    def start(self, launch: Launch, marker: str, **streams) -> subprocess.Popen | None:
+    def start(self, launch: Launch, marker: str, **popen_options) -> subprocess.Popen | None:
         """Start the command in its own process group, or None if a stop signal came first.
-        Its stdout and stderr are pipes, unless ``streams`` says otherwise (Popen's arguments)."""
+        Its stdout and stderr are pipes, unless ``popen_options`` (Popen's) say otherwise."""
         def prepare_child():
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
             # horovodrun execs `/bin/sh -c mpirun ...`; a shell that starts with a signal ignored
@@ -252,7 +252,7 @@ class SignalForwarder:
             process = subprocess.Popen(launch.argv, env={**os.environ, **launch.env, name: value},
                                        start_new_session=True, preexec_fn=prepare_child,
                                        **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
-                                          **streams})
+                                          **popen_options})
             self._job_pid, self._marker = process.pid, marker
             return process
         finally:
