@@ -18,16 +18,23 @@ def network_interfaces(options: LaunchOptions, allocation: Allocation | None,
     """The interfaces the ranks must talk over: --network-interface, else the ones the check
     finds connecting every host (None on one host, or without the check: each transport picks)."""
     told = tuple(options.network_interface.split(",")) if options.network_interface else None
+    for name in told or ():
+        if not netcheck.is_interface_name(name):
+            raise UserError(f"--network-interface: {name!r} is no network interface name (1 to "
+                            "15 of A-Z a-z 0-9 _ . @ -, not starting with -); `ip -br link` "
+                            "lists this host's")
     hosts = job_hosts(options, allocation)
     if len(hosts) < 2 or not check:
         return told
+    local = local_host_names()
     if allocation is not None:  # Slurm's own channel reaches every node of the allocation
         start = netcheck.start_with_srun(options.python, len(hosts))
     else:  # ssh, which horovodrun and mpirun use to start the remote ranks too
-        start = netcheck.start_with_ssh(options.python, hosts, local_host_names())
+        start = netcheck.start_with_ssh(options.python, hosts, local)
     started = time.monotonic()
     try:
-        plan = netcheck.check(hosts, options.network_interface, start)
+        listen_on = netcheck.rendezvous_address([host for host in hosts if host not in local])
+        plan = netcheck.check(hosts, options.network_interface, start, listen_on=listen_on)
     except netcheck.NetworkError as error:
         raise UserError(f"network check: {error}") from None
     say(f"{plan.note} [{time.monotonic() - started:.1f} s]")
