@@ -25,6 +25,7 @@ from typing import Any, Iterator, Mapping
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain import __version__
+from hvdtrain.credentials import split_userinfo, without_userinfo
 from hvdtrain.errors import UserError, as_one_line
 from hvdtrain.preemption import StopRequest
 from hvdtrain.rundir import RunDir, is_url
@@ -57,6 +58,22 @@ def import_mlflow():
                         "install 'hvdtrain[mlflow]' (or mlflow-skinny) into this "
                         "environment") from None
     return mlflow
+
+
+def server_uri(given: str | None) -> str:
+    """The tracking server (``given``, else MLFLOW_TRACKING_URI, else MLflow's default) without
+    user-info. A user and password in it move into MLFLOW_TRACKING_USERNAME/PASSWORD, from which
+    MLflow's client sends them as basic auth on every request: the URI this process goes on
+    with, prints and records then holds no secret (nor does its MLFLOW_TRACKING_URI)."""
+    mlflow = import_mlflow()
+    uri, username, password = split_userinfo(given or mlflow.get_tracking_uri())
+    if username is not None:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = username
+    if password is not None:
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = password
+    if "MLFLOW_TRACKING_URI" in os.environ:
+        os.environ["MLFLOW_TRACKING_URI"] = without_userinfo(os.environ["MLFLOW_TRACKING_URI"])
+    return uri
 
 
 def flat_params(sections: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
@@ -101,16 +118,17 @@ class MlflowRun:
         parameters and every row of ``rows`` the server lacks. ``UserError`` when mlflow is
         missing or the server does not take it."""
         mlflow = import_mlflow()
-        uri = tracking_uri or mlflow.get_tracking_uri()
+        uri = server_uri(tracking_uri)
         client = mlflow.MlflowClient(tracking_uri=uri)
         recorded = run_dir.read_json(TRACKING_FILE)
         try:
             if recorded:
-                if recorded.get("tracking_uri") != uri:
+                recorded_uri = without_userinfo(str(recorded.get("tracking_uri")))
+                if recorded_uri != uri:
                     raise UserError(
                         f"{run_dir.file(TRACKING_FILE)} records MLflow run {recorded['run_id']} "
-                        f"at {recorded.get('tracking_uri')}, not at {uri}: pass --tracking-uri "
-                        f"{recorded.get('tracking_uri')}, or remove the file to start a new run")
+                        f"at {recorded_uri}, not at {uri}: pass --tracking-uri {recorded_uri}, "
+                        "or remove the file to start a new run")
                 run = client.get_run(recorded["run_id"])
                 client.update_run(run.info.run_id, status="RUNNING")
                 resumed = True
@@ -214,7 +232,7 @@ class MlflowRun:
             call()
             return True
         except Exception as error:  # noqa: BLE001 - the job trains on whatever the server does
-            self.broken = as_one_line(error)
+            self.broken = without_userinfo(as_one_line(error))
             print(f"hvdtrain: tracking: MLflow at {self.tracking_uri} failed ({self.broken}); "
                   "training goes on without it: metrics.json keeps every epoch, and the next "
                   "start of this run logs the ones the server missed", flush=True)
@@ -270,7 +288,7 @@ def check_server(config, runtime) -> None:
 
     def ask() -> None:
         mlflow = import_mlflow()
-        uri = config.tracking_uri or mlflow.get_tracking_uri()
+        uri = server_uri(config.tracking_uri)
         try:
             mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
         except Exception as error:  # noqa: BLE001 - whatever the client raises: HTTP, auth, store
@@ -281,8 +299,8 @@ def check_server(config, runtime) -> None:
 
 def _refused(uri: str, error: BaseException) -> str:
     return (f"--track mlflow: the tracking server at {uri} did not take the run "
-            f"({as_one_line(error)}); check --tracking-uri or MLFLOW_TRACKING_URI, or drop "
-            "--track")
+            f"({without_userinfo(as_one_line(error))}); check --tracking-uri or "
+            "MLFLOW_TRACKING_URI, or drop --track")
 
 
 def _absolute(path: str) -> str:

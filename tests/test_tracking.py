@@ -23,7 +23,10 @@ from typing import Iterator
 import pytest
 
 from conftest import VENV_BIN, clean_env, integration, run_job, wait_for_first_epoch
-from hvdtrain.tracking import changed_params, epoch_metrics, flat_params
+from hvdtrain.config import TrainConfig
+from hvdtrain.credentials import split_userinfo, without_userinfo
+from hvdtrain.launch.paths import Launch, describe
+from hvdtrain.tracking import changed_params, epoch_metrics, flat_params, server_uri
 
 LAUNCH = [sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via", "mpirun",
           "--skip-preflight", "--"]
@@ -42,6 +45,29 @@ def test_parameters_are_flat_strings_and_changes_are_named():
 def test_a_row_gives_its_numbers_and_not_its_epoch():
     assert epoch_metrics({"epoch": 3, "loss": 0.5, "accuracy": 1, "note": "x", "ok": True}) == {
         "loss": 0.5, "accuracy": 1.0}
+
+
+def test_a_password_in_a_url_is_left_out_of_what_is_shown_and_recorded():
+    uri = "http://alice:p%40ss@mlflow.example.org:5000/"
+    assert split_userinfo(uri) == ("http://mlflow.example.org:5000/", "alice", "p@ss")
+    assert split_userinfo("databricks") == ("databricks", None, None)
+    assert without_userinfo(f"--tracking-uri {uri} --data-dir gs://b/x?v=a@b") == (
+        "--tracking-uri http://mlflow.example.org:5000/ --data-dir gs://b/x?v=a@b")
+    assert TrainConfig(tracking_uri=uri).to_dict()["tracking_uri"] == (
+        "http://mlflow.example.org:5000/")
+    shown = describe(Launch(argv=("mpirun", "python", "-m", "hvdtrain.cnn", "--tracking-uri",
+                                  uri), env={}))  # --dry-run
+    assert "alice" not in shown and "p%40ss" not in shown, shown
+
+
+def test_a_password_in_mlflow_tracking_uri_goes_to_mlflows_credential_variables(monkeypatch):
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://bob:pw%21@127.0.0.1:5999")
+    assert server_uri(None) == "http://127.0.0.1:5999"
+    assert os.environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:5999"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "bob"
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "pw!"
 
 
 def free_port() -> int:
