@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
 
+from hvdtrain.credentials import without_userinfo
 from hvdtrain.data.cache import parse_cache_flag
 from hvdtrain.errors import UserError
 
@@ -134,7 +135,10 @@ class TrainConfig:
     `pip install 'hvdtrain[mlflow]'`."""
     tracking_uri: str | None = None
     """The MLflow tracking server (http://host:5000, databricks, ...). Default:
-    MLFLOW_TRACKING_URI, else MLflow's own default."""
+    MLFLOW_TRACKING_URI, else MLflow's own default. Give a user and password in
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD: a user:password@ in the URI is moved
+    there and never printed or recorded, but a command line is visible to every user of the
+    node."""
     experiment: str | None = None
     """The MLflow experiment the run goes into (created when missing). Default:
     MLFLOW_EXPERIMENT_NAME, else the job's name."""
@@ -169,7 +173,10 @@ class TrainConfig:
                 _check_number(field.name, getattr(self, field.name))  # (inf by default: inf ok)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as recorded (config.json, the tracker's parameters): a URL's user-info,
+        such as a tracking server's password, is left out (hvdtrain.credentials)."""
+        return {name: without_userinfo(value) if isinstance(value, str) else value
+                for name, value in dataclasses.asdict(self).items()}
 
 
 @dataclass(kw_only=True)

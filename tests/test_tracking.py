@@ -3,7 +3,11 @@
 A 2-rank job is stopped by a preemption signal and run again: it must end as one MLflow run with
 every epoch's metrics once (the same numbers as metrics.json), the plan as parameters and the
 outputs as artifacts. A missing package and an unreachable server are refused in one line before
-the first step, on every rank.
+the first step, on every rank. A server that goes silent (a TCP proxy in front of it stops
+forwarding) neither stops nor stalls a job under a short stall limit, and a password in the
+tracking URI reaches the server and nothing else. A resume from an older checkpoint and a copied
+run directory each keep the server's history equal to their metrics.json; a tracking.json that is
+not a record of a run the server has is refused in one line.
 """
 from __future__ import annotations
 
@@ -13,8 +17,11 @@ import os
 import re
 import signal
 import socket
+import base64
+import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -23,7 +30,13 @@ from typing import Iterator
 import pytest
 
 from conftest import VENV_BIN, clean_env, integration, run_job, wait_for_first_epoch
-from hvdtrain.tracking import changed_params, epoch_metrics, flat_params
+from hvdtrain.config import TrainConfig
+from hvdtrain.credentials import split_userinfo, without_userinfo
+from hvdtrain.errors import UserError
+from hvdtrain.launch.paths import Launch, describe
+from hvdtrain.rundir import RunDir
+from hvdtrain.tracking import (EPOCH_KEY, MlflowRun, changed_params, epoch_metrics, flat_params,
+                               is_claimed_by, latest_per_step, server_uri)
 
 LAUNCH = [sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via", "mpirun",
           "--skip-preflight", "--"]
@@ -42,6 +55,42 @@ def test_parameters_are_flat_strings_and_changes_are_named():
 def test_a_row_gives_its_numbers_and_not_its_epoch():
     assert epoch_metrics({"epoch": 3, "loss": 0.5, "accuracy": 1, "note": "x", "ok": True}) == {
         "loss": 0.5, "accuracy": 1.0}
+
+
+def test_a_password_in_a_url_is_left_out_of_what_is_shown_and_recorded():
+    uri = "http://alice:p%40ss@mlflow.example.org:5000/"
+    assert split_userinfo(uri) == ("http://mlflow.example.org:5000/", "alice", "p@ss")
+    assert split_userinfo("databricks") == ("databricks", None, None)
+    assert without_userinfo(f"--tracking-uri {uri} --data-dir gs://b/x?v=a@b") == (
+        "--tracking-uri http://mlflow.example.org:5000/ --data-dir gs://b/x?v=a@b")
+    assert TrainConfig(tracking_uri=uri).to_dict()["tracking_uri"] == (
+        "http://mlflow.example.org:5000/")
+    shown = describe(Launch(argv=("mpirun", "python", "-m", "hvdtrain.cnn", "--tracking-uri",
+                                  uri), env={}))  # --dry-run
+    assert "alice" not in shown and "p%40ss" not in shown, shown
+
+
+def test_a_password_in_mlflow_tracking_uri_goes_to_mlflows_credential_variables(monkeypatch):
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://bob:pw%21@127.0.0.1:5999")
+    assert server_uri(None) == "http://127.0.0.1:5999"
+    assert os.environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:5999"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "bob"
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "pw!"
+
+
+def test_the_latest_value_of_a_step_is_the_servers_and_a_claim_names_its_directory():
+    from mlflow.entities import Metric
+
+    history = [Metric("loss", 0.9, 3000, 2), Metric("loss", 0.5, 1000, 1),
+               Metric("loss", 0.7, 2000, 2)]  # step 2 logged again later (a resume)
+    assert latest_per_step(history) == {1: 0.5, 2: 0.9}
+    assert is_claimed_by({"claim": "b", "previous_claim": "a"}, "b")
+    assert is_claimed_by({"claim": "b", "previous_claim": "a"}, "a")  # its last start failed
+    assert is_claimed_by({"claim": "b"}, None)  # a run from before claims
+    assert not is_claimed_by({"claim": "b", "previous_claim": "a"}, "c")  # a copy claimed it
+    assert not is_claimed_by({}, "c")
 
 
 def free_port() -> int:
@@ -104,6 +153,117 @@ def tracking_lines(output: str) -> list[str]:
     """The lines that speak of MLflow, but for the launcher's echo of the command."""
     return [line for line in output.splitlines()
             if "mlflow" in line.lower() and not line.startswith("hvdtrain.launch: ")]
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    try:
+        return json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):  # not written yet, or being replaced
+        return []
+
+
+def assert_same_history(client, run_id: str, rows: list[dict], keys=("loss", "accuracy",
+                                                                     "val_loss", EPOCH_KEY)):
+    """The server's latest value of every step is metrics.json's, for every epoch and no other."""
+    for key in keys:
+        assert latest_per_step(client.get_metric_history(run_id, key)) == pytest.approx(
+            {row["epoch"]: row[key] for row in rows}), key
+
+
+class Link:
+    """One connection through the proxy."""
+
+    def __init__(self, client: socket.socket, server: socket.socket | None):
+        self.client, self.server = client, server
+        self.silenced = server is None
+        self.sent = bytearray()
+        """What was forwarded to the server."""
+
+    def close(self) -> None:
+        for end in (self.client, self.server):
+            if end is not None:
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+                end.close()
+
+
+class FlakyProxy:
+    """A TCP forwarder from 127.0.0.1 to a server, failing as servers and routes do. Silent: it
+    takes connections and requests but forwards and answers nothing (a hung server, a dropped
+    route). Down: nothing listens on its port and the connections it had are closed (a killed
+    server). Back: it forwards again on the same port (the connections it silenced closed). It
+    keeps what it forwarded to the server, on every connection it had."""
+
+    def __init__(self, server_port: int):
+        self.server_port = server_port
+        self.port = free_port()
+        self.silent = False
+        self.links: list[Link] = []
+        self.lock = threading.Lock()
+        self.listener: socket.socket | None = None
+        self.come_back()
+
+    def go_silent(self) -> None:
+        with self.lock:
+            self.silent = True
+            for link in self.links:
+                link.silenced = True
+
+    def go_down(self) -> None:
+        with self.lock:
+            with contextlib.suppress(OSError):  # wakes the accept (a close alone would not)
+                self.listener.shutdown(socket.SHUT_RDWR)
+            self.listener.close()
+            for link in self.links:
+                link.close()
+
+    def come_back(self) -> None:
+        with self.lock:
+            self.silent = False
+            for link in self.links:
+                if link.silenced:
+                    link.close()
+            if self.listener is None or self.listener.fileno() == -1:
+                self.listener = socket.create_server(("127.0.0.1", self.port))
+                threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def close(self) -> None:
+        self.go_down()
+
+    def forwarded(self) -> bytes:
+        with self.lock:
+            return b"".join(bytes(link.sent) for link in self.links)
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            with self.lock:
+                server = None if self.silent else socket.create_connection(
+                    ("127.0.0.1", self.server_port))
+                link = Link(client, server)
+                self.links.append(link)
+            threading.Thread(target=self._pump, args=(link, True), daemon=True).start()
+            if server is not None:
+                threading.Thread(target=self._pump, args=(link, False), daemon=True).start()
+
+    def _pump(self, link: Link, to_server: bool) -> None:
+        source, target = (link.client, link.server) if to_server else (link.server, link.client)
+        while True:
+            try:
+                data = source.recv(65536)
+                if not data:
+                    break
+                if link.silenced:
+                    continue  # swallowed: nobody answers
+                if to_server:
+                    link.sent += data
+                target.sendall(data)
+            except OSError:
+                break
+        link.close()
 
 
 @integration
@@ -213,38 +373,202 @@ def test_without_mlflow_installed_the_flag_is_refused_in_one_line(tmp_path):
 
 @integration
 @pytest.mark.timeout(300)
-def test_a_server_lost_mid_run_costs_one_line_and_the_rerun_fills_the_gap(tmp_path):
-    """The server killed after the first epoch: training goes on to exit 0 with one line; the
-    server back (same store, same port) and the run resumed, every epoch is in it once."""
-    home, port, run_dir, log = tmp_path / "server", free_port(), tmp_path / "run", tmp_path / "log"
-    home.mkdir()
+def test_a_server_lost_mid_run_costs_one_line_and_the_rerun_fills_the_gap(mlflow_server,
+                                                                          tmp_path):
+    """The server gone after the first epoch (the proxy in front of it down: connections
+    refused, those open closed): training goes on to exit 0 with one line; the server back and
+    the run resumed, every epoch is in it once."""
+    proxy = FlakyProxy(int(mlflow_server.rsplit(":", 1)[1]))
+    uri, run_dir, log = f"http://127.0.0.1:{proxy.port}", tmp_path / "run", tmp_path / "log"
     job = [sys.executable, "-m", "hvdtrain.cnn", "--preset", "tiny", "--track", "mlflow",
-           "--tracking-uri", f"http://127.0.0.1:{port}", "--experiment", "lost-server",
-           "--run-dir", str(run_dir)]
-    with running_server(home, port) as (uri, server), log.open("w") as sink:
-        trainer = subprocess.Popen([*job, "--epochs", "40"], env=clean_env(), stdout=sink,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+           "--tracking-uri", uri, "--experiment", "lost-server", "--run-dir", str(run_dir)]
+    try:
+        with log.open("w") as sink:
+            trainer = subprocess.Popen([*job, "--epochs", "12"], env=clean_env(), stdout=sink,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_for_first_epoch(run_dir, trainer, log, timeout=120, poll_seconds=0.05)
-            stop(server, signal.SIGKILL)
+            proxy.go_down()
             trainer.wait(timeout=150)
         finally:
             if trainer.poll() is None:
                 os.killpg(trainer.pid, signal.SIGKILL)
                 trainer.wait()
-    output = log.read_text()
-    assert trainer.returncode == 0, output[-3000:]
-    lost = [line for line in output.splitlines() if line.startswith("hvdtrain: tracking:")]
-    assert len(lost) == 1 and f"MLflow at {uri} failed" in lost[0] \
-        and "training goes on without it" in lost[0], output[-3000:]
-    assert "Traceback" not in output
-    assert len(json.loads((run_dir / "metrics.json").read_text())) == 40
+        output = log.read_text()
+        assert trainer.returncode == 0, output[-3000:]
+        lost = [line for line in output.splitlines() if line.startswith("hvdtrain: tracking:")]
+        assert len(lost) == 1 and f"MLflow at {uri} " in lost[0] \
+            and "the job does not wait for it" in lost[0], output[-3000:]
+        assert "Traceback" not in output
+        assert len(metrics_rows(run_dir)) == 12
 
-    with running_server(home, port):
-        resumed = run_job([*job, "--epochs", "41"], timeout=120).stdout
-        assert "(resumed) in experiment 'lost-server'" in resumed, resumed[-3000:]
-        run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
-        client = client_of(uri)
-        steps = sorted(m.step for m in client.get_metric_history(run_id, "loss"))
-        assert client.get_run(run_id).info.status == "FINISHED"
-    assert steps == list(range(1, 42))
+        proxy.come_back()
+        resumed = run_job([*job, "--epochs", "13"], timeout=120).stdout
+    finally:
+        proxy.close()
+    assert "(resumed) in experiment 'lost-server'" in resumed, resumed[-3000:]
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    client = client_of(mlflow_server)
+    steps = sorted(m.step for m in client.get_metric_history(run_id, "loss"))
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert steps == list(range(1, 14))
+
+
+@integration
+@pytest.mark.timeout(300)
+def test_a_silent_server_neither_stops_nor_stalls_training_and_its_password_stays_secret(
+        mlflow_server, tmp_path):
+    """2 ranks under a 10 s stall limit, the tracking URI with a user and password, through a
+    proxy that goes silent after the first epoch and forwards again once every epoch is done:
+    every epoch ends meanwhile, one line says so, the end of the job catches up (every epoch,
+    the outputs, FINISHED), and the password goes to the server in every request and nowhere
+    else: not the output, the run directory (its logs, config.json, tracking.json), the run's
+    parameters and tags, nor its artifacts."""
+    password, epochs = "s3cr3t-4e1f", 12
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    proxy = FlakyProxy(int(mlflow_server.rsplit(":", 1)[1]))
+    proxied = f"http://127.0.0.1:{proxy.port}"
+    job = [sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via", "mpirun",
+           "--skip-preflight", "--stall-check-shutdown-seconds", "10",
+           "--stall-check-warning-seconds", "2", "--", "hvdtrain.cnn", "--preset", "tiny",
+           "--epochs", str(epochs), "--track", "mlflow", "--tracking-uri",
+           f"http://alice:{password}@127.0.0.1:{proxy.port}", "--experiment", "silent-server",
+           "--run-dir", str(run_dir)]
+    with log.open("w") as sink:
+        launcher = subprocess.Popen(job, env=clean_env(), stdout=sink, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    try:
+        wait_for_first_epoch(run_dir, launcher, log, poll_seconds=0.05)
+        proxy.go_silent()
+        deadline = time.monotonic() + 90
+        while (len(metrics_rows(run_dir)) < epochs and launcher.poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+        trained_while_silent = len(metrics_rows(run_dir))
+        proxy.come_back()
+        launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        proxy.close()
+    output = log.read_text()
+    assert trained_while_silent == epochs, output[-3000:]
+    assert launcher.returncode == 0, output[-3000:]
+    assert "Traceback" not in output
+    trouble = [line for line in output.splitlines() if "hvdtrain: tracking:" in line]
+    assert len(trouble) == 1 and f"MLflow at {proxied} " in trouble[0], output[-3000:]
+
+    client = client_of(mlflow_server)
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert_same_history(client, run_id, metrics_rows(run_dir))
+    artifacts = {entry.path for entry in client.list_artifacts(run_id)}
+    assert {"config.json", "metrics.json", "model.keras"} <= artifacts, artifacts
+
+    # The password reached the server with every request...
+    sent = proxy.forwarded()
+    requests = re.findall(rb"(?:GET|POST|PUT|PATCH|DELETE) /\S* HTTP/1\.1\r\n", sent)
+    credentials = re.findall(rb"\r\nAuthorization: Basic (\S+)\r\n", sent)
+    assert requests and credentials == [base64.b64encode(f"alice:{password}".encode())] * len(
+        requests)
+    # ... and nothing else holds it.
+    assert f"--tracking-uri {proxied} " in output  # the launcher's echo of the command
+    assert run.data.params["config.tracking_uri"] == proxied
+    assert password not in output
+    assert password not in json.dumps([run.data.params, run.data.tags])
+    downloaded = Path(client.download_artifacts(run_id, "", str(tmp_path / "artifacts")))
+    for path in [*run_dir.rglob("*"), *downloaded.rglob("*")]:
+        assert not path.is_file() or password.encode() not in path.read_bytes(), path
+
+
+@integration
+@pytest.mark.timeout(300)
+def test_a_resume_from_an_older_checkpoint_and_a_copied_run_directory_keep_one_history_each(
+        mlflow_server, tmp_path):
+    """A run of 3 epochs is copied; the original, its newest checkpoint lost, resumes from
+    epoch 2 and trains epoch 3 again: the server's epoch 3 is the new one. The copy, run on to 4
+    epochs, finds the run claimed by the original since: it says so and logs its own history
+    into a run of its own, leaving the original's alone."""
+    original, copy = tmp_path / "original", tmp_path / "copy"
+
+    def job(run_dir: Path, epochs: int) -> list[str]:
+        return [sys.executable, "-m", "hvdtrain.cnn", "--preset", "tiny", "--epochs",
+                str(epochs), "--track", "mlflow", "--tracking-uri", mlflow_server,
+                "--experiment", "one-history", "--run-dir", str(run_dir)]
+
+    run_job(job(original, 3), timeout=120)
+    run_id = json.loads((original / "tracking.json").read_text())["run_id"]
+    shutil.copytree(original, copy)
+    newest = sorted((original / "checkpoints").glob("ckpt-3.*"))
+    assert newest
+    for path in newest:
+        path.unlink()
+    resumed = run_job(job(original, 3), timeout=120).stdout
+    assert "2 epoch(s) done" in resumed, resumed[-3000:]
+    assert f"tracking: MLflow run {run_id} (resumed)" in resumed, resumed[-3000:]
+    client = client_of(mlflow_server)
+    assert_same_history(client, run_id, metrics_rows(original))
+
+    copied = run_job(job(copy, 4), timeout=120).stdout
+    copy_id = json.loads((copy / "tracking.json").read_text())["run_id"]
+    assert copy_id != run_id
+    assert [line.split(" in experiment")[0] for line in tracking_lines(copied)] == [
+        f"tracking: MLflow run {copy_id} (new: this directory is a copy of the one that logs "
+        f"into run {run_id})"], copied[-3000:]
+    for run_dir, epochs, tracked in ((original, 3, run_id), (copy, 4, copy_id)):
+        rows = metrics_rows(run_dir)
+        assert [row["epoch"] for row in rows] == list(range(1, epochs + 1))
+        assert_same_history(client, tracked, rows)
+        assert client.get_run(tracked).info.status == "FINISHED"
+
+
+def start_in(run_dir: Path, uri: str) -> MlflowRun:
+    """This process as rank 0 of a job starting its run in ``run_dir``."""
+    return MlflowRun.start(RunDir(run_dir, is_chief=True), tracking_uri=uri,
+                           experiment="refusals", run_name=run_dir.name, job=None, params={},
+                           rows=[])
+
+
+@integration
+@pytest.mark.timeout(120)
+def test_a_tracking_json_that_names_no_run_of_the_server_is_refused_in_one_line(
+        mlflow_server, tmp_path):
+    """Not a new run, silently (its history would fork), nor the server's fault: one line that
+    names the file and what to do."""
+    client = client_of(mlflow_server)
+    kept = tmp_path / "deleted"
+    kept.mkdir()
+    run = start_in(kept, mlflow_server)
+    run.finish("FINISHED", model_file=None)
+    client.delete_run(run.run_id)
+    record = json.loads((kept / "tracking.json").read_text())
+    unknown = {**record, "run_id": "0" * 32}
+    cases = {"empty": ("", "(not JSON, or unreadable)"),
+             "list": ("[]", "(a JSON list)"),
+             "no-id": (json.dumps({"tracking_uri": mlflow_server}), "(no run_id in it)"),
+             "directory": (None, "(not JSON, or unreadable)"),
+             "unknown": (json.dumps(unknown), f"which the server at {mlflow_server} does not "
+                                              "have"),
+             "deleted": (json.dumps(record), f"which is deleted on the server at {mlflow_server}: "
+                                             f"restore it (mlflow runs restore --run-id "
+                                             f"{run.run_id}), or remove the file")}
+    for name, (content, reason) in cases.items():
+        run_dir = tmp_path / name
+        run_dir.mkdir(exist_ok=True)
+        if content is None:
+            (run_dir / "tracking.json").mkdir()
+        else:
+            (run_dir / "tracking.json").write_text(content)
+        with pytest.raises(UserError) as refusal:
+            start_in(run_dir, mlflow_server)
+        message = str(refusal.value)
+        assert reason in message and str(run_dir / "tracking.json") in message, (name, message)
+        assert "did not take the run" not in message and "\n" not in message, (name, message)
+        assert "remove it" in message or "remove the file" in message, (name, message)
+    experiment = client.get_experiment_by_name("refusals")
+    from mlflow.entities import ViewType
+
+    assert [found.info.run_id for found in client.search_runs(
+        [experiment.experiment_id], run_view_type=ViewType.ALL)] == [run.run_id]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from hvdtrain import default_keras
+from hvdtrain.credentials import without_userinfo
 from hvdtrain.errors import UserError
 from hvdtrain.launch import container
 from hvdtrain.launch.options import VIAS, LaunchOptions, program_command, ranks_keras, shell_words
@@ -295,5 +296,11 @@ def describe(launch: Launch) -> str:
     """The launch as a shell would run it (--dry-run)."""
     lines = [f"# {note}" for note in launch.notes]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(launch.env.items())]
-    lines.append(shlex.join(launch.argv))
+    lines.append(command_line(launch))
     return "\n".join(lines)
+
+
+def command_line(launch: Launch) -> str:
+    """The launch's command as printed: a URL's user-info (a tracking password) is left out
+    (hvdtrain.credentials)."""
+    return without_userinfo(shlex.join(launch.argv))

@@ -7,7 +7,6 @@ number), so the launcher finds them on this machine whichever parent they were l
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from hvdtrain.errors import (EXIT_PREEMPTED, EXIT_USAGE, RELAYED_STOP, UserError
                              stop_status)
 from hvdtrain.launch.console import say
 from hvdtrain.launch.failures import JobOutput, relay
-from hvdtrain.launch.paths import Launch
+from hvdtrain.launch.paths import Launch, command_line
 from hvdtrain.launch.probe import ask
 from hvdtrain.launch.survivors import Survivors
 from hvdtrain.launcher_env import Process, marked
@@ -415,7 +414,7 @@ def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
             say(f"{signal_name(signals.first)} before the ranks started; not starting them")
             return stop_status(signals.first)
         if not restarts:
-            say(shlex.join(launch.argv))
+            say(command_line(launch))
         output = JobOutput()
         relays = relay_output(process, output, logs_dir)
         startup = StartupDeadline(startup_seconds) if startup_seconds else None
