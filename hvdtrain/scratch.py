@@ -112,12 +112,13 @@ def _this_process() -> dict:
     """What names this process for as long as it runs, and no other process ever: its pid in its
     pid namespace, in this boot, started at this time (a reused pid starts later)."""
     with open("/proc/sys/kernel/random/boot_id") as boot_id:
-        return {"pid": os.getpid(), "start_time": _start_time(os.getpid()),
+        # /proc/self, not /proc/PID: right even where /proc is another pid namespace's.
+        return {"pid": os.getpid(), "start_time": _start_time("self"),
                 "pid_namespace": os.stat("/proc/self/ns/pid").st_ino,
                 "boot_id": boot_id.read().strip()}
 
 
-def _start_time(pid: int) -> int:
+def _start_time(pid: int | str) -> int:
     """When process ``pid`` started, in clock ticks since boot (proc(5), /proc/PID/stat field 22);
     FileNotFoundError if there is no such process."""
     with open(f"/proc/{pid}/stat", "rb") as stat_file:
