@@ -536,11 +536,10 @@ def test_the_budget_decides_for_a_real_listing(tmp_path):
                              validation_samples=0).kind == "off"  # embedded: in memory already
 
 
-def test_a_disk_cache_is_written_per_process_and_stale_ones_are_removed(tmp_path):
+def test_a_disk_cache_is_written_per_process(tmp_path):
+    """Stale directories of gone processes: test_scratch."""
     from hvdtrain.data.cache import CacheChoice
 
-    stale = tmp_path / f"hvdtrain-cache-{socket.gethostname()}-999999999"
-    stale.mkdir()
     root = make_image_folder(tmp_path / "data", classes=2, per_class=8)
     listing = list_image_folder(str(root), image_size=8, validation_fraction=0.25, seed=0,
                                 on_bad_image="skip")
@@ -549,8 +548,7 @@ def test_a_disk_cache_is_written_per_process_and_stale_ones_are_removed(tmp_path
                                 cache=CacheChoice("disk", "test", str(tmp_path)))
     first = [batch[1].tolist() for batch in pipelines.train.take(3).as_numpy_iterator()]
     list(pipelines.validation.as_numpy_iterator())
-    mine = tmp_path / f"hvdtrain-cache-{socket.gethostname()}-{os.getpid()}"
-    assert not stale.exists()
+    [mine] = tmp_path.glob(f"hvdtrain-cache-{socket.gethostname()}-*")
     assert any(name.startswith("training") for name in os.listdir(mine))
     assert any(name.startswith("validation") for name in os.listdir(mine))
     # Later passes read the cache: the same samples, in another order.

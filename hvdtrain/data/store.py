@@ -62,9 +62,12 @@ class SampleStore:
             if directory is None:
                 self.images = tf.lookup.experimental.MutableHashTable(tf.int64, tf.string, "")
         if directory is not None:
-            os.makedirs(directory, exist_ok=True)
-            # Closed with the process (the directory goes with it, hvdtrain.scratch).
-            self._fd = os.open(os.path.join(directory, "samples"), os.O_RDWR | os.O_CREAT, 0o600)
+            # A new directory and file, inside this process's private one (hvdtrain.scratch):
+            # never one that was there first, nor a symlink's target. Closed with the process
+            # (the directory goes with it).
+            os.mkdir(directory, 0o700)
+            self._fd = os.open(os.path.join(directory, "samples"),
+                               os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             self._image_bytes = int(np.prod(image_shape))
 
     def size(self):
