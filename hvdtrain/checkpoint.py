@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
@@ -38,26 +39,48 @@ class Checkpoints:
                         if run_dir.is_chief else None)
 
     def restore_latest(self) -> tuple[int, str | None]:
-        """Rank 0: restore the newest loadable checkpoint -> (epoch to resume at, its path)."""
-        errors = []
+        """Rank 0: restore the newest loadable checkpoint -> (epoch to resume at, its path).
+
+        A checkpoint that cannot be read (truncated, emptied or bit-flipped by a crash or a
+        full disk: its reader fails, or TensorFlow's checksums do) is named in one line and
+        the next older one is tried; the next save reuses its number and replaces it. One that
+        reads but does not fit this model counts against the run directory, not the file.
+        """
+        unreadable, mismatched = [], []
         for path in reversed(self.manager.checkpoints):
             try:
                 self.checkpoint.restore(path).assert_existing_objects_matched()
                 return int(self.resume_epoch.numpy()), path
-            except (AssertionError, ValueError, tf.errors.OpError) as error:
-                errors.append(f"{path}: {first_line(error)}")
-        if errors:
+            except (AssertionError, ValueError) as error:  # read, but not this model's values
+                mismatched.append(f"{path}: {first_line(error)}")
+            except Exception as error:  # noqa: BLE001 - a damaged file fails its reader anyhow
+                # (IndexError from a truncated one, DataLossError from a checksum)
+                unreadable.append(path)
+                print(f"checkpoint {path} cannot be read ({_reading_error(error)}); trying the "
+                      "next older one", flush=True)
+        if unreadable or mismatched:
             # The failed restores stay attached to the model: as the process ends, TensorFlow
             # would log a WARNING for every value the checkpoint holds that this model lacks,
             # under the one line below that already says so.
             tf.get_logger().setLevel(logging.ERROR)
+        if mismatched:
             raise UserError(f"no checkpoint in {self.manager.directory} could be restored into "
-                            f"this model (first: {errors[0]}); use another --run-dir")
+                            f"this model (first: {mismatched[0]}); use another --run-dir")
+        if unreadable:
+            raise UserError(f"no checkpoint in {self.manager.directory} can be read (each is "
+                            "named above): move the run directory away to start afresh, or use "
+                            "another --run-dir")
         return 0, None
 
     def save(self, resume_epoch: int) -> str:
         self.resume_epoch.assign(resume_epoch)
         return self.manager.save()
+
+
+def _reading_error(error: Exception) -> str:
+    """``Type: first line``, without the internal op name TensorFlow wraps its errors in."""
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]", "", first_line(error))
+    return f"{type(error).__name__}: {text}"
 
 
 def variables_bytes(variables) -> int:
@@ -98,6 +121,8 @@ def restore_or_start(checkpoints: Checkpoints, runtime, state_variables: list,
 
     # Rank 0 alone reads the checkpoint; everyone learns the epoch, and the broadcast hands its
     # weights and optimizer state to every rank (fresh random initialisations differ per rank).
+    # No other rank opens a checkpoint, so the ranks cannot resume from different ones, however
+    # many rank 0 finds damaged and skips.
     initial_epoch, restored_from = runtime.from_chief(restore)
     runtime.broadcast_variables(state_variables)
     return initial_epoch, restored_from
