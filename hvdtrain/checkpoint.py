@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import logging
+import posixpath
 import re
+import time
 
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
@@ -34,6 +36,8 @@ class Checkpoints:
         self.resume_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="resume_epoch")
         self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
                                               resume_epoch=self.resume_epoch)
+        if run_dir.is_chief:
+            _recover_index(run_dir)
         self.manager = (tf.train.CheckpointManager(self.checkpoint, run_dir.checkpoints,
                                                    max_to_keep=keep)
                         if run_dir.is_chief else None)
@@ -75,6 +79,37 @@ class Checkpoints:
     def save(self, resume_epoch: int) -> str:
         self.resume_epoch.assign(resume_epoch)
         return self.manager.save()
+
+
+def _recover_index(run_dir: RunDir) -> None:
+    """Rank 0: rewrite CheckpointManager's ``checkpoint`` index from the checkpoints beside it
+    when it cannot be read (emptied by a node crash, garbled): the manager would fail on an empty
+    one and start afresh, forking the run's history, on any other, without a word."""
+    directory = run_dir.checkpoints
+    index = posixpath.join(directory, "checkpoint")
+    if not tf.io.gfile.exists(index):
+        return
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # TensorFlow's two warnings for a garbled one
+    try:
+        if tf.train.get_checkpoint_state(directory) is not None:
+            return
+    except ValueError:  # "Invalid checkpoint state"
+        pass
+    finally:
+        logger.setLevel(level)
+    numbers = sorted(int(found.group(1)) for found in map(
+        re.compile(r"ckpt-(\d+)\.index").fullmatch, tf.io.gfile.listdir(directory)) if found)
+    if numbers:  # CheckpointState's text format; the manager lists only timestamped ones
+        run_dir.write_text("checkpoints/checkpoint", "".join(
+            [f'model_checkpoint_path: "ckpt-{numbers[-1]}"\n']
+            + [f'all_model_checkpoint_paths: "ckpt-{number}"\n' for number in numbers]
+            + [f"all_model_checkpoint_timestamps: {time.time()}\n" for _ in numbers]))
+    else:
+        tf.io.gfile.remove(index)
+    print(f"{index} cannot be read; rebuilt it from the {len(numbers)} checkpoint(s) beside it",
+          flush=True)
 
 
 def _reading_error(error: Exception) -> str:

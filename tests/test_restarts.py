@@ -374,3 +374,21 @@ def test_no_readable_checkpoint_is_one_line_exit_2_and_not_restarted(two_checkpo
         f"no checkpoint in {run_dir}/checkpoints can be read (each is named above): move the run "
         "directory away to start afresh, or use another --run-dir"), result.stdout[-4000:]
     assert "restart 1" not in result.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("content", ["", "garbled {\n"])
+def test_a_damaged_checkpoint_index_is_rebuilt_from_the_checkpoints(two_checkpoints, tmp_path,
+                                                                   content):
+    """CheckpointManager's ``checkpoint`` file emptied (a node crash) failed with a traceback;
+    garbled, the run started afresh beside its checkpoints (a forked history) without a word."""
+    run_dir = damaged_copy(two_checkpoints, tmp_path, flip_a_bit)  # no checkpoint damaged
+    (run_dir / "checkpoints" / "checkpoint").write_text(content)
+    result = resume(run_dir, epochs=3)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert (f"{run_dir}/checkpoints/checkpoint cannot be read; rebuilt it from the 2 "
+            "checkpoint(s) beside it") in result.stdout, result.stdout[-4000:]
+    assert f"resuming from {run_dir}/checkpoints/ckpt-2: 2 epoch(s) done" in result.stdout
+    assert "WARNING" not in result.stdout and "restart 1" not in result.stdout
+    assert [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())] == [
+        1, 2, 3]
