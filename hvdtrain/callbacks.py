@@ -6,15 +6,17 @@ none); the rest are local. Callbacks that write files are only attached on rank 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
+from typing import Iterator
 
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain import ranklog
-from hvdtrain.errors import UserError, no_step_report, report_once
+from hvdtrain.errors import RankError, UserError, no_step_report, report_once
 from hvdtrain.plots import plot_curves
 from hvdtrain.preemption import StopRequest
 from hvdtrain.rundir import RunDir
@@ -383,8 +385,9 @@ class MetricsLog(keras.callbacks.Callback):
         if self.request.mid_epoch:
             return  # a cut-short epoch is not a data point; it is re-run on resume
         self.rows.append(self.throughput.row(epoch, logs))
-        self.run_dir.write_csv("metrics.csv", self.rows)
-        self.run_dir.write_json("metrics.json", self.rows)
+        with self._writing("metrics.json"):
+            self.run_dir.write_csv("metrics.csv", self.rows)
+            self.run_dir.write_json("metrics.json", self.rows)
         if self.last_plot is None or time.monotonic() - self.last_plot >= self.plot_every_seconds:
             self._plot()
 
@@ -393,5 +396,18 @@ class MetricsLog(keras.callbacks.Callback):
             self._plot()
 
     def _plot(self) -> None:
-        self.run_dir.write_with("curves.png", lambda path: plot_curves(self.rows, path))
+        with self._writing("curves.png"):
+            self.run_dir.write_with("curves.png", lambda path: plot_curves(self.rows, path))
         self.last_plot, self.plotted_rows = time.monotonic(), len(self.rows)
+
+    @contextlib.contextmanager
+    def _writing(self, name: str) -> Iterator[None]:
+        """A run directory that filled up (or went away) mid-run: rank 0's one line, exit 2,
+        which the launcher does not restart (a restart would fail the same way)."""
+        try:
+            yield
+        except OSError as error:
+            raise RankError(f"cannot write {name} in {self.run_dir.path}: "
+                            f"{error.strerror or error}; make room there (or pass another "
+                            "--run-dir), then run the job again: it resumes from its last "
+                            "checkpoint") from None

@@ -11,6 +11,9 @@
 from __future__ import annotations
 
 import logging
+import posixpath
+import re
+import time
 
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
@@ -33,31 +36,86 @@ class Checkpoints:
         self.resume_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="resume_epoch")
         self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
                                               resume_epoch=self.resume_epoch)
+        if run_dir.is_chief:
+            _recover_index(run_dir)
         self.manager = (tf.train.CheckpointManager(self.checkpoint, run_dir.checkpoints,
                                                    max_to_keep=keep)
                         if run_dir.is_chief else None)
 
     def restore_latest(self) -> tuple[int, str | None]:
-        """Rank 0: restore the newest loadable checkpoint -> (epoch to resume at, its path)."""
-        errors = []
+        """Rank 0: restore the newest loadable checkpoint -> (epoch to resume at, its path).
+
+        A checkpoint that cannot be read (truncated, emptied or bit-flipped by a crash or a
+        full disk: its reader fails, or TensorFlow's checksums do) is named in one line and
+        the next older one is tried; the next save reuses its number and replaces it. One that
+        reads but does not fit this model counts against the run directory, not the file.
+        """
+        unreadable, mismatched = [], []
         for path in reversed(self.manager.checkpoints):
             try:
                 self.checkpoint.restore(path).assert_existing_objects_matched()
                 return int(self.resume_epoch.numpy()), path
-            except (AssertionError, ValueError, tf.errors.OpError) as error:
-                errors.append(f"{path}: {first_line(error)}")
-        if errors:
+            except (AssertionError, ValueError) as error:  # read, but not this model's values
+                mismatched.append(f"{path}: {first_line(error)}")
+            except Exception as error:  # noqa: BLE001 - a damaged file fails its reader anyhow
+                # (IndexError from a truncated one, DataLossError from a checksum)
+                unreadable.append(path)
+                print(f"checkpoint {path} cannot be read ({_reading_error(error)}); trying the "
+                      "next older one", flush=True)
+        if unreadable or mismatched:
             # The failed restores stay attached to the model: as the process ends, TensorFlow
             # would log a WARNING for every value the checkpoint holds that this model lacks,
             # under the one line below that already says so.
             tf.get_logger().setLevel(logging.ERROR)
+        if mismatched:
             raise UserError(f"no checkpoint in {self.manager.directory} could be restored into "
-                            f"this model (first: {errors[0]}); use another --run-dir")
+                            f"this model (first: {mismatched[0]}); use another --run-dir")
+        if unreadable:
+            raise UserError(f"no checkpoint in {self.manager.directory} can be read (each is "
+                            "named above): move the run directory away to start afresh, or use "
+                            "another --run-dir")
         return 0, None
 
     def save(self, resume_epoch: int) -> str:
         self.resume_epoch.assign(resume_epoch)
         return self.manager.save()
+
+
+def _recover_index(run_dir: RunDir) -> None:
+    """Rank 0: rewrite CheckpointManager's ``checkpoint`` index from the checkpoints beside it
+    when it cannot be read (emptied by a node crash, garbled): the manager would fail on an empty
+    one and start afresh, forking the run's history, on any other, without a word."""
+    directory = run_dir.checkpoints
+    index = posixpath.join(directory, "checkpoint")
+    if not tf.io.gfile.exists(index):
+        return
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # TensorFlow's two warnings for a garbled one
+    try:
+        if tf.train.get_checkpoint_state(directory) is not None:
+            return
+    except ValueError:  # "Invalid checkpoint state"
+        pass
+    finally:
+        logger.setLevel(level)
+    numbers = sorted(int(found.group(1)) for found in map(
+        re.compile(r"ckpt-(\d+)\.index").fullmatch, tf.io.gfile.listdir(directory)) if found)
+    if numbers:  # CheckpointState's text format; the manager lists only timestamped ones
+        run_dir.write_text("checkpoints/checkpoint", "".join(
+            [f'model_checkpoint_path: "ckpt-{numbers[-1]}"\n']
+            + [f'all_model_checkpoint_paths: "ckpt-{number}"\n' for number in numbers]
+            + [f"all_model_checkpoint_timestamps: {time.time()}\n" for _ in numbers]))
+    else:
+        tf.io.gfile.remove(index)
+    print(f"{index} cannot be read; rebuilt it from the {len(numbers)} checkpoint(s) beside it",
+          flush=True)
+
+
+def _reading_error(error: Exception) -> str:
+    """``Type: first line``, without the internal op name TensorFlow wraps its errors in."""
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]", "", first_line(error))
+    return f"{type(error).__name__}: {text}"
 
 
 def variables_bytes(variables) -> int:
@@ -98,6 +156,8 @@ def restore_or_start(checkpoints: Checkpoints, runtime, state_variables: list,
 
     # Rank 0 alone reads the checkpoint; everyone learns the epoch, and the broadcast hands its
     # weights and optimizer state to every rank (fresh random initialisations differ per rank).
+    # No other rank opens a checkpoint, so the ranks cannot resume from different ones, however
+    # many rank 0 finds damaged and skips.
     initial_epoch, restored_from = runtime.from_chief(restore)
     runtime.broadcast_variables(state_variables)
     return initial_epoch, restored_from

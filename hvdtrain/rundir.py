@@ -11,7 +11,9 @@ Layout of ``<run_dir>``::
     .lock              held by the job writing here; names its host, pid and scheduler job
 
 Each file is written to a temporary name and renamed into place, so a crash never leaves a
-half-written file under the real name.
+half-written file under the real name (``replace_atomically``). Nothing here opens a file another
+user could have planted: temporary files get fresh random names, and ``.lock`` is never followed
+if it is a link.
 
 A run directory may also be a URL of a file system TensorFlow knows (``gs://bucket/run``, as TPU
 jobs use; ``s3://``, ``hdfs://``, ``ram://``): it is then read and written through
@@ -19,7 +21,9 @@ jobs use; ``s3://``, ``hdfs://``, ``ram://``): it is then read and written throu
 """
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
 import fcntl
 import io
 import json
@@ -28,6 +32,7 @@ import posixpath
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 import uuid
@@ -150,14 +155,24 @@ class RunDir:
             self.lock_note = (f"no run-dir lock on {scheme}:// (it has no file locks): make sure "
                               f"only one job at a time uses {self.path}")
             return None
-        path = os.path.realpath(self.file(LOCK_FILE))
+        # The directory resolved (one key per directory), the lock file itself never followed.
+        path = os.path.join(os.path.realpath(self.path), LOCK_FILE)
         if _holds(path):
             return None
         try:
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            # O_NOFOLLOW: a .lock linked to another file (planted by anyone who can write to the
+            # directory) would get that file truncated and overwritten with the holder's name.
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
         except OSError as error:
+            if error.errno == errno.ELOOP:
+                return _not_our_lock(path, "a symbolic link")
             self.lock_note = f"no run-dir lock: cannot open {path}: {error.strerror or error}"
             return None
+        found = os.fstat(descriptor)
+        if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:  # a hard link is a link too
+            os.close(descriptor)
+            return _not_our_lock(path, "not a plain file" if not stat.S_ISREG(found.st_mode)
+                                 else "a hard link to another file")
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -183,7 +198,7 @@ class RunDir:
 
     def write_text(self, name: str, text: str) -> None:
         if self.is_chief:
-            self._atomic(name, lambda tmp: Path(tmp).write_text(text))
+            self._atomic(name, text.encode())
 
     def write_json(self, name: str, obj: Any) -> None:
         self.write_text(name, json.dumps(obj, indent=2, default=str) + "\n")
@@ -221,24 +236,13 @@ class RunDir:
         except tf.errors.OpError as error:
             raise OSError(first_line(error)) from error
 
-    def _atomic(self, name: str, writer: Callable[[str], Any], suffix: str = "") -> None:
+    def _atomic(self, name: str, content: bytes | Callable[[str], Any], suffix: str = "") -> None:
         if self.remote:
-            self._atomic_remote(name, writer, suffix)
+            self._atomic_remote(name, _as_writer(content), suffix)
             return
         target = Path(self.file(name))
         target.parent.mkdir(parents=True, exist_ok=True)
-        handle, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
-                                       suffix=suffix or target.suffix)
-        os.close(handle)
-        try:
-            writer(tmp)
-            # mkstemp makes 0600; give the usual permissions.
-            os.chmod(tmp, 0o666 & ~current_umask())
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        replace_atomically(str(target), content, suffix)
 
     def _atomic_remote(self, name: str, writer: Callable[[str], Any], suffix: str) -> None:
         gfile = _tensorflow().io.gfile
@@ -264,6 +268,57 @@ class RunDir:
             os.unlink(local)
 
 
+def replace_atomically(path: str, content: bytes | Callable[[str], Any], suffix: str = "") -> None:
+    """Put ``content`` (bytes, or a ``writer(tmp_path)`` that makes the file) at ``path`` whole.
+
+    The rule for every file hvdtrain writes in place of another: a temporary file beside it,
+    made by mkstemp (a random name, O_EXCL|O_NOFOLLOW, so nothing planted is opened), its data
+    fsync'd, renamed over ``path``, then the directory fsync'd. So after a crash (even of the
+    node) ``path`` holds the old file or the new one, never an empty or partial one, and a
+    rename that returned is on disk. Bytes are written through the descriptor mkstemp opened; a
+    writer (matplotlib, Keras) opens the temporary name again itself, which in a directory
+    others may write to they could swap first: keep run directories writable by their owner.
+    """
+    directory, base = os.path.split(path)
+    handle, tmp = tempfile.mkstemp(dir=directory or ".", prefix=f".{base}.",
+                                   suffix=suffix or os.path.splitext(base)[1])
+    try:
+        if callable(content):
+            os.close(handle)
+            handle = None
+            content(tmp)
+            handle = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+        else:
+            with os.fdopen(handle, "wb", closefd=False) as file:
+                file.write(content)
+        os.fchmod(handle, 0o666 & ~current_umask())  # mkstemp makes 0600: the usual permissions
+        os.fsync(handle)
+        os.close(handle)
+        handle = None
+        os.replace(tmp, path)
+    except BaseException:
+        if handle is not None:
+            os.close(handle)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    directory_handle = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory_handle)
+    finally:
+        os.close(directory_handle)
+
+
+def _as_writer(content: bytes | Callable[[str], Any]) -> Callable[[str], Any]:
+    return content if callable(content) else lambda tmp: Path(tmp).write_bytes(content)
+
+
+def _not_our_lock(path: str, what: str) -> str:
+    return (f"{path} is {what}, which hvdtrain never makes (someone who can write to its "
+            "directory may be trying to have this job overwrite another file): remove it, check "
+            "who can write to the run directory, and start again")
+
+
 def _holds(path: str) -> bool:
     """True if this process holds the lock on ``path`` (and it is still the file at ``path``)."""
     descriptor = _held_locks.get(path)
@@ -271,7 +326,7 @@ def _holds(path: str) -> bool:
         return False
     held = os.fstat(descriptor)
     try:
-        current = os.stat(path)
+        current = os.lstat(path)
     except FileNotFoundError:
         current = None
     if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):

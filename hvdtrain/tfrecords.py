@@ -51,7 +51,7 @@ from hvdtrain.data.images import image_format_of_bytes
 from hvdtrain.data.listing import DEFAULT_FILE_IMAGE_SIZE
 from hvdtrain.data.records import METADATA, TRAIN, VALIDATION, serialize_example, shard_name
 from hvdtrain.errors import UserError, first_line, reported
-from hvdtrain.rundir import current_umask
+from hvdtrain.rundir import current_umask, replace_atomically
 
 if TYPE_CHECKING:
     from multiprocessing.sharedctypes import Synchronized
@@ -283,10 +283,7 @@ def _create_staging(staging: str, plan: dict, out_dir: str) -> None:
 
 def _write_json(path: str, value: dict) -> None:
     """Write ``path`` whole or not at all (a kill mid-write leaves only a .tmp file)."""
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as file:
-        json.dump(value, file, indent=2)
-    os.replace(temporary, path)
+    replace_atomically(path, json.dumps(value, indent=2).encode(), suffix=".tmp")
 
 
 def _skipped_notes(shards: Iterable[ShardDone], data_dir: str) -> list[str]:
@@ -304,8 +301,7 @@ def _not_an_image(path: str) -> str:
 
 
 def _finish(staging: str, out_dir: str, metadata: dict) -> None:
-    with open(os.path.join(staging, METADATA), "w") as file:
-        json.dump(metadata, file, indent=2)
+    _write_json(os.path.join(staging, METADATA), metadata)
     if os.path.isdir(out_dir):
         os.rmdir(out_dir)  # empty, checked at the start
     os.replace(staging, out_dir)
@@ -449,12 +445,13 @@ def write_shard(task: ShardTask, staging: str, *, on_bad_image: str,
     import tensorflow as tf
 
     final = os.path.join(staging, task.name)
-    temporary = f"{final}.{os.getpid()}.tmp"  # per process: a leftover writer never shares it
     records = skipped = 0
     first_skipped = None
     report(0)  # a worker told to stop does not start another shard
     unreported, reported_at = 0, time.monotonic()
-    try:
+
+    def write_records(temporary: str) -> None:
+        nonlocal records, skipped, first_skipped, unreported, reported_at
         with tf.io.TFRecordWriter(temporary) as writer:
             for path, label in zip(task.paths, task.labels):
                 encoded = _read_image(path)
@@ -470,7 +467,10 @@ def write_shard(task: ShardTask, staging: str, *, on_bad_image: str,
                 if time.monotonic() - reported_at >= REPORT_SECONDS:
                     report(unreported)
                     unreported, reported_at = 0, time.monotonic()
-        os.replace(temporary, final)
+
+    try:
+        # A .tmp name: a resumed conversion removes those of the interrupted one.
+        replace_atomically(final, write_records, suffix=".tmp")
         done = ShardDone(task.name, records, skipped, first_skipped)
         _write_json(os.path.join(staging, DONE_DIR, task.name + ".json"), dataclasses.asdict(done))
     except (OSError, tf.errors.OpError) as error:

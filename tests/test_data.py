@@ -312,6 +312,17 @@ def test_tfrecords_round_trip_and_file_sharding(tmp_path):
     assert images.shape == (4, 16, 16, 3)
 
 
+@pytest.mark.parametrize("content", ["[]", '"counts"', "3"])
+def test_a_dataset_json_that_is_no_object_is_one_line(tmp_path, content):
+    root = make_image_folder(tmp_path / "images", classes=2, per_class=4)
+    convert(str(root), str(tmp_path / "records"), shards=1, validation_shards=1,
+            validation_fraction=0.25, seed=0, image_size=8)
+    (tmp_path / "records" / "dataset.json").write_text(content)
+    with pytest.raises(UserError, match=r"dataset.json holds a JSON \w+, not the object .*: "
+                                        "remove it"):
+        list_tfrecords(str(tmp_path / "records"), image_size=None)
+
+
 def test_file_sharding_reads_what_the_check_counted(tmp_path):
     import tensorflow as tf
 

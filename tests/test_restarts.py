@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, integration, mpirun_job, run_job, wait_for_first_epoch
+from conftest import (clean_env, integration, mpirun_job, one_error, run_job,
+                      wait_for_first_epoch)
 from hvdtrain.launcher_env import processes
 
 pytestmark = [integration]
@@ -292,3 +293,102 @@ def test_a_run_resized_mid_way_matches_an_uninterrupted_one(tmp_path):
         assert [row["learning_rate"] for row in got] == pytest.approx(
             [row["learning_rate"] for row in expected], rel=1e-5), (got, expected)
         assert got[-1]["val_accuracy"] > 0.5, got[-1]
+
+
+# --- damaged checkpoints ----------------------------------------------------------------------
+def truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)  # a save cut short by a full disk or a crash
+
+
+def empty(path: Path) -> None:
+    path.write_bytes(b"")  # a node crash after the rename, before the data reached the disk
+
+
+def flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1  # what TensorFlow's checksums are for
+    path.write_bytes(bytes(data))
+
+
+DAMAGES = {"truncated": truncate, "empty": empty, "bit-flipped": flip_a_bit}
+CHECKPOINT_DATA = "ckpt-{}.data-00000-of-00001"
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    """A real run directory holding ckpt-1 and ckpt-2: the tiny preset, two epochs of 3 steps."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    mpirun_job(1, "hvdtrain.cnn", "--preset", "tiny", "--epochs", "2", "--steps-per-epoch", "3",
+               "--no-tensorboard", "--no-export", "--run-dir", str(run_dir), timeout=180)
+    return run_dir
+
+
+def damaged_copy(run_dir: Path, tmp_path: Path, damage, *checkpoints: int) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    for number in checkpoints:
+        damage(copy / "checkpoints" / CHECKPOINT_DATA.format(number))
+    return copy
+
+
+def resume(run_dir: Path, epochs: int) -> subprocess.CompletedProcess:
+    """The launcher, allowed two restarts, resuming ``run_dir`` on 2 ranks."""
+    return run_job([*LAUNCH, "--np", "2", "--via", "mpirun", "--max-restarts", "2",
+                    "--skip-preflight", "--", "hvdtrain.cnn", "--preset", "tiny", "--epochs",
+                    str(epochs), "--steps-per-epoch", "3", "--no-tensorboard", "--no-export",
+                    "--run-dir", str(run_dir)], timeout=200, check=False)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_damaged_newest_checkpoint_is_named_and_the_next_older_one_resumes(
+        two_checkpoints, tmp_path, how):
+    run_dir = damaged_copy(two_checkpoints, tmp_path, DAMAGES[how], 2)
+    result = resume(run_dir, epochs=3)
+    assert result.returncode == 0, result.stdout[-4000:]
+    said = [l for l in result.stdout.splitlines() if "cannot be read" in l]
+    assert len(said) == 1, result.stdout[-4000:]
+    assert f"checkpoint {run_dir}/checkpoints/ckpt-2 cannot be read (" in said[0], said
+    assert said[0].endswith("); trying the next older one"), said
+    if how == "bit-flipped":
+        assert "DataLossError: TensorBundle at" in said[0] and "Checksum does not match" in said[0]
+    else:
+        assert "IndexError: Read less bytes than requested" in said[0], said
+    assert f"resuming from {run_dir}/checkpoints/ckpt-1: 1 epoch(s) done" in result.stdout
+    assert "Traceback" not in result.stdout and "restart 1" not in result.stdout
+    # The damaged one was replaced by the next save, and the history did not fork.
+    assert [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())] == [
+        1, 2, 3]
+
+
+@pytest.mark.timeout(200)
+def test_no_readable_checkpoint_is_one_line_exit_2_and_not_restarted(two_checkpoints, tmp_path):
+    run_dir = damaged_copy(two_checkpoints, tmp_path, truncate, 1, 2)
+    result = resume(run_dir, epochs=3)
+    assert result.returncode == 2, result.stdout[-4000:]
+    named = [l.split("checkpoint ", 1)[1].split(" cannot be read")[0]
+             for l in result.stdout.splitlines() if " cannot be read (" in l]
+    assert named == [f"{run_dir}/checkpoints/ckpt-2", f"{run_dir}/checkpoints/ckpt-1"], \
+        result.stdout[-4000:]
+    assert one_error(result).endswith(
+        f"no checkpoint in {run_dir}/checkpoints can be read (each is named above): move the run "
+        "directory away to start afresh, or use another --run-dir"), result.stdout[-4000:]
+    assert "restart 1" not in result.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("content", ["", "garbled {\n"])
+def test_a_damaged_checkpoint_index_is_rebuilt_from_the_checkpoints(two_checkpoints, tmp_path,
+                                                                   content):
+    """CheckpointManager's ``checkpoint`` file emptied (a node crash) failed with a traceback;
+    garbled, the run started afresh beside its checkpoints (a forked history) without a word."""
+    run_dir = damaged_copy(two_checkpoints, tmp_path, flip_a_bit)  # no checkpoint damaged
+    (run_dir / "checkpoints" / "checkpoint").write_text(content)
+    result = resume(run_dir, epochs=3)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert (f"{run_dir}/checkpoints/checkpoint cannot be read; rebuilt it from the 2 "
+            "checkpoint(s) beside it") in result.stdout, result.stdout[-4000:]
+    assert f"resuming from {run_dir}/checkpoints/ckpt-2: 2 epoch(s) done" in result.stdout
+    assert "WARNING" not in result.stdout and "restart 1" not in result.stdout
+    assert [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())] == [
+        1, 2, 3]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -145,6 +146,82 @@ def test_only_the_chief_takes_the_lock(tmp_path):
     assert ensure_writable(RunDir(tmp_path, is_chief=False), second_rank, 0) is None
     assert not (tmp_path / LOCK_FILE).exists()
     assert try_lock(tmp_path) == "locked"
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_lock_linked_to_another_file_is_refused_and_that_file_untouched(tmp_path, link):
+    """Anyone who can write to a run directory could plant .lock as a link to a file of the
+    user who runs the job there: the job must not truncate and overwrite it."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (os.symlink if link == "symbolic" else os.link)(victim, run_dir / LOCK_FILE)
+    with pytest.raises(UserError) as refused:
+        ensure_writable(RunDir(run_dir, is_chief=True), single_runtime(), 0)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(f"{run_dir}/{LOCK_FILE} is a {link}"), line
+    assert victim.read_text() == "precious\n"
+
+
+def test_an_atomic_write_opens_nothing_planted_and_syncs_before_and_after_the_rename(tmp_path):
+    """The temporary file gets a fresh random name (a planted link at any name it could take
+    is not followed), and the data is on disk before the rename, the rename after it: strace
+    shows the order of the real system calls."""
+    if not shutil.which("strace"):
+        pytest.skip("strace is not installed")
+    script = ("import sys\nfrom hvdtrain.rundir import RunDir\n"
+              "run_dir = RunDir(sys.argv[1], is_chief=True)\n"
+              "run_dir.write_json('metrics.json', [{'epoch': 1}])\n"
+              "run_dir.write_with('curves.png', lambda path: open(path, 'wb').write(b'png'))\n")
+    trace = tmp_path / "trace"
+    run_job(["strace", "-f", "-e", "trace=openat,fsync,rename", "-o", str(trace),
+             sys.executable, "-c", script, str(tmp_path)], timeout=60)
+    calls = [line.split(None, 1)[1] for line in trace.read_text().splitlines()
+             if str(tmp_path) in line or "fsync(" in line]
+    for name in ("metrics.json", "curves.png"):
+        renamed = next(i for i, call in enumerate(calls)
+                       if call.startswith("rename(") and f'"{tmp_path}/{name}"' in call)
+        created = next(call for call in calls if call.startswith("openat(")
+                       and f"/.{name}." in call and "O_CREAT" in call)
+        assert "O_EXCL" in created and "O_NOFOLLOW" in created, created
+        assert calls[renamed - 1].startswith("fsync("), calls[:renamed + 1]  # the file's data
+        assert calls[renamed + 1].startswith("openat(") and "O_DIRECTORY" in calls[renamed + 1]
+        assert calls[renamed + 2].startswith("fsync("), calls[renamed:]  # its directory
+    assert json.loads((tmp_path / "metrics.json").read_text()) == [{"epoch": 1}]
+    assert sorted(os.listdir(tmp_path)) == ["curves.png", "metrics.json", "trace"]
+
+
+def test_a_run_directory_that_fills_up_mid_run_is_one_line_with_a_remedy(tmp_path):
+    """A real full file system (a small tmpfs, filled): MetricsLog's write at an epoch's end."""
+    from hvdtrain.callbacks import MetricsLog, Throughput
+    from hvdtrain.errors import RankError
+    from hvdtrain.preemption import StopRequest
+
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        with pytest.raises(OSError):
+            with (disk / "filler").open("wb") as filler:
+                while True:
+                    filler.write(b"x" * 4096)
+                    filler.flush()
+        throughput = Throughput(global_batch_size=32)
+        throughput.on_epoch_begin(0)
+        throughput.on_epoch_end(0, {"loss": 1.0})
+        metrics = MetricsLog(RunDir(disk, is_chief=True), [], StopRequest(), throughput)
+        with pytest.raises(RankError) as refused:
+            metrics.on_epoch_end(0, {"loss": 1.0})
+        assert str(refused.value) == (
+            f"cannot write metrics.json in {disk}: No space left on device; make room there (or "
+            "pass another --run-dir), then run the job again: it resumes from its last checkpoint")
+        assert os.listdir(disk) == ["filler"]  # no temporary file left
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 # --- local run directories keep their behaviour ---------------------------------------------------

@@ -191,6 +191,10 @@ def list_tfrecords(location: str, *, image_size: int | None, channels: int | Non
         if gfile.exists(metadata_path):
             with gfile.GFile(metadata_path) as file:
                 metadata = json.load(file)
+            if not isinstance(metadata, dict):
+                raise UserError(f"{metadata_path} holds a JSON {type(metadata).__name__}, not the "
+                                "object python -m hvdtrain.tfrecords writes: remove it (the "
+                                "records are then counted at start-up) or convert the data again")
         train_files = sorted(gfile.glob(os.path.join(location, f"{TRAIN}-*.tfrecord")))
         validation_files = sorted(gfile.glob(os.path.join(location, f"{VALIDATION}-*.tfrecord")))
         if not train_files:  # a plain directory of shards: all but validation-* are training
