@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -310,23 +311,23 @@ def flip_a_bit(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-DAMAGES = {"truncated": truncate, "empty": empty, "bit-flipped": flip_a_bit}
 CHECKPOINT_DATA = "ckpt-{}.data-00000-of-00001"
 
 
 @pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory) -> Path:
-    """A real run directory holding ckpt-1 and ckpt-2: the tiny preset, two epochs of 3 steps."""
+def four_checkpoints(tmp_path_factory) -> Path:
+    """A real run directory holding ckpt-1 to ckpt-4: the tiny preset, four epochs of 3 steps."""
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    mpirun_job(1, "hvdtrain.cnn", "--preset", "tiny", "--epochs", "2", "--steps-per-epoch", "3",
-               "--no-tensorboard", "--no-export", "--run-dir", str(run_dir), timeout=180)
+    mpirun_job(1, "hvdtrain.cnn", "--preset", "tiny", "--epochs", "4", "--steps-per-epoch", "3",
+               "--keep-checkpoints", "4", "--no-tensorboard", "--no-export",
+               "--run-dir", str(run_dir), timeout=180)
     return run_dir
 
 
-def damaged_copy(run_dir: Path, tmp_path: Path, damage, *checkpoints: int) -> Path:
+def damaged_copy(run_dir: Path, tmp_path: Path, damages: dict[int, Callable]) -> Path:
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
-    for number in checkpoints:
+    for number, damage in damages.items():
         damage(copy / "checkpoints" / CHECKPOINT_DATA.format(number))
     return copy
 
@@ -335,40 +336,42 @@ def resume(run_dir: Path, epochs: int) -> subprocess.CompletedProcess:
     """The launcher, allowed two restarts, resuming ``run_dir`` on 2 ranks."""
     return run_job([*LAUNCH, "--np", "2", "--via", "mpirun", "--max-restarts", "2",
                     "--skip-preflight", "--", "hvdtrain.cnn", "--preset", "tiny", "--epochs",
-                    str(epochs), "--steps-per-epoch", "3", "--no-tensorboard", "--no-export",
-                    "--run-dir", str(run_dir)], timeout=200, check=False)
+                    str(epochs), "--steps-per-epoch", "3", "--keep-checkpoints", "4",
+                    "--no-tensorboard", "--no-export", "--run-dir", str(run_dir)],
+                   timeout=200, check=False)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", DAMAGES)
-def test_a_damaged_newest_checkpoint_is_named_and_the_next_older_one_resumes(
-        two_checkpoints, tmp_path, how):
-    run_dir = damaged_copy(two_checkpoints, tmp_path, DAMAGES[how], 2)
-    result = resume(run_dir, epochs=3)
+def test_damaged_newest_checkpoints_are_named_and_the_next_older_one_resumes(
+        four_checkpoints, tmp_path):
+    # One job for the three kinds of damage: each of the three newest checkpoints is damaged in
+    # its own way, and the resume names each in turn before the fourth.
+    run_dir = damaged_copy(four_checkpoints, tmp_path,
+                           {4: flip_a_bit, 3: empty, 2: truncate})
+    result = resume(run_dir, epochs=5)
     assert result.returncode == 0, result.stdout[-4000:]
     said = [l for l in result.stdout.splitlines() if "cannot be read" in l]
-    assert len(said) == 1, result.stdout[-4000:]
-    assert f"checkpoint {run_dir}/checkpoints/ckpt-2 cannot be read (" in said[0], said
-    assert said[0].endswith("); trying the next older one"), said
-    if how == "bit-flipped":
-        assert "DataLossError: TensorBundle at" in said[0] and "Checksum does not match" in said[0]
-    else:
-        assert "IndexError: Read less bytes than requested" in said[0], said
+    assert len(said) == 3, result.stdout[-4000:]
+    for line, number in zip(said, (4, 3, 2)):
+        assert f"checkpoint {run_dir}/checkpoints/ckpt-{number} cannot be read (" in line, said
+        assert line.endswith("); trying the next older one"), said
+    assert "DataLossError: TensorBundle at" in said[0] and "Checksum does not match" in said[0]
+    assert all("IndexError: Read less bytes than requested" in line for line in said[1:]), said
     assert f"resuming from {run_dir}/checkpoints/ckpt-1: 1 epoch(s) done" in result.stdout
     assert "Traceback" not in result.stdout and "restart 1" not in result.stdout
-    # The damaged one was replaced by the next save, and the history did not fork.
+    # The damaged ones were replaced by the next saves, and the history did not fork.
     assert [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())] == [
-        1, 2, 3]
+        1, 2, 3, 4, 5]
 
 
 @pytest.mark.timeout(200)
-def test_no_readable_checkpoint_is_one_line_exit_2_and_not_restarted(two_checkpoints, tmp_path):
-    run_dir = damaged_copy(two_checkpoints, tmp_path, truncate, 1, 2)
-    result = resume(run_dir, epochs=3)
+def test_no_readable_checkpoint_is_one_line_exit_2_and_not_restarted(four_checkpoints, tmp_path):
+    run_dir = damaged_copy(four_checkpoints, tmp_path, dict.fromkeys((1, 2, 3, 4), truncate))
+    result = resume(run_dir, epochs=5)
     assert result.returncode == 2, result.stdout[-4000:]
     named = [l.split("checkpoint ", 1)[1].split(" cannot be read")[0]
              for l in result.stdout.splitlines() if " cannot be read (" in l]
-    assert named == [f"{run_dir}/checkpoints/ckpt-2", f"{run_dir}/checkpoints/ckpt-1"], \
+    assert named == [f"{run_dir}/checkpoints/ckpt-{n}" for n in (4, 3, 2, 1)], \
         result.stdout[-4000:]
     assert one_error(result).endswith(
         f"no checkpoint in {run_dir}/checkpoints can be read (each is named above): move the run "
@@ -378,17 +381,17 @@ def test_no_readable_checkpoint_is_one_line_exit_2_and_not_restarted(two_checkpo
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("content", ["", "garbled {\n"])
-def test_a_damaged_checkpoint_index_is_rebuilt_from_the_checkpoints(two_checkpoints, tmp_path,
+def test_a_damaged_checkpoint_index_is_rebuilt_from_the_checkpoints(four_checkpoints, tmp_path,
                                                                    content):
     """CheckpointManager's ``checkpoint`` file emptied (a node crash) failed with a traceback;
     garbled, the run started afresh beside its checkpoints (a forked history) without a word."""
-    run_dir = damaged_copy(two_checkpoints, tmp_path, flip_a_bit)  # no checkpoint damaged
+    run_dir = damaged_copy(four_checkpoints, tmp_path, {})  # no checkpoint damaged
     (run_dir / "checkpoints" / "checkpoint").write_text(content)
-    result = resume(run_dir, epochs=3)
+    result = resume(run_dir, epochs=5)
     assert result.returncode == 0, result.stdout[-4000:]
-    assert (f"{run_dir}/checkpoints/checkpoint cannot be read; rebuilt it from the 2 "
+    assert (f"{run_dir}/checkpoints/checkpoint cannot be read; rebuilt it from the 4 "
             "checkpoint(s) beside it") in result.stdout, result.stdout[-4000:]
-    assert f"resuming from {run_dir}/checkpoints/ckpt-2: 2 epoch(s) done" in result.stdout
+    assert f"resuming from {run_dir}/checkpoints/ckpt-4: 4 epoch(s) done" in result.stdout
     assert "WARNING" not in result.stdout and "restart 1" not in result.stdout
     assert [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())] == [
-        1, 2, 3]
+        1, 2, 3, 4, 5]
