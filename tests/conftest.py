@@ -15,6 +15,7 @@ on one rank fails the test on all ranks together instead of leaving the others w
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -107,6 +108,22 @@ def clean_env(**extra: str) -> dict[str, str]:
                PATH=f"{VENV_BIN}:{env.get('PATH', '')}", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def small_disk_at(mount_point: Path, size: str):
+    """A real, small file system (tmpfs of ``size``, e.g. "4m") mounted on the new directory
+    ``mount_point`` for the block, unmounted after; skips the test where it cannot be mounted
+    (it needs root, as CI runs)."""
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                              str(mount_point)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 def run_job(args: list[str], *, timeout: float, cwd: Path = REPO, env: dict | None = None,

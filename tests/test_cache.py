@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import clean_env, integration, mpirun_job
+from conftest import clean_env, integration, mpirun_job, small_disk_at
 
 pytestmark = [integration, pytest.mark.timeout(600)]
 
@@ -181,17 +181,9 @@ def test_a_killed_ranks_disk_cache_is_removed(numbered_folder, tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A real, small file system (tmpfs) for TMPDIR; needs root, as CI runs."""
-    mount_point = tmp_path / "small-disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    """A real, small file system (tmpfs) for TMPDIR."""
+    with small_disk_at(tmp_path / "small-disk", "4m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 def test_a_disk_cache_that_does_not_fit_is_one_line_at_the_start_or_when_the_disk_fills(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, integration, run_job
+from conftest import clean_env, integration, run_job, small_disk_at
 from hvdtrain.errors import UserError
 from hvdtrain.rundir import LOCK_FILE, RunDir, current_umask, ensure_writable
 from hvdtrain.runtime import Devices, Runtime, World
@@ -198,13 +198,7 @@ def test_a_run_directory_that_fills_up_mid_run_is_one_line_with_a_remedy(tmp_pat
     from hvdtrain.errors import RankError
     from hvdtrain.preemption import StopRequest
 
-    disk = tmp_path / "small-disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with small_disk_at(tmp_path / "small-disk", "64k") as disk:
         with pytest.raises(OSError):
             with (disk / "filler").open("wb") as filler:
                 while True:
@@ -220,8 +214,6 @@ def test_a_run_directory_that_fills_up_mid_run_is_one_line_with_a_remedy(tmp_pat
             f"cannot write metrics.json in {disk}: No space left on device; make room there (or "
             "pass another --run-dir), then run the job again: it resumes from its last checkpoint")
         assert os.listdir(disk) == ["filler"]  # no temporary file left
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 # --- local run directories keep their behaviour ---------------------------------------------------
