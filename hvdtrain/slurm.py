@@ -187,10 +187,15 @@ class SbatchJob:
     """Default cap on requeues (HVDTRAIN_MAX_REQUEUES): a job that keeps stopping for requeue
     without ever finishing must not loop forever. A job that needs more time-limit windows than
     this raises it at submission."""
-    via: str = "horovodrun"
-    """How the launcher starts the ranks: horovodrun, mpirun or srun."""
+    via: str = ""
+    """How the launcher starts the ranks: horovodrun, mpirun or srun (default: horovodrun on one
+    node, mpirun across nodes)."""
 
     def __post_init__(self):
+        if not self.via:
+            # Across nodes, mpirun starts its remote daemons through Slurm itself; horovodrun
+            # would first insist on ssh access to every node, which a Slurm cluster need not give.
+            object.__setattr__(self, "via", "mpirun" if self.nodes > 1 else "horovodrun")
         if self.nodes < 1 or self.gpus_per_node < 0 or self.cpus_per_task < 1:
             raise ValueError("nodes and cpus_per_task must be >= 1, gpus_per_node >= 0")
         if self.tasks_per_node is not None and self.tasks_per_node < 1:
@@ -231,11 +236,9 @@ TEMPLATES: dict[str, SbatchJob] = {
                          gpus_per_node=2),
     "4gpu.sh": SbatchJob(name="hvdtrain-4gpu", description="one node, 4 GPUs, 4 ranks",
                          gpus_per_node=4),
-    # Across nodes, mpirun starts its remote daemons through Slurm itself; horovodrun would first
-    # insist on ssh access to every node.
     "multinode.sh": SbatchJob(name="hvdtrain-multinode",
                               description="N nodes x 4 GPUs (default 2 nodes; sbatch -N 8 for 8)",
-                              nodes=2, gpus_per_node=4, via="mpirun"),
+                              nodes=2, gpus_per_node=4),
     "cpu.sh": SbatchJob(name="hvdtrain-cpu", description="one node, 4 CPU ranks, no GPU",
                         gpus_per_node=0, tasks_per_node=4, cpus_per_task=2),
 }

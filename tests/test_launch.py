@@ -237,6 +237,10 @@ def test_render_cli_writes_a_custom_script():
     assert "#SBATCH --nodes=8" in result.stdout and "#SBATCH --gres=gpu:8" in result.stdout
     assert "#SBATCH --partition=a100" in result.stdout
     assert '-- hvdtrain.cnn --epochs 90 "$@"' in result.stdout
+    # Across nodes inside Slurm, a path that needs no ssh between nodes; on one, horovodrun's.
+    assert "--via mpirun " in result.stdout
+    assert "--via horovodrun " in render(SbatchJob(name="one", gpus_per_node=8))
+    assert "--via srun " in render(SbatchJob(name="told", nodes=8, via="srun"))
     bad = subprocess.run([sys.executable, "-m", "hvdtrain.slurm", "render", "--name", "a b"],
                          capture_output=True, text=True, timeout=60, env=clean_env())
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "job name" in bad.stderr
