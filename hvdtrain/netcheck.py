@@ -564,6 +564,12 @@ def check(hosts: Sequence[str], interface: str | None,
             rendezvous.send_each({"done": True}, time.monotonic() + startup_timeout)
         except (OSError, ProtocolError) as error:
             raise failure(f"the network check failed: {error}") from None
+        except BaseException as error:
+            # A stop (what the launcher's signal handler raises, Ctrl-C): the probes end now,
+            # not after the grace the finally below gives them.
+            if not isinstance(error, Exception):
+                end_probes(processes, grace=0)
+            raise
         finally:
             rendezvous.close()
             end_probes(processes)
@@ -603,11 +609,15 @@ def probes_said(processes: list[subprocess.Popen]) -> str:
 
 
 def end_probes(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """Wait up to ``grace`` seconds for the probes to end, then kill those left (0: at once)."""
     deadline = time.monotonic() + grace
     for process in processes:
         try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if grace:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            pass
+        if process.poll() is None:
             process.kill()
             process.wait()
 

@@ -210,6 +210,7 @@ class SignalForwarder:
     def __init__(self):
         self.received: list[int] = []
         self._launched = False
+        self._stopping = False
         self._job_pid: int | None = None
         self._marker = ""
         for signum in FORWARDED_SIGNALS:
@@ -219,7 +220,10 @@ class SignalForwarder:
         self.received.append(signum)
         if self._job_pid is not None:
             stop_job(attempt_processes(self._marker), signum, command_group=self._job_pid)
-        elif not self._launched and signum != signal.SIGUSR1:
+        elif not self._launched and signum != signal.SIGUSR1 and not self._stopping:
+            # Once: a second Ctrl-C must not cut short the cleanup the first one started (the
+            # network check's probes, the preflight probe), which then ends the launcher.
+            self._stopping = True
             raise StoppedBeforeLaunch(signum)
 
     @property
