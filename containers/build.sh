@@ -111,6 +111,7 @@ chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb \
 grep '^\[install\] ok:' "$workdir/install.log" | sed 's/^\[install\] /[container] /'
 release_root "$root" || die "could not unmount what the build mounted in $root"
 # This machine's apt logins and proxy passwords and pip's index tokens were for the install.
+((${#HOST_CREDENTIALS[@]})) && say "removed from the root what the install used of this machine's settings: ${HOST_CREDENTIALS[*]}"
 remove_host_credentials "$root"
 
 # --- what a runtime expects of the image ---------------------------------------------------------

@@ -322,6 +322,46 @@ def test_a_named_interface_that_connects_nothing_fails_in_one_line(cluster_env, 
     assert not run_dir.exists(), "a rank started"
 
 
+@pytest.mark.timeout(180)
+def test_a_stop_signal_during_the_network_check_ends_it_and_every_probe_at_once(cluster_env,
+                                                                                 run_dir, tmp_path):
+    """Ctrl-C (SIGINT to the launcher's process group) and a SIGTERM to the launcher alone while
+    the check waits for node1's probe, which a sitecustomize holds for a minute (node2's, over
+    ssh, does not see it): the launcher exits with the signal's status in one line within
+    seconds, and no probe is left on either node. It used to wait 10 s for the held probe."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys, time\nif 'hvdtrain.netcheck' in sys.orig_argv:\n    time.sleep(60)\n")
+    env = {**cluster_env, "PYTHONPATH": f"{tmp_path}:{REPO}"}
+
+    def probes() -> list[str]:
+        return processes_mentioning("hvdtrain.netcheck")
+
+    for stop, to_group in ((signal.SIGINT, True), (signal.SIGTERM, False)):
+        launcher = subprocess.Popen(
+            on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:1,node2:1",
+                     "hvdtrain.cnn", "--run-dir", str(run_dir)), cwd=REPO, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            # node1's probe, ssh to node2 and node2's probe: the check is under way.
+            wait_until(lambda: len(probes()) >= 3, 60, lambda: f"the probes: {probes()}")
+            time.sleep(1)
+            os.killpg(launcher.pid, stop) if to_group else launcher.send_signal(stop)
+            signalled = time.monotonic()
+            output, _ = launcher.communicate(timeout=30)
+            stopped_in = time.monotonic() - signalled
+            wait_until(lambda: not probes(), 20, lambda: f"probes left: {probes()}")
+        finally:
+            os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
+            for line in probes():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        assert launcher.returncode == 128 + stop, output
+        assert output.splitlines() == [f"hvdtrain.launch: {stop.name} before the ranks started; "
+                                       "not starting them"], output
+        assert stopped_in < 5, f"{stop.name}: the launcher took {stopped_in:.1f} s to stop"
+        assert not run_dir.exists()
+
+
 def test_a_named_interface_in_slurm(cluster_env, run_dir, tmp_path):
     log = tmp_path / "slurm.out"
     env = {**cluster_env, "HVDTRAIN_NETWORK_INTERFACE": "eth1", "HVDTRAIN_RUN_DIR": str(run_dir)}
@@ -348,10 +388,16 @@ LONG_JOB = ("hvdtrain.cnn", "--preset", "tiny", "--epochs", "400", "--no-tensorb
 
 
 def job_processes(run_dir: Path) -> list[str]:
-    """Every process on every node (one /proc: the nodes share this kernel) that belongs to
-    the job: the ranks (their --run-dir) and their rank-log copies."""
+    """Every process on every node that belongs to the job: the ranks (their --run-dir) and
+    their rank-log copies."""
+    return processes_mentioning(str(run_dir))
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """"PID: command line" of every process on every node (one /proc: the nodes share this
+    kernel) whose command line has ``text``."""
     return [f"{process.pid}: {' '.join(process.argv)[:160]}" for process in processes()
-            if str(run_dir) in " ".join(process.argv)]
+            if text in " ".join(process.argv)]
 
 
 def job_snapshot(env: dict[str, str], job_id: str) -> str:
@@ -770,6 +816,7 @@ def container_build(cluster_env, tmp_path_factory):
         install = apt_install("charliecloud-runtime")
         assert install.returncode == 0, install.stdout + install.stderr
     out = tmp_path_factory.mktemp("images")
+    planted = plant_build_host_credentials()
     log = (out / "build.log").open("w")
     # --reuse-caches: the pip cache and compiled horovod of this machine's own install (the
     # image is the same; a clean build compiles horovod again, ~4 minutes more).
@@ -779,16 +826,51 @@ def container_build(cluster_env, tmp_path_factory):
                               "--out", str(out), "--formats", "squash", "--reuse-caches",
                               "--mount-point", top_directory(REPO)],
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    yield build, out
-    if build.poll() is None:
-        os.killpg(build.pid, signal.SIGTERM)
-        build.wait(timeout=120)
-    log.close()
+    try:
+        yield build, out
+    finally:
+        if build.poll() is None:
+            os.killpg(build.pid, signal.SIGTERM)
+            build.wait(timeout=120)
+        log.close()
+        for path in reversed(planted):
+            path.rmdir() if path.is_dir() else path.unlink()
     # ch-run's SquashFS mount point (the ranks made it; ch-run leaves it): empty once they ended.
     mount_point = Path("/var/tmp") / f"{os.environ.get('USER') or getpass.getuser()}.ch"
     for directory in (mount_point / "mnt", mount_point):
         with contextlib.suppress(OSError):
             directory.rmdir()
+
+
+#: In this machine's apt and pip settings while the image builds (plant_build_host_credentials).
+BUILD_HOST_SECRET = f"s3cr3t-{os.getpid()}-of-the-build-host"
+
+
+def plant_build_host_credentials() -> list[Path]:
+    """A proxy password and a login in this machine's apt settings, and a file in pip's
+    configuration directory, all with BUILD_HOST_SECRET, for the build to copy into the image
+    root (scripts/debian-root.sh's copy_host_access) and to remove before packing. Apt reads
+    them for mirror.invalid alone, so nothing else on this machine changes. Returns what was
+    made, directories first, for the fixture to remove: never an existing file."""
+    tag = f"hvdtrain-test-{os.getpid()}"
+    files = {
+        Path("/etc/apt/apt.conf.d") / f"99{tag}":
+            f'Acquire::http::Proxy::mirror.invalid "http://bob:{BUILD_HOST_SECRET}@proxy.invalid";\n',
+        Path("/etc/apt/auth.conf.d") / f"{tag}.conf":
+            f"machine mirror.invalid login alice password {BUILD_HOST_SECRET}\n",
+        Path.home() / ".config" / "pip" / f"{tag}.conf":
+            f"[{tag}]\ntoken = {BUILD_HOST_SECRET}\n",
+    }
+    made = []
+    for path, text in files.items():
+        missing = [parent for parent in reversed(path.parents) if not parent.exists()]
+        for directory in missing:
+            directory.mkdir(mode=0o755)
+            made.append(directory)
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+            file.write(text)
+        made.append(path)
+    return made
 
 
 def top_directory(path: Path) -> str:
@@ -808,6 +890,30 @@ def container_image(container_build) -> Path:
     assert build.returncode == 0, log[-3000:]
     print(log)
     return out / "hvdtrain-cpu.sqfs"
+
+
+@pytest.mark.timeout(1800)
+def test_the_image_keeps_none_of_the_build_hosts_credentials(container_image):
+    """The real build, with credentials planted in this machine's apt and pip settings
+    (plant_build_host_credentials): they reach the root for the install, and no file of the
+    packed image holds the secret. grep runs in the image (ch-run, with a private /tmp and
+    without this machine's passwd) over every top directory but the kernel's, binary files
+    skipped after their first block; the text only /etc/environment has shows that it reads
+    the image's files."""
+    log = (container_image.parent / "build.log").read_text()
+    removed = re.search(r"^\[container\] removed from the root what the install used of this "
+                        r"machine's settings: (.*)$", log, re.MULTILINE)
+    assert removed, log[-3000:]
+    tag = f"hvdtrain-test-{os.getpid()}"
+    for planted in (f"/etc/apt/apt.conf.d/99{tag}", "/etc/apt/auth.conf.d", "/root/.config/pip"):
+        assert planted in removed.group(1).split(), removed.group(0)
+    known = 'PATH="/opt/hvdtrain/.venv/bin:'  # containers/build.sh writes it to /etc/environment
+    grep = "grep -rlIF -e \"$0\" -e \"$1\" $(ls -d /* | grep -vxE '/(proc|sys|dev|tmp)')"
+    found = subprocess.run(["ch-run", "--private-tmp", "--no-passwd", str(container_image), "--",
+                            "sh", "-c", grep, BUILD_HOST_SECRET, known], capture_output=True,
+                           text=True, timeout=600, env={**os.environ, "USER": getpass.getuser()})
+    assert found.stdout.split() == ["/etc/environment"], found.stdout + found.stderr
+    print(f"the image's files hold none of the build host's credentials: {removed.group(0)}")
 
 
 @pytest.mark.timeout(1800)
