@@ -17,7 +17,7 @@ import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain import ranklog
 from hvdtrain.errors import RankError, UserError, no_step_report, report_once
-from hvdtrain.plots import plot_curves
+from hvdtrain.plots import curves_title, plot_curves
 from hvdtrain.preemption import StopRequest
 from hvdtrain.rundir import RunDir
 
@@ -397,7 +397,10 @@ class MetricsLog(keras.callbacks.Callback):
 
     def _plot(self) -> None:
         with self._writing("curves.png"):
-            self.run_dir.write_with("curves.png", lambda path: plot_curves(self.rows, path))
+            title = curves_title(os.path.basename(self.run_dir.path.rstrip("/")), self.rows,
+                                 self.throughput.global_batch_size, self.throughput.num_workers)
+            self.run_dir.write_with("curves.png",
+                                    lambda path: plot_curves(self.rows, path, title))
         self.last_plot, self.plotted_rows = time.monotonic(), len(self.rows)
 
     @contextlib.contextmanager

@@ -20,24 +20,53 @@ def curve_names(rows: list[dict]) -> list[str]:
     return [k for k in rows[0] if k not in NOT_CURVES and not k.startswith("val_")] if rows else []
 
 
-def plot_curves(rows: list[dict], path: str) -> None:
-    """One panel per metric (training and validation), against epochs."""
+def plot_curves(rows: list[dict], path: str, title: str = "") -> None:
+    save_figure(curves_figure(rows, title), path)
+
+
+def curves_figure(rows: list[dict], title: str = ""):
+    """One panel per metric (training and validation) and one for the learning rate when
+    metrics.json has it, against whole epochs; ``title`` above them (what ran: curves_title)."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = pyplot()
     names = curve_names(rows)
-    figure, axes = plt.subplots(1, max(1, len(names)), figsize=(5 * max(1, len(names)), 3.6),
+    learning_rates = [row.get("learning_rate", np.nan) for row in rows]
+    panels = [*names, *(["learning_rate"] if not np.all(np.isnan(learning_rates)) else [])]
+    figure, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 3.8),
                                 squeeze=False)
     epochs = [row["epoch"] for row in rows]
-    for axis, name in zip(axes[0], names):
-        axis.plot(epochs, [row.get(name, np.nan) for row in rows], marker="o",
-                  label=f"train {name}")
-        if f"val_{name}" in rows[0]:
-            axis.plot(epochs, [row.get(f"val_{name}", np.nan) for row in rows], marker="o",
-                      label=f"validation {name}")
+    for axis, name in zip(axes[0], panels):
+        if name == "learning_rate":
+            axis.plot(epochs, learning_rates, marker="o", color="tab:gray")
+            axis.set_title("learning rate (end of epoch)")
+            axis.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        else:
+            axis.plot(epochs, [row.get(name, np.nan) for row in rows], marker="o",
+                      label=f"train {name}")
+            if f"val_{name}" in rows[0]:
+                axis.plot(epochs, [row.get(f"val_{name}", np.nan) for row in rows], marker="o",
+                          label=f"validation {name}")
+            axis.set_title(name)
+            axis.legend()
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole
         axis.set_xlabel("epoch")
-        axis.set_title(name)
         axis.grid(alpha=0.3)
-        axis.legend()
-    save_figure(figure, path)
+    if title:
+        figure.suptitle(title, fontsize=10)
+    return figure
+
+
+def curves_title(run_name: str, rows: list[dict], global_batch_size: int,
+                 num_workers: int) -> str:
+    """What ran, for the curves' title: the run, its workers and global batch (first -> now
+    when a resumed run ran on another number of workers; the batch per worker stays)."""
+    per_worker = global_batch_size // max(1, num_workers)
+    first = rows[0].get("workers", num_workers) if rows else num_workers
+    if first == num_workers:
+        return f"{run_name}: {num_workers} worker(s), global batch {global_batch_size}"
+    return (f"{run_name}: {first} -> {num_workers} worker(s), global batch "
+            f"{first * per_worker} -> {global_batch_size}")
 
 
 def plot_reconstructions(originals: np.ndarray, reconstructions: np.ndarray, title: str,

@@ -300,6 +300,28 @@ def test_only_training_metrics_get_curves():
     assert curve_names([]) == []
 
 
+def test_curves_have_whole_epochs_a_title_and_a_learning_rate_panel():
+    from hvdtrain.plots import curves_figure, curves_title, pyplot
+
+    rows = [{"epoch": epoch, "workers": 3 if epoch < 3 else 2, "loss": 1 / epoch,
+             "val_loss": 1.2 / epoch, "learning_rate": 0.002 / epoch, "samples_per_sec": 9.0}
+            for epoch in range(1, 5)]
+    title = curves_title("cnn-tiny", rows, 64, 2)
+    assert title == "cnn-tiny: 3 -> 2 worker(s), global batch 96 -> 64"
+    assert curves_title("run", rows[:1], 96, 3) == "run: 3 worker(s), global batch 96"
+    figure = curves_figure(rows, title)
+    figure.canvas.draw()
+    assert figure.get_suptitle() == title
+    assert [axis.get_title() for axis in figure.axes] == ["loss", "learning rate (end of epoch)"]
+    for axis in figure.axes:
+        ticks = [tick for tick in axis.get_xticks() if 1 <= tick <= 4]
+        assert ticks and all(float(tick).is_integer() for tick in ticks), ticks
+    assert list(figure.axes[1].lines[0].get_ydata()) == [row["learning_rate"] for row in rows]
+    pyplot().close(figure)
+    # No learning rate in the rows (an older metrics.json): no empty panel for it.
+    assert [axis.get_title() for axis in curves_figure([{"epoch": 1, "loss": 1.0}]).axes] == ["loss"]
+
+
 def test_write_with_writes_locally_then_copies_into_a_url(url, url_run_dir):
     import tensorflow as tf
 
