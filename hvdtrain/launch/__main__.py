@@ -18,7 +18,7 @@ from hvdtrain.launch.paths import build_launch, describe, job_hosts
 from hvdtrain.launch.preflight import (check_module, count_gpus_without_tensorflow, preflight,
                                        probe_build)
 from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, SignalForwarder, StoppedBeforeLaunch,
-                                       rank_zero_host, run_attempts)
+                                       kill_children, rank_zero_host, run_attempts)
 from hvdtrain.launch.survivors import Survivors, check_min_nodes
 from hvdtrain.launch.watcher import watching
 from hvdtrain.slurm import Allocation
@@ -101,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             status = run(argv)
         except StoppedBeforeLaunch as stop:  # e.g. Ctrl-C during the preflight probe
+            kill_children()
             say(f"{signal_name(stop.signum)} before the ranks started; not starting them")
             status = stop_status(stop.signum)
         sys.exit(status)

@@ -190,6 +190,23 @@ def stop_job(job: dict[int, bool], signum: int, command_group: int | None = None
     signal_each(targets)
 
 
+def kill_children() -> None:
+    """SIGKILL this process's direct children. Before the ranks start they are the launcher's
+    checks (a probe), and one started just as a stop signal came (the signal raised inside
+    subprocess's start, before it returned the process to be ended) has no one else to end it."""
+    me = os.getpid()
+    children = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:  # "PID (name) STATE PPID ..."
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == me:
+            children.append((int(entry), signal.SIGKILL))
+    signal_each(children)
+
+
 class StoppedBeforeLaunch(BaseException):
     """SIGINT or SIGTERM arrived before anything was launched (the checks before it, such as
     the preflight probe, a child that Ctrl-C interrupts too): raised by the signal handler, so
