@@ -116,7 +116,7 @@ remove_host_credentials "$root"
 
 # --- what a runtime expects of the image ---------------------------------------------------------
 venv_bin=/opt/hvdtrain/.venv/bin
-for command in python horovodrun hvdtrain-launch hvdtrain-cnn hvdtrain-autoencoder; do
+for command in python horovodrun hvdtrain; do
   ln -sf "$venv_bin/$command" "$root/usr/local/bin/$command"
 done
 # Where clusters keep the job's files: ch-run binds only onto directories the image has, and

@@ -8,27 +8,27 @@ gpu.png, tpu.png, as in the article's outputs/).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import tensorflow as tf
-import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
-
-from hvdtrain import job, train
+from hvdtrain import job
 from hvdtrain.config import ImageConfig
-from hvdtrain.models.autoencoder import build_autoencoder
-from hvdtrain.plots import plot_reconstructions
-from hvdtrain.runtime import Runtime
 from hvdtrain.task import Task
+
+if TYPE_CHECKING:  # TensorFlow and Keras load once the job runs: the flags need neither
+    from hvdtrain.runtime import Runtime
+    from hvdtrain.train import TrainingResult
 
 PROGRAM = "hvdtrain.autoencoder"
 SAMPLES_IN_GRID = 8
 
 
 def default() -> ImageConfig:
+    """The autoencoder on the embedded digits, 20 epochs at a constant learning rate."""
     return ImageConfig(epochs=20, run_dir="runs/autoencoder", lr_decay="constant")
 
 
 def tiny() -> ImageConfig:
+    """The same job in a few seconds, for tests and a first look."""
     return dataclasses.replace(default(), epochs=3, warmup_epochs=0.5, tensorboard=False,
                                run_dir="runs/autoencoder-tiny")
 
@@ -38,19 +38,35 @@ PRESETS = {"default": default, "tiny": tiny}
 
 def as_reconstruction_pairs(images, labels):
     """The target is the input itself, in [0, 1] like the sigmoid output."""
+    import tensorflow as tf
+
     return images, tf.cast(images, tf.float32) / 255.0
 
 
+def _build_autoencoder(data):
+    from hvdtrain.models.autoencoder import build_autoencoder
+
+    return build_autoencoder(data.image_shape)
+
+
+def _mean_squared_error():
+    import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
+
+    return keras.losses.MeanSquaredError()
+
+
 RECONSTRUCTOR = Task(
-    build_model=lambda data: build_autoencoder(data.image_shape),
-    loss=lambda: keras.losses.MeanSquaredError(),
+    build_model=_build_autoencoder,
+    loss=_mean_squared_error,
     metrics=lambda: [],
     to_pairs=as_reconstruction_pairs,
 )
 
 
-def write_reconstructions(result: train.TrainingResult, runtime: Runtime) -> str | None:
+def write_reconstructions(result: TrainingResult, runtime: Runtime) -> str | None:
     """Rank 0: the grid of inputs over reconstructions, as <run_dir>/<cpu|gpu|tpu>.png."""
+    from hvdtrain.plots import plot_reconstructions
+
     if not runtime.world.is_chief:
         return None
     source = result.datasets.validation or result.datasets.train
@@ -64,7 +80,7 @@ def write_reconstructions(result: train.TrainingResult, runtime: Runtime) -> str
     return result.run_dir.file(name)
 
 
-def after_training(result: train.TrainingResult, runtime: Runtime) -> None:
+def after_training(result: TrainingResult, runtime: Runtime) -> None:
     """The article's picture, named on rank 0."""
     picture = write_reconstructions(result, runtime)
     runtime.print0(f"reconstructions: {picture}")

@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
-
 from hvdtrain import job
 from hvdtrain.config import ImageConfig
 from hvdtrain.models import CLASSIFIERS, build_classifier
@@ -58,9 +56,15 @@ def classifier(model: str = "cnn") -> Task:
     """Image classification with ``--model``: a built-in network or the user's own file."""
     return Task(
         build_model=lambda data: build_classifier(model, data.image_shape, len(data.class_names)),
-        loss=lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=_logits_crossentropy,
         metrics=lambda: ["accuracy"],
     )
+
+
+def _logits_crossentropy():
+    import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 CLASSIFIER = classifier()

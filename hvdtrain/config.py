@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
+import json
 import math
 import typing
 from dataclasses import dataclass
@@ -281,7 +283,32 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
-        raise UserError(f"{message} (see --help)")
+        raise UserError(f"{message}{self._did_you_mean(message)} (see --help)")
+
+    def _did_you_mean(self, message: str) -> str:
+        """"; did you mean --epochs?" for the first unrecognized flag close to a known one."""
+        prefix = "unrecognized arguments:"
+        if not message.startswith(prefix):
+            return ""
+        known = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        for word in message[len(prefix):].split():
+            if word.startswith("-"):
+                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.7)
+                if close:
+                    return f"; did you mean {close[0]}?"
+        return ""
+
+
+class FlagHelpFormatter(argparse.HelpFormatter):
+    """A flag's default after its help when it has one worth saying (a switch says its own, and
+    a help that names its default keeps its words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if (not action.option_strings or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action.default, bool) or "(default" in help_text):
+            return help_text
+        return help_text + " (default: %(default)s)"
 
 
 def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], TrainConfig]],
@@ -291,25 +318,113 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
     The flags are the fields of the presets' config class (a TrainConfig or a subclass)."""
     preset_parser = OneLineParser(add_help=False)
     preset_parser.add_argument("--preset", default="default", choices=sorted(presets))
+    preset_parser.add_argument("--config")
     known, _ = preset_parser.parse_known_args(argv)
     base = presets[known.preset]()
+    config_class = type(base)
+    if known.config:
+        try:
+            base = dataclasses.replace(base, **read_config_file(known.config, config_class))
+        except ValueError as error:
+            raise UserError(f"--config {known.config}: {error}") from None
 
     parser = OneLineParser(prog=prog, description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", default="default", choices=sorted(presets),
-                        help="Named starting configuration; the flags below override it.")
-    config_class = type(base)
+                        help="Named starting configuration; the flags below override it. "
+                             + " ".join(describe_preset(name, make, presets["default"])
+                                        for name, make in presets.items()))
+    parser.add_argument("--config", metavar="FILE",
+                        help="Start from this JSON file, over the preset: a run directory's "
+                             "config.json (replays that run; give --run-dir for a new one) or "
+                             "what --print-config prints. The flags given win over it.")
+    parser.add_argument("--print-config", action="store_true",
+                        help="Print the resolved configuration as JSON (what --config reads) "
+                             "and exit without training.")
     docs = {name: doc for klass in reversed(config_class.__mro__)
             if dataclasses.is_dataclass(klass) for name, doc in field_docs(klass).items()}
     for field in dataclasses.fields(config_class):
         add_flag(parser, config_class, field, getattr(base, field.name),
                  docs.get(field.name, ""))
     args = vars(parser.parse_args(argv))
-    args.pop("preset")
+    del args["preset"], args["config"]
+    print_config = args.pop("print_config")
     try:
-        return dataclasses.replace(base, **args)
+        config = dataclasses.replace(base, **args)
     except ValueError as error:
         raise UserError(str(error)) from None
+    if print_config:  # like --help: an answer, not a job
+        print(json.dumps(config.to_dict(), indent=2))
+        raise SystemExit(0)
+    return config
+
+
+def read_config_file(path: str, config_class: type) -> dict:
+    """The fields a --config file sets, checked against ``config_class``'s flags (ValueError,
+    one line): an object of field names (or flag names) to values, or a run directory's
+    config.json, whose "config" is that object."""
+    try:
+        with open(path) as file:
+            recorded = json.load(file)
+    except OSError as error:
+        raise ValueError(error.strerror or str(error)) from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON ({error.msg} at line {error.lineno} column {error.colno})") \
+            from None
+    if isinstance(recorded, dict) and isinstance(recorded.get("config"), dict):
+        recorded = recorded["config"]  # config.json: {"program": ..., "config": {...}, ...}
+    if not isinstance(recorded, dict):
+        raise ValueError(f"holds a JSON {type(recorded).__name__}, not an object of flags")
+    fields = {field.name: field for field in dataclasses.fields(config_class)}
+    values = {}
+    for key, value in recorded.items():
+        name = key.lstrip("-").replace("-", "_")
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            raise ValueError(f"no flag {_flag(name)}"
+                             + (f"; did you mean {_flag(close[0])}?" if close else ""))
+        values[name] = _config_value(config_class, fields[name], value)
+    return values
+
+
+def _config_value(config_class: type, field: dataclasses.Field, value):
+    """A --config file's value for ``field``, as its flag would give it, or ValueError."""
+    hint = _resolved_hints(config_class)[field.name]
+    kind, choices = _base_type(config_class, field), _literal_choices(config_class, field)
+    if value is None and (type(None) in typing.get_args(hint) or field.default is None):
+        return None
+    if choices and str(value) in choices and not isinstance(value, bool):
+        return str(value)
+    if kind is bool and isinstance(value, bool):
+        return value
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is str and isinstance(value, str) and not choices:
+        return value
+    wanted = (f"one of {', '.join(choices)}" if choices else
+              {int: "an integer", float: "a number", bool: "true or false"}.get(kind, "a string"))
+    raise ValueError(f"{_flag(field.name)} must be {wanted}, got {json.dumps(value)}")
+
+
+def describe_preset(name: str, make: Callable[[], TrainConfig],
+                    default: Callable[[], TrainConfig]) -> str:
+    """'tiny: its docstring's first sentence (--epochs 3, ...)': what --help says a preset is
+    and sets (the flags where it differs from the default preset; the default's own values are
+    each flag's shown default)."""
+    config, base = make(), default()
+    differs = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value != getattr(base, field.name):
+            flag = _flag(field.name)
+            differs.append((flag if value else f"--no-{flag[2:]}") if isinstance(value, bool)
+                           else f"{flag} {value}")
+    summary = (make.__doc__ or "").strip().split(". ")[0].rstrip(".")
+    described = (f"{name}" + (f": {summary}" if summary else "")
+                 + (f" ({', '.join(differs)})" if differs else "") + ".")
+    return described.replace("%", "%%")  # argparse formats help strings with %
 
 
 def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config_class: type,

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from hvdtrain.cli import usage_name
 from hvdtrain.errors import as_one_line, reported
 
 PROGRAM = "hvdtrain.health"
@@ -279,7 +280,7 @@ def time_allreduce(runtime, count: int, repeats: int = 2) -> tuple[float, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=f"python -m {PROGRAM}", description=__doc__,
+    parser = argparse.ArgumentParser(prog=usage_name(PROGRAM), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus-per-rank", type=int, default=0,
                         help="GPUs every rank needs (0: CPU nodes)")

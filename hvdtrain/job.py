@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Callable, Mapping, Sequence
 
+from hvdtrain.cli import started_as_command, usage_name
 from hvdtrain.config import ImageConfig, TrainConfig, parse_config
 from hvdtrain.data import disk_cache_failures_in_one_line
 from hvdtrain.errors import UserError, reported
@@ -45,15 +46,16 @@ def run(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | N
         presets: Presets | None = None, after: Callable | None = None) -> int:
     """``main`` without the exit: returns the job's exit status, raises ``UserError`` for bad
     input (for running a job from your own code or a test)."""
-    from hvdtrain import train  # TensorFlow: only once a job runs, not for --help's import
-
     program = name or _program_name()
     if presets is None:
         reads_images = isinstance(task, Task) and task.datasets is None
         config_class = ImageConfig if reads_images else TrainConfig
         presets = {"default": lambda: config_class(run_dir=f"runs/{program}")}
     # 1. configuration: a preset, then command-line overrides, validated
-    config = parse_config(argv, presets, prog=_usage_name(program), description=_description())
+    config = parse_config(argv, presets, prog=_usage_name(program),
+                          description=_description(program))
+    from hvdtrain import train  # TensorFlow: once a job runs, not for --help or a bad flag
+
     job_task = task if isinstance(task, Task) else task(config)
     if not isinstance(job_task, Task):
         raise UserError(f"the job must be an hvdtrain.Task (or a function of the config "
@@ -77,12 +79,15 @@ def _program_name() -> str:
 
 
 def _usage_name(program: str) -> str:
-    """How --help's usage line names the job: ``python -m MODULE`` for a module run so."""
+    """How --help's usage line names the job: ``hvdtrain COMMAND`` or ``python -m MODULE`` for
+    a module run so, else the script's name."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return f"python -m {program}" if spec is not None and spec.name == program else program
+    run_as_module = spec is not None and spec.name == program
+    return usage_name(program) if run_as_module or started_as_command(program) else program
 
 
-def _description() -> str | None:
-    main_module = sys.modules.get("__main__")
+def _description(program: str) -> str | None:
+    """The docstring of what runs: the command's module, or the script."""
+    main_module = sys.modules.get(program if started_as_command(program) else "__main__")
     doc = getattr(main_module, "__doc__", None)
     return doc.strip() if doc else None

@@ -18,7 +18,8 @@ import textwrap
 from dataclasses import MISSING, dataclass, fields
 from typing import Mapping, Sequence
 
-from hvdtrain.config import OneLineParser, field_docs
+from hvdtrain.cli import usage_name
+from hvdtrain.config import FlagHelpFormatter, OneLineParser, field_docs
 from hvdtrain.errors import UserError, reported
 from hvdtrain.launch.options import MODULE_NAME, VIAS
 
@@ -363,10 +364,16 @@ def render(job: SbatchJob) -> str:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(prog=f"python -m {PROGRAM}", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog=usage_name(PROGRAM),
+                           description="Write sbatch scripts that run an hvdtrain job through the "
+                                       "launcher (requeue on preemption included); the shipped "
+                                       "templates in slurm/ are what `render` writes for them. "
+                                       "docs/slurm.md has the rest.")
     commands = parser.add_subparsers(dest="command", required=True)
-    render_parser = commands.add_parser("render", help="print an sbatch script")
+    render_parser = commands.add_parser(
+        "render", help="print an sbatch script", formatter_class=FlagHelpFormatter,
+        description="Print a complete, commented sbatch script for the job the flags describe; "
+                    "training flags after -- are baked into it.")
     docs = field_docs(SbatchJob)
     for spec in fields(SbatchJob):
         if spec.name in ("description", "args"):

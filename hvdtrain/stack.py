@@ -10,13 +10,16 @@ them; the rules (``problems``) are pure.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
 import os
 import shutil
 import sys
 from dataclasses import dataclass
+from typing import Sequence
 
+from hvdtrain.cli import usage_name
 from hvdtrain.errors import EXIT_USAGE
 from hvdtrain.launch.probe import ask
 
@@ -143,7 +146,14 @@ def describe(stack: Stack) -> str:
     return line
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog=usage_name(PROGRAM),
+        description="Check that this Python's TensorFlow, Keras, horovod (its TensorFlow "
+                    "extension and controllers), MPI and GPUs work together for hvdtrain: one "
+                    "line per problem and exit status 2, or one line saying what was found. "
+                    "scripts/install.sh runs it on a stack it did not build "
+                    "(HVDTRAIN_STACK=existing).").parse_args(argv)
     stack = gather()
     found = problems(stack)
     for problem in found:

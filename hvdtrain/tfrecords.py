@@ -45,7 +45,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TextIO
 
-from hvdtrain.config import OneLineParser
+from hvdtrain.cli import usage_name
+from hvdtrain.config import FlagHelpFormatter, OneLineParser
 from hvdtrain.data.folder import FolderListing, list_image_folder
 from hvdtrain.data.images import image_format_of_bytes
 from hvdtrain.data.listing import DEFAULT_FILE_IMAGE_SIZE
@@ -554,8 +555,13 @@ def _clock(seconds: float) -> str:
 
 # --- command line --------------------------------------------------------------------------------
 def run(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(prog=f"python -m {PROGRAM}", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        prog=usage_name(PROGRAM), formatter_class=FlagHelpFormatter,
+        description="Convert an image folder (one sub-folder per class) into TFRecord shards for "
+                    "--tfrecords: the same train/validation split as --data-dir training, written "
+                    "in parallel into OUT.partial and renamed to OUT when complete (rerun the same "
+                    "command after an interruption to finish it). Unreadable files are skipped "
+                    "and counted in OUT/dataset.json. docs/data.md has the rest.")
     parser.add_argument("--data-dir", required=True, help="image folder, one sub-folder per class")
     parser.add_argument("--out", required=True,
                         help="new directory for the shards (written in OUT.partial until done)")

@@ -1,5 +1,6 @@
 """Config: presets, command-line overrides, validation, and help text from field docstrings."""
 import dataclasses
+import json
 
 import pytest
 
@@ -80,3 +81,37 @@ def test_help_lists_flags_with_their_docs(capsys):
     text = capsys.readouterr().out
     assert "--batch-policy" in text and "--grad-accum-steps" in text
     assert "Goyal" in text  # the --lr-scaling docstring made it into the help
+
+
+def test_a_run_directorys_config_json_replays_the_run_and_the_flags_given_win(tmp_path, capsys):
+    """--config FILE: a run's config.json (as train.py writes it) gives back that run's config;
+    --print-config prints what --config reads, so the two round-trip."""
+    ran = parse("--preset", "tiny", "--epochs", "5", "--model", "resnet50", "--no-augment")
+    recorded = tmp_path / "config.json"
+    recorded.write_text(json.dumps({"program": "hvdtrain.cnn", "config": ran.to_dict(),
+                                    "plan": {"num_workers": 2}}))
+    assert parse("--config", str(recorded)) == ran
+    assert parse("--config", str(recorded), "--epochs", "7") == dataclasses.replace(ran, epochs=7)
+    with pytest.raises(SystemExit) as exit_info:
+        parse("--config", str(recorded), "--learning-rate", "0.01", "--print-config")
+    assert exit_info.value.code == 0
+    printed = tmp_path / "printed.json"
+    printed.write_text(capsys.readouterr().out)
+    assert parse("--config", str(printed)) == dataclasses.replace(ran, learning_rate=0.01)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"epoch": 3}', "no flag --epoch; did you mean --epochs?"),
+    ('{"epochs": "three"}', '--epochs must be an integer, got "three"'),
+    ('{"augment": 1}', "--augment must be true or false, got 1"),
+    ('{"lr_decay": "linear"}', '--lr-decay must be one of cosine, constant, got "linear"'),
+    ('{"epochs": 0}', "--epochs must be at least 1, got 0"),
+    ('[1, 2]', "holds a JSON list, not an object of flags"),
+    ('{"epochs": 3', "not JSON (Expecting ',' delimiter at line 1 column 13)"),
+])
+def test_a_bad_config_file_is_one_line_naming_it(tmp_path, text, message):
+    path = tmp_path / "mine.json"
+    path.write_text(text)
+    with pytest.raises(UserError) as error:
+        parse("--config", str(path))
+    assert str(error.value) == f"--config {path}: {message}"

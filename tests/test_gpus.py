@@ -7,11 +7,9 @@ they stop in one line before anything is written, and that the opt-out trains an
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from conftest import clean_env, integration, mpirun_job, one_error, run_job
+from conftest import VENV_BIN, clean_env, integration, mpirun_job, one_error, run_job
 from hvdtrain.gpus import ALLOW_CPU, given_gpus, not_seen
 from hvdtrain.launch.options import LaunchOptions
 from hvdtrain.launch.preflight import Build, preflight
@@ -69,13 +67,14 @@ def test_ranks_given_gpus_on_cpu_tensorflow_stop_in_one_line_and_the_opt_out_tra
     line = one_error(refused)
     assert "GPUs were given (CUDA_VISIBLE_DEVICES=0,1,2,3)" in line and "CPU-only" in line, line
     assert not run_dir.exists()
-    # The launcher refuses before it starts a rank: its probe asks the ranks' TensorFlow.
-    launcher = run_job([sys.executable, "-m", "hvdtrain.launch", "--np", "2", "hvdtrain.cnn",
+    # The launcher refuses before it starts a rank: its probe asks the ranks' TensorFlow. (As
+    # the `hvdtrain` command, with horovodrun's spelling of --np.)
+    launcher = run_job([str(VENV_BIN / "hvdtrain"), "launch", "-np", "2", "hvdtrain.cnn",
                         "--preset", "tiny", "--run-dir", str(run_dir)], timeout=120, check=False,
                        env=clean_env(**GPU_ALLOCATION))
     assert "CPU-only" in one_error(launcher, "hvdtrain.launch") and not run_dir.exists()
     # One process, one short epoch: the opt-out trains where Slurm said GPUs.
-    allowed = run_job([sys.executable, "-m", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "1",
+    allowed = run_job([str(VENV_BIN / "hvdtrain"), "train", "--preset", "tiny", "--epochs", "1",
                        "--no-tensorboard", "--run-dir", str(run_dir)], timeout=180,
                       env=clean_env(**GPU_ALLOCATION, **{ALLOW_CPU: "1"}))
     assert "CPU, " in allowed.stdout and (run_dir / "metrics.json").exists(), allowed.stdout[-2000:]

@@ -670,7 +670,7 @@ def test_bad_launch_options_are_one_line_errors_without_the_preflight(changes, m
 
 @pytest.mark.parametrize("module, argv, message", [
     ("hvdtrain.launch", ["--np", "abc", "hvdtrain.cnn"],
-     "hvdtrain.launch: error: argument --np: invalid int value: 'abc' (see --help)"),
+     "hvdtrain.launch: error: argument --np/-np: invalid int value: 'abc' (see --help)"),
     ("hvdtrain.slurm", ["render", "--name", "x", "--nodes", "two"],
      "hvdtrain.slurm: error: argument --nodes: invalid int value: 'two' (see --help)"),
     ("hvdtrain.launch", ["--n", "2", "hvdtrain.cnn"],  # no abbreviation stands for a flag
@@ -803,3 +803,20 @@ def test_a_restart_after_a_host_is_dropped_runs_the_rebuilt_launch(capsys):
     assert status == 0 and "on-the-rest" in captured.out, captured
     assert ("job exited 1 (a rank failed); restart 1 of 1 on the hosts left since node3 is gone "
             "(test), in 3 s") in captured.err, captured
+
+
+def test_a_stop_before_launch_kills_the_launchers_own_children_only():
+    """kill_children (the launcher's last step on a stop before the ranks start): a probe whose
+    start a signal interrupted is ended; a process of someone else's is not."""
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        script = ("import subprocess; from hvdtrain.launch.supervise import kill_children; "
+                  "child = subprocess.Popen(['sleep', '30']); kill_children(); "
+                  "print(child.wait(timeout=10))")
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                timeout=60, cwd=REPO)
+        assert result.stdout.strip() == str(-signal.SIGKILL), result.stdout + result.stderr
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
 from hvdtrain import default_keras
-from hvdtrain.config import OneLineParser, add_flag, field_docs
+from hvdtrain.cli import usage_name
+from hvdtrain.config import FlagHelpFormatter, OneLineParser, add_flag, field_docs
 from hvdtrain.errors import UserError
 from hvdtrain.launch.console import PROGRAM
 
@@ -60,7 +61,7 @@ class LaunchOptions:
     max_restarts: int = 0
     """Start a failed job (a rank died or crashed) again in the same allocation up to this many
     times, a few seconds apart; not after a user error (exit 2), a preemption stop (75) or a
-    stop signal (see hvdtrain.launch.supervise.judge_exit)."""
+    stop signal (docs/failures.md has the exit statuses)."""
     startup_timeout: float = 300.0
     """Seconds the launch command (mpirun, horovodrun, srun) may run on rank 0's host without
     starting a rank there; then the attempt ends in one line (a node it never reached) and
@@ -71,7 +72,7 @@ class LaunchOptions:
     """With --max-restarts, on several hosts (--hosts, or the nodes of a Slurm allocation):
     after a failure, drop the hosts that no longer answer (ssh, or an srun step inside an
     allocation) and restart on the rest (every slot of theirs, from the last checkpoint) when at
-    least this many are left; fewer: end with one line (see hvdtrain.launch.survivors). 0: off."""
+    least this many are left; fewer: end with one line (docs/failures.md). 0: off."""
     health_check: bool = False
     """Before the job, run hvdtrain.health on every rank through the same launch: each node's
     GPUs (or CPU share), the links between nodes, the same numbers on every rank; a failure ends
@@ -81,7 +82,7 @@ class LaunchOptions:
     allocation or a set of hosts."""
     sbatch: bool = False
     """Run as the body of an sbatch script (the templates in slurm/ exec this): the HVDTRAIN_*
-    variables given at submission override these flags (see hvdtrain.slurm.BATCH_VARIABLES), the
+    variables given at submission override these flags (each template lists them), the
     run directory defaults to runs/<job name>-<job id>, and a job the ranks stopped for requeue
     (exit 75, after Slurm's time-limit warning) is requeued with scontrol."""
     max_requeues: int = 3
@@ -118,10 +119,10 @@ class LaunchOptions:
     container: str | None = None
     """Run every rank in this container image (with --via srun): a SquashFS file or an image
     directory for Charliecloud, or what pyxis takes (./image.sqsh, docker://...). The job's files
-    are seen at the same paths (see hvdtrain.launch.container)."""
+    are seen at the same paths (docs/containers.md)."""
     container_runtime: Literal["auto", "charliecloud", "pyxis"] = "auto"
     """How --container runs: pyxis where srun has --container-image, else Charliecloud's
-    ch-run for every rank (not --join: see hvdtrain.launch.container)."""
+    ch-run for every rank (docs/containers.md)."""
     container_python: str = "python"
     """The ranks' interpreter inside --container (the image's python on its PATH)."""
 
@@ -131,7 +132,7 @@ _SECTIONS = {"sbatch": "in an sbatch script",
              "timeline_filename": "horovod tuning (passed to every rank)",
              "hosts": "several hosts",
              "container": "containers (Slurm's pyxis, or Charliecloud)"}
-_SHORT_FLAGS = {"hosts": "-H"}
+_SHORT_FLAGS = {"hosts": "-H", "np": "-np"}  # horovodrun's and mpirun's spellings
 _POSITIONAL = ("program", "program_args")
 
 
@@ -146,7 +147,7 @@ def shell_words(text: str, what: str) -> list[str]:
 
 def parse_options(argv: Sequence[str] | None, description: str) -> LaunchOptions:
     parser = OneLineParser(
-        prog=f"python -m {PROGRAM}", description=description, formatter_class=_HelpFormatter,
+        prog=usage_name(PROGRAM), description=description, formatter_class=_HelpFormatter,
         usage="%(prog)s [options] [--] MODULE|SCRIPT.py [arguments...]")
     docs = field_docs(LaunchOptions)
     section = parser
@@ -167,16 +168,8 @@ def parse_options(argv: Sequence[str] | None, description: str) -> LaunchOptions
     return LaunchOptions(**{**args, "program_args": tuple(args["program_args"])})
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """The launcher's docstring as written; a flag's default after its help when it has one
-    worth saying (a switch says its own)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        if (not action.option_strings or action.default in (None, argparse.SUPPRESS)
-                or isinstance(action.default, bool) or "(default" in help_text):
-            return help_text
-        return help_text + " (default: %(default)s)"
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, FlagHelpFormatter):
+    """The launcher's docstring as written, the flags' defaults as every command shows them."""
 
 
 def is_script_path(program: str) -> bool:

@@ -3,22 +3,36 @@ below. ``build_classifier`` maps the classifier job's ``--model`` to one of them
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
-
-from hvdtrain.models.applications import APPLICATIONS, build_application
-from hvdtrain.models.cnn import build_cnn
 from hvdtrain.models.user import build_user_model, is_user_model
 
-ClassifierBuilder = Callable[[tuple[int, int, int], int], keras.Model]
+if TYPE_CHECKING:
+    import keras
+
+ClassifierBuilder = Callable[[tuple[int, int, int], int], "keras.Model"]
+
+
+def _cnn(input_shape: tuple[int, int, int], num_classes: int) -> keras.Model:
+    from hvdtrain.models.cnn import build_cnn
+
+    return build_cnn(input_shape, num_classes)
+
+
+def _application(name: str) -> ClassifierBuilder:
+    def build(input_shape: tuple[int, int, int], num_classes: int) -> keras.Model:
+        from hvdtrain.models.applications import build_application
+
+        return build_application(name, input_shape, num_classes)
+    return build
+
 
 #: ``--model`` name -> ``builder(input_shape, num_classes)`` returning a model of uint8 images to
-#: class logits. A new family: its module, and a line here.
+#: class logits. A new family: its module, and a line here. Each imports its module (and so
+#: Keras and TensorFlow) only when it builds: the flags, and --help, need neither.
 CLASSIFIERS: dict[str, ClassifierBuilder] = {
-    "cnn": build_cnn,
-    **{name: (lambda shape, classes, name=name: build_application(name, shape, classes))
-       for name in APPLICATIONS},
+    "cnn": _cnn,
+    **{name: _application(name) for name in ("resnet50", "mobilenetv2", "efficientnetb0")},
 }
 
 

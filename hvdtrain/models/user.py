@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Callable
-
-import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
+from typing import TYPE_CHECKING, Callable
 
 from hvdtrain.errors import first_line
+
+if TYPE_CHECKING:  # Keras (TensorFlow) loads once a model is built, not with the flags
+    import keras
 
 
 def is_user_model(spec: str) -> bool:
@@ -51,6 +52,8 @@ def load_builder(spec: str) -> Callable[..., keras.Model]:
 def build_user_model(spec: str, input_shape: tuple[int, int, int],
                      num_classes: int) -> keras.Model:
     """Call the user's builder and check what it returned fits the data and the loss."""
+    import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
+
     builder = load_builder(spec)
     try:
         model = builder(input_shape, num_classes)

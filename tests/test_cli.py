@@ -1,0 +1,103 @@
+"""The `hvdtrain` command: its commands' --help without TensorFlow, the generated reference in
+docs/cli.md, --version, and one-line answers to a mistyped command or flag. The commands
+training through it run in tests/test_gpus.py (`hvdtrain launch -np 2`, `hvdtrain train`)."""
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, clean_env
+from hvdtrain.cli import COMMANDS
+from hvdtrain.cnn import PRESETS
+from hvdtrain.config import describe_preset
+from hvdtrain.launch.options import parse_options
+
+sys.path.insert(0, str(REPO / "scripts"))
+from cli_reference import reference  # noqa: E402
+
+
+@pytest.fixture
+def without_tensorflow(tmp_path):
+    """An environment where `import tensorflow` (and keras, tf_keras, horovod) fails."""
+    for name in ("tensorflow", "keras", "tf_keras", "horovod"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('no {name} here')\n")
+    return clean_env(PYTHONPATH=f"{tmp_path}:{REPO}")
+
+
+def hvdtrain(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hvdtrain", *args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, env=env)
+
+
+def test_every_help_answers_without_tensorflow_and_docs_cli_md_is_what_they_say(
+        without_tensorflow):
+    generated = reference(without_tensorflow)
+    assert generated == (REPO / "docs" / "cli.md").read_text(), \
+        "docs/cli.md is stale: run python scripts/cli_reference.py"
+    usages = re.findall(r"^usage: (hvdtrain(?: [a-z]+)*)", generated, re.MULTILINE)
+    expected = ["hvdtrain"]
+    for name in COMMANDS:
+        expected += [f"hvdtrain {name}"] + (["hvdtrain slurm render"] if name == "slurm" else [])
+    assert usages == expected
+    # What a preset sets, in --help (the issue: `tiny` was a name only).
+    tiny = describe_preset("tiny", PRESETS["tiny"], PRESETS["default"])
+    assert tiny == ("tiny: The same job in a few seconds on 2 CPU ranks, for tests and a first "
+                    "look (--learning-rate 0.003, --warmup-epochs 0.5, --epochs 3, --run-dir "
+                    "runs/cnn-tiny, --no-tensorboard).")
+    unwrapped = " ".join(re.sub(r"-\n\s+", "-", generated).split())  # argparse breaks at "-"
+    assert tiny in unwrapped
+    assert "see hvdtrain." not in generated  # help points at docs, not at internal code
+
+
+def test_version_names_hvdtrain_and_the_stack_without_importing_it(without_tensorflow):
+    result = hvdtrain("--version", env=without_tensorflow)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    versions = {name: importlib.metadata.version(name) for name in ("keras", "horovod")}
+    tensorflow = next(importlib.metadata.version(name) for name in ("tensorflow-cpu", "tensorflow")
+                      if _installed(name))
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    assert result.stdout == (
+        f"hvdtrain 0.1.0{f' (commit {commit})' if commit else ''}, TensorFlow {tensorflow}, "
+        f"Keras {versions['keras']}, tf_keras {importlib.metadata.version('tf_keras')}, "
+        f"horovod {versions['horovod']}, Python {sys.version.split()[0]}\n"), result.stdout
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("args, line", [
+    (["trian"], "hvdtrain: error: no command 'trian'; did you mean train? (commands: train, "
+                "autoencoder, launch, slurm, convert, stack, health; hvdtrain --help)"),
+    (["train", "--epoch", "3"], "hvdtrain.cnn: error: unrecognized arguments: --epoch 3; did you "
+                                "mean --epochs? (see --help)"),
+    (["launch", "--hostz", "a:1", "hvdtrain.cnn"], "hvdtrain.launch: error: unrecognized "
+                                                   "arguments: --hostz; did you mean --hosts? "
+                                                   "(see --help)"),
+])
+def test_a_mistyped_command_or_flag_is_one_line_with_what_was_meant(args, line,
+                                                                    without_tensorflow):
+    result = hvdtrain(*args, env=without_tensorflow)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == line + "\n", result.stderr
+
+
+def test_hvdtrain_alone_prints_its_commands_and_exits_2(without_tensorflow):
+    result = hvdtrain(env=without_tensorflow)
+    assert result.returncode == 2
+    assert all(re.search(rf"^  {name} +\S", result.stdout, re.MULTILINE) for name in COMMANDS)
+
+
+def test_the_launcher_takes_horovodruns_np():
+    assert parse_options(["-np", "3", "hvdtrain.cnn"], "").np == 3
+    assert parse_options(["--np", "3", "hvdtrain.cnn"], "").np == 3
