@@ -37,7 +37,7 @@ STARTED = time.monotonic()
 
 __version__ = "0.1.0"
 
-# The public API for your own training job (README "Your own training job"); everything else in
+# The public API for your own training job (docs/your-job.md); everything else in
 # hvdtrain is internal. Resolved on first use, so that `import hvdtrain` stays instant.
 __all__ = ["Datasets", "Shard", "Task", "TrainConfig", "main", "run"]
 

@@ -3,7 +3,7 @@
 Nothing here touches TensorFlow or horovod, so every rule is unit-tested on its own and rank 0 can
 print exactly what the job will do before it starts.
 
-Conventions (the README's "Scaling" section says the same for users):
+Conventions (docs/training.md's "Scaling" says the same for users):
 
 * A *worker* is one model replica: a horovod rank, or one device of a tf.distribute strategy.
 * ``--batch-size`` is the batch the base learning rate was tuned for. Its meaning depends on the

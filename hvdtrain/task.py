@@ -1,6 +1,6 @@
 """Your own training job: what you describe, and what hvdtrain does with it.
 
-The public API (exported from ``hvdtrain``; README "Your own training job")::
+The public API (exported from ``hvdtrain``; docs/your-job.md)::
 
     import hvdtrain          # first: it selects the Keras (Keras 3 unless --keras 2)
     import keras             # that Keras

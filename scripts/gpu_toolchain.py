@@ -48,7 +48,7 @@ CUDA_COMPILER_WHEELS = ("nvidia-cuda-nvcc==13.0.88", "nvidia-nvvm==13.0.88",
 #: the lowest CUDA 13 compiles for.
 CUDA_ARCHITECTURES = "75,80,90"
 FIX = ("load the site's modules (module load cuda/12.x nccl), set HOROVOD_CUDA_HOME / "
-       "HOROVOD_NCCL_HOME, or build in a container that has them (README, GPU machines)")
+       "HOROVOD_NCCL_HOME, or build in a container that has them (docs/install.md, GPU machines)")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 # Set up everything hvdtrain needs on a Debian machine that has only Python 3.11:
 #   1. system parts (OpenMPI, cmake, g++, make, Python's venv module) via apt-get when root, else
 #      one line naming the apt-get command;
-#   2. the venv with the pinned stack (README "Version matrix", scripts/constraints/tf-X.Y.txt);
+#   2. the venv with the pinned stack (docs/install.md, scripts/constraints/tf-X.Y.txt);
 #   3. horovod 0.28.1 from its PyPI sdist plus hvdtrain's patches (scripts/horovod-patches, which
 #      make it build on TensorFlow >= 2.19), compiled against that exact TensorFlow and cached as
 #      a wheel so that the next install (or a new venv on this machine) reuses it in seconds;

@@ -919,7 +919,7 @@ def test_the_image_keeps_none_of_the_build_hosts_credentials(container_image):
 @pytest.mark.timeout(1800)
 def test_srun_ch_run_trains_in_the_image_on_both_nodes(cluster_env, container_image, run_dir,
                                                        tmp_path):
-    """What the README shows for Charliecloud by hand: srun starts ch-run for every rank."""
+    """What docs/containers.md shows for Charliecloud by hand: srun starts ch-run for every rank."""
     started = time.monotonic()
     script, log = tmp_path / "job.sh", tmp_path / "slurm.out"
     script.write_text(
