@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import typing
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
@@ -22,6 +23,7 @@ from typing import Callable, Literal, Mapping, Sequence
 from hvdtrain.credentials import without_userinfo
 from hvdtrain.data.cache import parse_cache_flag
 from hvdtrain.errors import UserError
+from hvdtrain.rundir import is_url
 
 Backend = Literal["auto", "horovod", "tpu", "mirrored", "single"]
 BatchPolicy = Literal["per-worker", "global"]
@@ -117,7 +119,10 @@ class TrainConfig:
     # --- outputs --------------------------------------------------------------------------------
     run_dir: str = "runs/train"
     """Where rank 0 writes checkpoints, metrics, plots and the final model. A run directory that
-    already holds a checkpoint is resumed."""
+    already holds a checkpoint is resumed. It belongs to one experiment: its config.json records
+    the data (where it is, its classes and sample count), the image shape and the model, and a
+    run with other ones is refused (epochs, batch size, learning rate and the number of workers
+    may change)."""
     rank_logs: bool = True
     """Every rank also copies its output into <run_dir>/logs/rank-K.log (from the moment the run
     directory is checked and locked), so a failure on another node can be read afterwards."""
@@ -247,6 +252,16 @@ class ImageConfig(TrainConfig):
         if not 0 <= self.validation_fraction < 1:
             raise ValueError("--validation-fraction must be in [0, 1), "
                              f"got {self.validation_fraction}")
+
+    def data_source(self) -> str:
+        """Where the images come from, as a run directory records it: 'image folder PATH',
+        'TFRecords PATH' (a local path resolved, a URL as given) or 'embedded digits'."""
+        if self.data_dir:
+            return f"image folder {os.path.realpath(self.data_dir)}"
+        if self.tfrecords:
+            return "TFRecords " + (self.tfrecords if is_url(self.tfrecords)
+                                   else os.path.realpath(self.tfrecords))
+        return f"embedded {self.data}"
 
 
 LARGEST_INT = 2**31 - 1
