@@ -13,9 +13,12 @@ import argparse
 import ast
 import dataclasses
 import functools
+import hashlib
 import inspect
 import math
 import os
+import posixpath
+import re
 import typing
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
@@ -122,7 +125,9 @@ class TrainConfig:
     already holds a checkpoint is resumed. It belongs to one experiment: its config.json records
     the data (where it is, its classes and sample count), the image shape and the model, and a
     run with other ones is refused (epochs, batch size, learning rate and the number of workers
-    may change)."""
+    may change). Default: the preset's, followed for --data-dir or --tfrecords by the data's
+    name and a hash of its full path (runs/cnn-tiny-pets-1a2b3c), for --data synthetic by
+    -synthetic."""
     rank_logs: bool = True
     """Every rank also copies its output into <run_dir>/logs/rank-K.log (from the moment the run
     directory is checked and locked), so a failure on another node can be read afterwards."""
@@ -176,6 +181,10 @@ class TrainConfig:
         for field in dataclasses.fields(self):
             if not (isinstance(field.default, float) and not math.isfinite(field.default)):
                 _check_number(field.name, getattr(self, field.name))  # (inf by default: inf ok)
+
+    def default_run_dir(self) -> str:
+        """The run directory when --run-dir is not given (see its help)."""
+        return self.run_dir
 
     def to_dict(self) -> dict:
         """The config as recorded (config.json, the tracker's parameters): a URL's user-info,
@@ -263,6 +272,15 @@ class ImageConfig(TrainConfig):
                                    else os.path.realpath(self.tfrecords))
         return f"embedded {self.data}"
 
+    def default_run_dir(self) -> str:
+        if self.data_dir or self.tfrecords:
+            source = self.data_source()
+            # The data's own name to read, a hash of its full path to tell two of that name apart.
+            name = re.sub(r"[^\w.-]+", "_", posixpath.basename(source.rstrip("/"))).strip("._")
+            digest = hashlib.sha256(source.encode()).hexdigest()[:6]
+            return f"{self.run_dir}-{name or 'data'}-{digest}"
+        return f"{self.run_dir}-synthetic" if self.data == "synthetic" else self.run_dir
+
 
 LARGEST_INT = 2**31 - 1
 """No count, size or seed a job takes is larger; TensorFlow's int32 arguments are not."""
@@ -306,6 +324,7 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
     The flags are the fields of the presets' config class (a TrainConfig or a subclass)."""
     preset_parser = OneLineParser(add_help=False)
     preset_parser.add_argument("--preset", default="default", choices=sorted(presets))
+    preset_parser.add_argument("--run-dir")  # given or not: the default depends on the data
     known, _ = preset_parser.parse_known_args(argv)
     base = presets[known.preset]()
 
@@ -322,9 +341,12 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
     args = vars(parser.parse_args(argv))
     args.pop("preset")
     try:
-        return dataclasses.replace(base, **args)
+        config = dataclasses.replace(base, **args)
     except ValueError as error:
         raise UserError(str(error)) from None
+    if known.run_dir is None:
+        config = dataclasses.replace(config, run_dir=config.default_run_dir())
+    return config
 
 
 def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config_class: type,
