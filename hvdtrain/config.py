@@ -14,9 +14,13 @@ import ast
 import dataclasses
 import difflib
 import functools
+import hashlib
 import inspect
 import json
 import math
+import os
+import posixpath
+import re
 import typing
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
@@ -24,6 +28,7 @@ from typing import Callable, Literal, Mapping, Sequence
 from hvdtrain.credentials import without_userinfo
 from hvdtrain.data.cache import parse_cache_flag
 from hvdtrain.errors import UserError
+from hvdtrain.rundir import is_url
 
 Backend = Literal["auto", "horovod", "tpu", "mirrored", "single"]
 BatchPolicy = Literal["per-worker", "global"]
@@ -119,7 +124,12 @@ class TrainConfig:
     # --- outputs --------------------------------------------------------------------------------
     run_dir: str = "runs/train"
     """Where rank 0 writes checkpoints, metrics, plots and the final model. A run directory that
-    already holds a checkpoint is resumed."""
+    already holds a checkpoint is resumed. It belongs to one experiment: its config.json records
+    the data (its kind, classes and sample count; not where it sits, so a copy staged elsewhere
+    resumes), the image shape and the model, and a run with other ones is refused (epochs,
+    batch size, learning rate and the number of workers may change). Default: the preset's, followed for --data-dir or --tfrecords by the data's
+    name and a hash of its full path (runs/cnn-tiny-pets-1a2b3c), for --data synthetic by
+    -synthetic."""
     rank_logs: bool = True
     """Every rank also copies its output into <run_dir>/logs/rank-K.log (from the moment the run
     directory is checked and locked), so a failure on another node can be read afterwards."""
@@ -173,6 +183,10 @@ class TrainConfig:
         for field in dataclasses.fields(self):
             if not (isinstance(field.default, float) and not math.isfinite(field.default)):
                 _check_number(field.name, getattr(self, field.name))  # (inf by default: inf ok)
+
+    def default_run_dir(self) -> str:
+        """The run directory when --run-dir is not given (see its help)."""
+        return self.run_dir
 
     def to_dict(self) -> dict:
         """The config as recorded (config.json, the tracker's parameters): a URL's user-info,
@@ -250,6 +264,28 @@ class ImageConfig(TrainConfig):
             raise ValueError("--validation-fraction must be in [0, 1), "
                              f"got {self.validation_fraction}")
 
+    def data_kind(self) -> str:
+        """'image folder', 'TFRecords' or 'embedded digits' (or synthetic)."""
+        return ("image folder" if self.data_dir else "TFRecords" if self.tfrecords
+                else f"embedded {self.data}")
+
+    def data_source(self) -> str:
+        """Where the images come from: the kind and, for files, the path (a local one resolved,
+        a URL as given)."""
+        path = self.data_dir or self.tfrecords
+        if not path:
+            return self.data_kind()
+        return f"{self.data_kind()} {path if is_url(path) else os.path.realpath(path)}"
+
+    def default_run_dir(self) -> str:
+        if self.data_dir or self.tfrecords:
+            source = self.data_source()
+            # The data's own name to read, a hash of its full path to tell two of that name apart.
+            name = re.sub(r"[^\w.-]+", "_", posixpath.basename(source.rstrip("/"))).strip("._")
+            digest = hashlib.sha256(source.encode()).hexdigest()[:6]
+            return f"{self.run_dir}-{name or 'data'}-{digest}"
+        return f"{self.run_dir}-synthetic" if self.data == "synthetic" else self.run_dir
+
 
 LARGEST_INT = 2**31 - 1
 """No count, size or seed a job takes is larger; TensorFlow's int32 arguments are not."""
@@ -319,12 +355,15 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
     preset_parser = OneLineParser(add_help=False)
     preset_parser.add_argument("--preset", default="default", choices=sorted(presets))
     preset_parser.add_argument("--config")
+    preset_parser.add_argument("--run-dir")  # given or not: the default depends on the data
     known, _ = preset_parser.parse_known_args(argv)
     base = presets[known.preset]()
     config_class = type(base)
+    from_file = {}
     if known.config:
         try:
-            base = dataclasses.replace(base, **read_config_file(known.config, config_class))
+            from_file = read_config_file(known.config, config_class)
+            base = dataclasses.replace(base, **from_file)
         except ValueError as error:
             raise UserError(f"--config {known.config}: {error}") from None
 
@@ -353,6 +392,8 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
         config = dataclasses.replace(base, **args)
     except ValueError as error:
         raise UserError(str(error)) from None
+    if known.run_dir is None and "run_dir" not in from_file:
+        config = dataclasses.replace(config, run_dir=config.default_run_dir())
     if print_config:  # like --help: an answer, not a job
         print(json.dumps(config.to_dict(), indent=2))
         raise SystemExit(0)

@@ -2,7 +2,8 @@
 
 Layout of ``<run_dir>``::
 
-    config.json        resolved config, training plan, world, versions
+    config.json        resolved config, training plan, world, versions, and the fingerprint of
+                       what the directory trains (``other_experiment``)
     checkpoints/       tf.train.CheckpointManager files (ckpt-N.index/.data, checkpoint)
     metrics.csv/.json  one row per completed epoch (loss, accuracy, samples/s, seconds, ...)
     curves.png         training curves, redrawn after every epoch
@@ -44,6 +45,9 @@ from hvdtrain.errors import UserError, first_line
 
 MODEL_FILE = "model.keras"
 LOCK_FILE = ".lock"
+CONFIG_FILE = "config.json"
+FINGERPRINT = "fingerprint"
+"""config.json's record of what the run directory trains (``experiment_changes``)."""
 
 # How long a job refused by the lock waits for the holder to write its name into the lock file
 # (the holder writes it just after taking the lock): seconds.
@@ -134,6 +138,17 @@ class RunDir:
             return f"run directory {self.path} is not writable: {first_line(error)}"
         # No free-space check: an object store grows on demand and reports no free space.
         return None
+
+    def other_experiment(self, fingerprint: dict[str, str]) -> str | None:
+        """Why a run of ``fingerprint`` may not use this directory, or None: the one refusal of a
+        resume that would continue another experiment's checkpoint (``experiment_changes``)."""
+        recorded = self.read_json(CONFIG_FILE, {})
+        changes = experiment_changes(
+            recorded.get(FINGERPRINT) if isinstance(recorded, dict) else None, fingerprint)
+        if not changes:
+            return None
+        return (f"run directory {self.path} holds another experiment ({'; '.join(changes)}): "
+                "use another --run-dir")
 
     def lock(self, job: str | None = None) -> str | None:
         """Rank 0: keep other jobs out of this directory until this process ends.
@@ -268,6 +283,23 @@ class RunDir:
             os.unlink(local)
 
 
+def experiment_changes(recorded: Any, fingerprint: dict[str, str]) -> list[str]:
+    """What differs between the fingerprint a run directory recorded and this run's, one
+    'part: now was then' each (``data: image folder /a ... was embedded digits ...``).
+
+    A run directory belongs to one experiment: resuming its checkpoint on other data, another
+    image shape or another model would train on silently (a checkpoint of the same shapes
+    restores into any model of them). What a resume may change (epochs, batch size, learning
+    rate, workers: see plan.resize_notes) is never part of a fingerprint. A directory that
+    recorded none (made before hvdtrain recorded them), or a part it did not record, differs in
+    nothing.
+    """
+    if not isinstance(recorded, dict):
+        return []
+    return [f"{part}: {now} was {recorded[part]}" for part, now in fingerprint.items()
+            if part in recorded and recorded[part] != now]
+
+
 def replace_atomically(path: str, content: bytes | Callable[[str], Any], suffix: str = "") -> None:
     """Put ``content`` (bytes, or a ``writer(tmp_path)`` that makes the file) at ``path`` whole.
 
@@ -400,12 +432,15 @@ def _umask_at_import() -> int:
 _UMASK_AT_IMPORT = _umask_at_import()
 
 
-def ensure_writable(run_dir: RunDir, runtime, bytes_needed: int,
-                    job: str | None = None) -> str | None:
-    """Rank 0 checks it can write here and takes the lock; every rank raises the same one-line
-    error if either failed. Returns rank 0's ``lock_note`` (None on other ranks)."""
-    def check_and_lock() -> None:  # both checks, so the other ranks wait for one verdict
-        problem = run_dir.problem(bytes_needed) or run_dir.lock(job)
+def ensure_writable(run_dir: RunDir, runtime, bytes_needed: int, job: str | None = None,
+                    fingerprint: dict[str, str] | None = None) -> str | None:
+    """Rank 0 checks the directory is this experiment's (when given its ``fingerprint``), that it
+    can write here, and takes the lock; every rank raises the same one-line error if any failed.
+    Returns rank 0's ``lock_note`` (None on other ranks)."""
+    def check_and_lock() -> None:  # all checks, so the other ranks wait for one verdict
+        # The experiment first: a refused run leaves the directory as it found it.
+        problem = ((fingerprint and run_dir.other_experiment(fingerprint))
+                   or run_dir.problem(bytes_needed) or run_dir.lock(job))
         if problem:
             raise UserError(problem)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import os
 import platform
 import socket
@@ -31,9 +32,11 @@ from hvdtrain.config import ImageConfig, TrainConfig
 from hvdtrain.data import (ImageDatasets, build_pipelines, choose_data_cache,
                            disk_cache_failures_in_one_line, load_listing)
 from hvdtrain.errors import UserError, as_one_line, stop_status
+from hvdtrain.models.user import is_user_model
 from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch, resize_notes
 from hvdtrain.preemption import PreemptionCheck, StopRequest, StopSignals, describe_stop
-from hvdtrain.rundir import MODEL_FILE, RunDir, ensure_writable, is_url
+from hvdtrain.rundir import (CONFIG_FILE, FINGERPRINT, MODEL_FILE, RunDir, ensure_writable,
+                             is_url)
 from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
 from hvdtrain.slurm import job_label
 from hvdtrain.task import Datasets, Shard, Task
@@ -302,10 +305,12 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     tracking.check_server(config, runtime)  # before the run directory is made
     # Rank 0 also takes the run directory's lock, held until this process ends: a second job on
     # the same directory (a duplicate sbatch, a requeued job whose old copy still runs) is
-    # refused on every rank, naming the holder, before it writes anything.
+    # refused on every rank, naming the holder, before it writes anything. So is a directory
+    # that recorded another experiment, whose checkpoint would go on training on this data.
+    experiment = fingerprint(program, config, datasets, plan)
     lock_note = ensure_writable(run_dir, runtime, bytes_needed=(config.keep_checkpoints + 1)
                                 * variables_bytes(state_variables) + 2**20,
-                                job=job_label(os.environ))
+                                job=job_label(os.environ), fingerprint=experiment)
     if config.rank_logs and not is_url(run_dir.path):
         # Every rank's own output, kept beside the run: after a failure on another node the
         # launcher's terminal may be gone, and its stream interleaves all ranks.
@@ -323,7 +328,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     if restored_from:
         # The plan the checkpoint was written under: a resume on another world size (a lost
         # node, a requeue into a bigger allocation) says what moved with it.
-        earlier = run_dir.read_json("config.json", {}) if world.is_chief else {}
+        earlier = run_dir.read_json(CONFIG_FILE, {}) if world.is_chief else {}
         resized = resize_notes(earlier.get("plan"), plan)
         runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done"
                        + (f"; resized: {', '.join(resized)} (the schedule follows the epochs)"
@@ -331,10 +336,10 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     tracker = tracking.start(program, config, runtime, run_dir, tracking.flat_params({
         "config": config.to_dict(), "plan": plan.to_dict(), "world": dataclasses.asdict(world),
         "run": {"program": program, "precision": precision, **_versions()}}), rows)
-    run_dir.write_json("config.json", {
+    run_dir.write_json(CONFIG_FILE, {
         "program": program, "config": config.to_dict(), "plan": plan.to_dict(),
         "world": dataclasses.asdict(world), "precision": precision,
-        "resumed_from": restored_from, "versions": _versions()})
+        "resumed_from": restored_from, "versions": _versions(), FINGERPRINT: experiment})
 
     # --- fit ------------------------------------------------------------------------------------
     def save_on_stop(epoch: int, mid_epoch: bool) -> None:
@@ -408,6 +413,28 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     if tracker:
         tracker.finish("FINISHED", model_file=exported(run_dir))
     return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows, 0)
+
+
+def fingerprint(program: str, config: TrainConfig, datasets: Datasets,
+                plan: TrainingPlan) -> dict[str, str]:
+    """What the run trains, as its run directory records it (rundir.experiment_changes): the
+    model (--model, a file by its name; else the job's own), and for hvdtrain's image data its
+    kind, classes and sample count (from the listing rank 0 made: nothing is read again) and
+    the image shape. Not where the data or the model file sit: a job that stages its data on a
+    node's local disk, or a moved checkout, resumes its run."""
+    model = str(getattr(config, "model", None) or program)  # hvdtrain.cnn's --model
+    if is_user_model(model):
+        path, _, function = model.rpartition(":")
+        model = f"{os.path.basename(path)}:{function}"
+    parts = {"model": model}
+    if isinstance(datasets, ImageDatasets):
+        names = hashlib.sha256("\n".join(datasets.class_names).encode()).hexdigest()[:8]
+        parts.update(
+            data=f"{config.data_kind()}, "
+                 f"{plan.num_train_samples + plan.num_validation_samples} samples",
+            classes=f"{len(datasets.class_names)} (names {names})",
+            images="x".join(map(str, datasets.image_shape)))
+    return parts
 
 
 def exported(run_dir: RunDir) -> str | None:

@@ -5,6 +5,7 @@ them, the launcher); bad data (folders, undecodable files, data set sizes) is in
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -54,13 +55,31 @@ def test_unwritable_or_full_run_directory_is_found_before_training(tmp_path):
     assert not (tmp_path / "run").exists()  # the refusal made nothing
 
 
-def test_a_run_directory_of_another_model_is_one_line_and_no_warning(tmp_path):
-    """Resuming a run directory with another model (here another image size): TensorFlow would
-    warn about every value of the checkpoint the model lacks, under the one line."""
-    run_dir = str(tmp_path / "run")
-    mpirun_job(1, "hvdtrain.cnn", "--preset", "tiny", "--epochs", "1", "--run-dir", run_dir)
+def test_a_run_directory_of_another_experiment_is_one_line_and_left_as_it_was(tmp_path):
+    """Other data of the same shape (the synthetic digits instead of the real ones) would resume
+    the checkpoint and train on: refused by rank 0 before anything is written. A run directory
+    made before they recorded what they train gets as far as its checkpoint, which does not fit
+    another model (here another image size): TensorFlow would warn about every value of the
+    checkpoint the model lacks, under the one line."""
+    run_dir = tmp_path / "run"
+    mpirun_job(1, "hvdtrain.cnn", "--preset", "tiny", "--epochs", "1", "--run-dir", str(run_dir))
+    before = {path: path.read_bytes() if path.is_file() else None
+              for path in sorted(run_dir.rglob("*"))}
+    result = mpirun_job(2, "hvdtrain.cnn", "--preset", "tiny", "--epochs", "2", "--data",
+                        "synthetic", "--run-dir", str(run_dir), check=False)
+    line = one_error(result)
+    assert result.returncode == 2 and line.startswith("[1,0]<"), result.stdout[-3000:]
+    assert line.endswith(f"hvdtrain.cnn: error: run directory {run_dir} holds another experiment "
+                         "(data: embedded synthetic, 1797 samples was embedded digits, 1797 "
+                         "samples): use another --run-dir"), line
+    assert {path: path.read_bytes() if path.is_file() else None
+            for path in sorted(run_dir.rglob("*"))} == before
+
+    config = json.loads((run_dir / "config.json").read_text())
+    del config["fingerprint"]
+    (run_dir / "config.json").write_text(json.dumps(config))
     result = mpirun_job(2, "hvdtrain.cnn", "--preset", "tiny", "--image-size", "16",
-                        "--run-dir", run_dir, check=False)
+                        "--run-dir", str(run_dir), check=False)
     assert "could be restored into this model" in one_error(result)
     assert "WARNING" not in result.stdout, result.stdout[-3000:]
 

@@ -1,6 +1,7 @@
 """Config: presets, command-line overrides, validation, and help text from field docstrings."""
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -47,6 +48,23 @@ def test_preset_then_overrides():
     assert config.batch_policy == "global"
     assert config.tensorboard is False and config.fp16_allreduce is True
     assert config.run_dir == CNN_PRESETS["tiny"]().run_dir  # untouched fields keep the preset
+
+
+def test_the_default_run_dir_is_the_presets_for_the_digits_and_its_own_for_other_data(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse("--preset", "tiny").run_dir == "runs/cnn-tiny"
+    assert parse("--preset", "tiny", "--data", "synthetic").run_dir == "runs/cnn-tiny-synthetic"
+    pets = parse("--preset", "tiny", "--data-dir", "a/pets").run_dir
+    assert re.fullmatch(r"runs/cnn-tiny-pets-[0-9a-f]{6}", pets), pets
+    assert parse("--preset", "tiny", "--data-dir", f"{tmp_path}/a/pets/").run_dir == pets
+    # Another folder of the same name, or the same path read as TFRecords: another directory.
+    assert parse("--preset", "tiny", "--data-dir", "b/pets").run_dir != pets
+    assert parse("--preset", "tiny", "--tfrecords", "a/pets").run_dir != pets
+    assert parse("--data-dir", "a/pets").run_dir.startswith("runs/cnn-pets-")
+    # Given, it is kept as it is.
+    assert parse("--preset", "tiny", "--data-dir", "a/pets", "--run-dir",
+                 "runs/cnn-tiny").run_dir == "runs/cnn-tiny"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -7,6 +7,7 @@ every rank runs these in its own temporary directory.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -24,7 +25,8 @@ import pytest
 
 from conftest import clean_env, integration, run_job, small_disk_at
 from hvdtrain.errors import UserError
-from hvdtrain.rundir import LOCK_FILE, RunDir, current_umask, ensure_writable
+from hvdtrain.rundir import (LOCK_FILE, RunDir, current_umask, ensure_writable,
+                             experiment_changes)
 from hvdtrain.runtime import Devices, Runtime, World
 
 pytestmark = pytest.mark.timeout(300)
@@ -146,6 +148,93 @@ def test_only_the_chief_takes_the_lock(tmp_path):
     assert ensure_writable(RunDir(tmp_path, is_chief=False), second_rank, 0) is None
     assert not (tmp_path / LOCK_FILE).exists()
     assert try_lock(tmp_path) == "locked"
+
+
+# --- one experiment per run directory --------------------------------------------------------
+DIGITS = {"model": "cnn", "data": "embedded digits, 1797 samples",
+          "classes": "10 (names 29dd21f5)", "images": "8x8x1"}
+
+
+def everything_in(directory: Path) -> dict[str, bytes | None]:
+    """Every path under ``directory``, with a file's bytes (None for a directory)."""
+    return {str(path): path.read_bytes() if path.is_file() else None
+            for path in sorted(directory.rglob("*"))}
+
+
+def test_a_resume_of_another_experiment_is_one_line_naming_what_differs_and_writes_nothing(
+        tmp_path):
+    run_dir = RunDir(tmp_path / "run", is_chief=True)
+    run_dir.write_json("config.json", {"config": {"epochs": 3}, "fingerprint": DIGITS})
+    before = everything_in(tmp_path)
+    mine = {**DIGITS, "data": "image folder, 60 samples",
+            "classes": "3 (names f1bf6e47)"}
+    with pytest.raises(UserError) as refused:
+        ensure_writable(run_dir, single_runtime(), 0, fingerprint=mine)
+    assert str(refused.value) == (
+        f"run directory {run_dir.path} holds another experiment (data: image folder, 60 samples "
+        "was embedded digits, 1797 samples; classes: 3 (names f1bf6e47) was 10 (names "
+        "29dd21f5)): use another --run-dir")
+    assert everything_in(tmp_path) == before  # no lock taken, no checkpoints/ made
+
+
+def test_the_same_experiment_and_a_run_directory_without_a_fingerprint_resume():
+    assert experiment_changes(DIGITS, dict(DIGITS)) == []
+    assert experiment_changes(None, DIGITS) == []  # made before run directories recorded one
+    assert experiment_changes({"model": "cnn"}, DIGITS) == []  # a part not recorded then
+    assert experiment_changes({**DIGITS, "images": "16x16x1"}, DIGITS) == [
+        "images: 8x8x1 was 16x16x1"]
+
+
+def test_an_old_run_directory_is_resumed_and_a_new_one_made(tmp_path):
+    old = RunDir(tmp_path / "old", is_chief=True)
+    old.write_json("config.json", {"config": {"epochs": 3}})  # no fingerprint
+    for run_dir in (old, RunDir(tmp_path / "new", is_chief=True)):
+        assert ensure_writable(run_dir, single_runtime(), 0, fingerprint=DIGITS) is None
+        assert Path(run_dir.checkpoints).is_dir()
+
+
+def test_a_fingerprint_holds_what_is_trained_and_nothing_a_resume_may_change(tmp_path):
+    """The run directory's record of one job, against the same job resized (other workers,
+    batch, learning rate, epochs: the plan) and against other data, images and models."""
+    from hvdtrain import train
+    from hvdtrain.cnn import tiny
+    from hvdtrain.data import ImageDatasets
+    from hvdtrain.plan import make_plan
+
+    def plan(num_workers: int, batch_size: int, epochs: int, learning_rate: float):
+        return make_plan(batch_size=batch_size, batch_policy="per-worker",
+                         learning_rate=learning_rate, lr_scaling="linear", warmup_epochs=0,
+                         grad_accum_steps=1, epochs=epochs, num_workers=num_workers,
+                         num_train_samples=1438, num_validation_samples=359)
+
+    digits = ImageDatasets(None, None, "digits", image_shape=(8, 8, 1),
+                           class_names=tuple("0123456789"))
+    recorded = train.fingerprint("hvdtrain.cnn", tiny(), digits, plan(2, 32, 3, 3e-3))
+    assert recorded == DIGITS
+    resized = train.fingerprint("hvdtrain.cnn", dataclasses.replace(tiny(), epochs=9),
+                                digits, plan(1, 64, 9, 1e-2))
+    assert resized == recorded
+
+    model_file = tmp_path / "models.py"
+    other = {
+        "data": train.fingerprint("hvdtrain.cnn", dataclasses.replace(tiny(), data="synthetic"),
+                                  digits, plan(2, 32, 3, 3e-3)),
+        "images": train.fingerprint("hvdtrain.cnn", tiny(), dataclasses.replace(
+            digits, image_shape=(16, 16, 1)), plan(2, 32, 3, 3e-3)),
+        "model": train.fingerprint("hvdtrain.cnn", dataclasses.replace(
+            tiny(), model=f"{os.path.relpath(model_file)}:build"), digits, plan(2, 32, 3, 3e-3)),
+    }
+    for part, fingerprint in other.items():
+        assert [change.split(":")[0] for change in experiment_changes(recorded, fingerprint)] \
+            == [part]
+    assert other["model"]["model"] == "models.py:build"
+    # The same folder staged at another path (a node's local disk), the model file moved: the
+    # same experiment.
+    folder = ImageDatasets(None, None, "mine", image_shape=(8, 8, 1), class_names=("a", "b"))
+    here, there = (train.fingerprint("hvdtrain.cnn", dataclasses.replace(
+        tiny(), data_dir=f"{top}/mine", model=f"{top}/models.py:build"), folder,
+        plan(2, 32, 3, 3e-3)) for top in ("/project", "/tmp/job-7"))
+    assert here == there and here["data"] == "image folder, 1797 samples"
 
 
 @pytest.mark.parametrize("link", ["symbolic", "hard"])
