@@ -1,16 +1,20 @@
 """A failed job's one line: what the launcher reads in the job's output (excerpts below are as
-horovodrun/mpirun printed them for 4 ranks on 2 nodes of the local cluster, trimmed), and the
-ranks' side: one report, by rank 0, the others into their own logs."""
+horovodrun/mpirun printed them for 4 ranks on 2 nodes of the local cluster, trimmed), what it
+keeps from the console (mpirun's and horovodrun's pages after a failure), and the ranks' side: one
+report, by rank 0, the others into their own logs."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from conftest import integration, run_job
 from hvdtrain import errors, ranklog
-from hvdtrain.launch.failures import JobOutput, relay
+from hvdtrain.launch.failures import EndBanners, JobOutput, relay
 from hvdtrain.runtime.base import host_of_each_rank, placement
 
 BANNER = """\
@@ -45,6 +49,7 @@ KILLED = """\
 Primary job  terminated normally, but 1 process returned
 a non-zero exit code. Per user-direction, the job has been aborted.
 --------------------------------------------------------------------------
+--------------------------------------------------------------------------
 mpirun noticed that process rank 3 with PID 26385 on node node2 exited on signal 9 (Killed).
 --------------------------------------------------------------------------
 """
@@ -78,12 +83,50 @@ answering (a node or its network link down?); ending this rank so that the job e
 """
 
 
+# What OpenMPI 4.1.4 and horovod 0.28.1 (horovodrun --gloo) print after rank 1 of 2 exited 3
+# on one node (`--via mpirun` and `--controller gloo`); horovodrun's traceback trimmed.
+PRIMARY_JOB = """\
+--------------------------------------------------------------------------
+Primary job  terminated normally, but 1 process returned
+a non-zero exit code. Per user-direction, the job has been aborted.
+--------------------------------------------------------------------------
+"""
+
+MPIRUN_EXITED = PRIMARY_JOB + """\
+--------------------------------------------------------------------------
+mpirun detected that one or more processes exited with non-zero status, thus causing
+the job to be terminated. The first process to do so was:
+
+  Process name: [[27322,1],1]
+  Exit code:    3
+--------------------------------------------------------------------------
+"""
+
+GLOO_EXITED = """\
+Process 1 exit with status code 3.
+Terminating remaining workers after failure of Process 1.
+[0]<stderr>:Terminated
+Process 0 exit with status code 143.
+Traceback (most recent call last):
+  File "/venv/bin/horovodrun", line 6, in <module>
+    sys.exit(run_commandline())
+             ^^^^^^^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/horovod/runner/gloo_run.py", line 284, in launch_gloo
+    raise RuntimeError('Horovod detected that one or more processes exited with non-zero '
+RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus \
+causing the job to be terminated. The first process to do so was:
+Process name: 1
+Exit code: 3
+
+"""
+
+
 def read(*texts: str) -> tuple[JobOutput, list[str]]:
-    """The findings, and the lines that would reach the console."""
-    output = JobOutput()
-    shown = [line for text in texts for line in text.splitlines(keepends=True)
-             if output.read(line)]
-    return output, shown
+    """The findings, and the lines that would reach the console (as one stream)."""
+    output, banners = JobOutput(), EndBanners()
+    shown = [line for text in texts for read_line in text.splitlines(keepends=True)
+             if output.read(read_line) for line in banners.pass_on(read_line.encode())]
+    return output, [line.decode() for line in shown + banners.rest()]
 
 
 def test_a_stall_names_the_rank_horovod_found_missing_its_host_and_its_log():
@@ -117,7 +160,8 @@ def test_a_killed_rank_is_named_with_its_signal_and_its_log():
     assert output.verdict("/runs/cnn/logs/") == (
         "rank 3 on node2 ended on SIGKILL (killed: the out-of-memory killer, or by hand); its "
         "log: /runs/cnn/logs/rank-3.log")
-    assert len(shown) == len((BANNER + KILLED).splitlines())
+    # mpirun's pages say what the end line says; its other message stays.
+    assert shown == [*BANNER.splitlines(keepends=True), KILLED.splitlines(keepends=True)[0]]
 
 
 def test_a_lost_node_names_the_node_and_the_ranks_that_ran_there():
@@ -150,6 +194,65 @@ def test_gloo_and_srun_name_the_first_rank_that_failed():
     assert output.verdict("/l") == "rank 3 on node2 failed first (killed); its log: /l/rank-3.log"
     output, _ = read("srun: error: gpu07: tasks 4-7: Exited with exit code 1\n")
     assert output.verdict(None) == "ranks 4-7 on gpu07 failed first (exited with exit code 1)"
+
+
+def test_mpirun_and_horovodruns_pages_after_a_failure_give_way_to_the_end_line():
+    rank_lines = BANNER + "[1,1]<stdout>:rank 1's last words\n"
+    output, shown = read(rank_lines, MPIRUN_EXITED)
+    assert output.verdict("/l") == ("rank 1 on node1 failed first (exit status 3); its log: "
+                                    "/l/rank-1.log")
+    assert shown == rank_lines.splitlines(keepends=True)
+    output, shown = read(GLOO_EXITED)
+    assert output.verdict(None) == "rank 1 failed first (exit status 3)"
+    assert shown == ["[0]<stderr>:Terminated\n"]  # a rank's line (its shell's), however terse
+    # After a report every rank reached, rank 0 exits first: the report is the finding.
+    output, _ = read(BANNER, LINK_DOWN, MPIRUN_EXITED.replace(",1]", ",0]"))
+    assert output.verdict(None).startswith("no training step finished in 27 s on rank 0")
+
+
+@pytest.mark.parametrize("text", [
+    # A rank's own traceback (--via mpirun tags no line), and a RuntimeError not horovodrun's.
+    "Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
+    "    raise RuntimeError('x')\nRuntimeError: x\n",
+    GLOO_EXITED.split("Traceback")[1].replace("Horovod detected", "Horovod found"),
+    CRASHED,  # another page of mpirun's: the user needs it
+    "-" * 74 + "\n",  # a rank's rule, alone
+    "-" * 74 + "\nrank 0: " + "-" * 74 + "\n",
+    MPIRUN_EXITED.replace(PRIMARY_JOB, "")[:-76],  # a page cut short: its last rule never came
+    PRIMARY_JOB.replace("a non-zero exit code", "rank 0: epoch 3\na non-zero exit code"),
+    "  Process name: [[27322,1],1]\n  Exit code:    3\n",  # only inside mpirun's page
+], ids=["rank-traceback", "other-runtime-error", "other-mpi-page", "lone-rule", "rules",
+        "page-cut-short", "page-interrupted", "bare-fields"])
+def test_what_is_not_exactly_such_a_page_is_shown_whole_and_in_order(text):
+    _, shown = read(text)
+    assert "".join(shown) == text
+
+
+@integration
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode, via, status, end", [
+    ("user-error-on-rank-0", "horovodrun", 2,
+     "job exited 2 (a user error: it would fail the same way again)"),
+    # horovodrun --gloo exits 1 whatever the ranks' statuses
+    ("user-error", "gloo", 1, "job exited 1: rank 0 failed first (exit status 2)"),
+    ("crash", "mpirun", 3, "job exited 3: rank 1 failed first (exit status 3)")],
+    ids=["user-error-on-rank-0", "user-error", "crash"])
+def test_a_failed_jobs_last_line_is_the_launchers_and_every_other_line_a_ranks(
+        mode, via, status, end):
+    via_flags = ["--controller", "gloo"] if via == "gloo" else ["--via", via]
+    script = Path(__file__).parent / "scripts" / "failing_rank.py"
+    result = run_job([sys.executable, "-m", "hvdtrain.launch", "--np", "2", *via_flags,
+                      "--skip-preflight", str(script), mode], timeout=50, check=False)
+    lines = result.stdout.splitlines()
+    assert result.returncode == status, result.stdout
+    assert lines[-1] == f"hvdtrain.launch: {end}", result.stdout
+    said = [line for line in lines if "error" in line and not line.startswith("hvdtrain.launch")]
+    assert len(said) == (mode != "crash"), result.stdout
+    # The launcher's command line, the ranks' own lines (horovodrun tags them; gloo's rank that
+    # horovodrun ended says so through its shell), the end line: no page of mpirun's.
+    foreign = [line for line in lines[1:-1] if "failing_rank" not in line
+               and not re.fullmatch(r"\[\d+\]<stderr>:Terminated", line)]
+    assert not foreign and lines[0].startswith("hvdtrain.launch: "), result.stdout
 
 
 def test_the_watchdogs_report_becomes_the_end_line():

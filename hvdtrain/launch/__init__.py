@@ -17,7 +17,11 @@ health check the signals stop the check's ranks; either way the exit status is t
 
 Failures: the job's output passes through the launcher, which ends a failed job with one line
 naming the rank(s) and host at fault and the log to read (``job exited 137: rank 3 on node2 ended
-on SIGKILL ...; its log: RUN_DIR/logs/rank-3.log``).
+on SIGKILL ...; its log: RUN_DIR/logs/rank-3.log``), or the kind of failure (``job exited 2 (a
+user error ...)``, after the rank's own line). That line is the failed job's last: mpirun's and
+horovodrun's own pages about it ("Primary job terminated normally, but 1 process returned ...",
+"Process 1 exit with status code 3.", horovodrun's traceback) are left out, as the line gives
+their facts; every line a rank prints, and any other message of mpirun's, is shown.
 
 Restarts: with ``--max-restarts N`` a job that failed (a rank died or crashed) is started again in
 the same allocation, up to N times; an hvdtrain job resumes from its last checkpoint. A user error

@@ -460,7 +460,9 @@ def run_attempts(launch: Launch, max_restarts: int, signals: SignalForwarder,
             elif logs:
                 ended += f"; every rank's output: {os.path.join(logs, 'rank-<K>.log')}"
         if not max_restarts:
-            if verdict.restart:
+            # A failed job's last line (failures.py keeps mpirun's own pages back); a job stopped
+            # by a signal to the launcher has said so already (SignalForwarder.wait, the ranks).
+            if signals.first is None:
                 say(ended)
             return status
         if not verdict.restart:
