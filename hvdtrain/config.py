@@ -5,17 +5,14 @@ job's own subclass adds its own fields (``hvdtrain.cnn``'s ``--model``). The pat
 same: a preset function (kept beside its job) builds the config, flags given on the command
 line replace its fields, and ``__post_init__`` validates the result (``ValueError`` with a message a
 user understands; the CLI turns it into a one-line error). The help text of every flag is the
-docstring under its field, so the documentation cannot drift from the code.
+docstring under its field (``hvdtrain.flags``), so the documentation cannot drift from the code.
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import difflib
-import functools
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -28,6 +25,8 @@ from typing import Callable, Literal, Mapping, Sequence
 from hvdtrain.credentials import without_userinfo
 from hvdtrain.data.cache import parse_cache_flag
 from hvdtrain.errors import UserError
+from hvdtrain.flags import (OneLineParser, add_flag, base_type, field_docs, flag_name,
+                            literal_choices, resolved_hints)
 from hvdtrain.rundir import is_url
 
 Backend = Literal["auto", "horovod", "tpu", "mirrored", "single"]
@@ -144,7 +143,7 @@ class TrainConfig:
     (world size, global batch, scaled learning rate) as parameters, every epoch's metrics with
     the epoch as step, the outputs (config, metrics, curves, model) as artifacts; one MLflow run
     per run directory across resume and requeue (its id in <run_dir>/tracking.json). Needs
-    `pip install 'hvdtrain[mlflow]'`."""
+    MLflow's client: `pip install mlflow-skinny` (`make install`'s venv has it)."""
     tracking_uri: str | None = None
     """The MLflow tracking server (http://host:5000, databricks, ...). Default:
     MLFLOW_TRACKING_URI, else MLflow's own default. Give a user and password in
@@ -157,10 +156,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            allowed = _literal_choices(type(self), field)
+            allowed = literal_choices(type(self), field)
             value = getattr(self, field.name)
             if allowed and value not in allowed:
-                raise ValueError(f"{_flag(field.name)} must be one of {', '.join(allowed)}, "
+                raise ValueError(f"{flag_name(field.name)} must be one of {', '.join(allowed)}, "
                                  f"got {value!r}")
         positive = ["batch_size", "epochs", "grad_accum_steps", "keep_checkpoints",
                     "signal_check_every_steps"]
@@ -295,58 +294,21 @@ def _check_number(name: str, value) -> None:
     """A float flag must be finite (nan and inf pass every comparison check: a learning rate
     of nan trained to a loss of nan and exited 0); an int one must fit TensorFlow's int32."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{_flag(name)} must be a finite number, got {value}")
+        raise ValueError(f"{flag_name(name)} must be a finite number, got {value}")
     if isinstance(value, int) and not isinstance(value, bool):
         if value > LARGEST_INT:
-            raise ValueError(f"{_flag(name)} must be at most {LARGEST_INT}, got {value}")
+            raise ValueError(f"{flag_name(name)} must be at most {LARGEST_INT}, got {value}")
         if value < -LARGEST_INT:
-            raise ValueError(f"{_flag(name)} must be at least {-LARGEST_INT}, got {value}")
+            raise ValueError(f"{flag_name(name)} must be at least {-LARGEST_INT}, got {value}")
 
 
 def _check_at_least_one(config: TrainConfig, always: list[str], when_set: list[str]) -> None:
     for name in always + [n for n in when_set if getattr(config, n) is not None]:
         if getattr(config, name) < 1:
-            raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(config, name)}")
+            raise ValueError(f"{flag_name(name)} must be at least 1, got {getattr(config, name)}")
 
 
 # --- command line ---------------------------------------------------------------------------------
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that raises a UserError (one line, once: see hvdtrain.errors.reported) instead
-    of printing its usage from every rank and exiting, and takes no abbreviated flag (`--ker 3`
-    would be read as --keras 3 after hvdtrain had chosen Keras 2 from the exact flag)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise UserError(f"{message}{self._did_you_mean(message)} (see --help)")
-
-    def _did_you_mean(self, message: str) -> str:
-        """"; did you mean --epochs?" for the first unrecognized flag close to a known one."""
-        prefix = "unrecognized arguments:"
-        if not message.startswith(prefix):
-            return ""
-        known = [flag for flag in self._option_string_actions if flag.startswith("--")]
-        for word in message[len(prefix):].split():
-            if word.startswith("-"):
-                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.7)
-                if close:
-                    return f"; did you mean {close[0]}?"
-        return ""
-
-
-class FlagHelpFormatter(argparse.HelpFormatter):
-    """A flag's default after its help when it has one worth saying (a switch says its own, and
-    a help that names its default keeps its words)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        if (not action.option_strings or action.default in (None, argparse.SUPPRESS)
-                or isinstance(action.default, bool) or "(default" in help_text):
-            return help_text
-        return help_text + " (default: %(default)s)"
-
-
 def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], TrainConfig]],
                  *, prog: str, description: str) -> TrainConfig:
     """Preset named by --preset (default 'default'), then every flag given, validated.
@@ -422,16 +384,16 @@ def read_config_file(path: str, config_class: type) -> dict:
         name = key.lstrip("-").replace("-", "_")
         if name not in fields:
             close = difflib.get_close_matches(name, fields, n=1)
-            raise ValueError(f"no flag {_flag(name)}"
-                             + (f"; did you mean {_flag(close[0])}?" if close else ""))
+            raise ValueError(f"no flag {flag_name(name)}"
+                             + (f"; did you mean {flag_name(close[0])}?" if close else ""))
         values[name] = _config_value(config_class, fields[name], value)
     return values
 
 
 def _config_value(config_class: type, field: dataclasses.Field, value):
     """A --config file's value for ``field``, as its flag would give it, or ValueError."""
-    hint = _resolved_hints(config_class)[field.name]
-    kind, choices = _base_type(config_class, field), _literal_choices(config_class, field)
+    hint = resolved_hints(config_class)[field.name]
+    kind, choices = base_type(config_class, field), literal_choices(config_class, field)
     if value is None and (type(None) in typing.get_args(hint) or field.default is None):
         return None
     if choices and str(value) in choices and not isinstance(value, bool):
@@ -446,7 +408,7 @@ def _config_value(config_class: type, field: dataclasses.Field, value):
         return value
     wanted = (f"one of {', '.join(choices)}" if choices else
               {int: "an integer", float: "a number", bool: "true or false"}.get(kind, "a string"))
-    raise ValueError(f"{_flag(field.name)} must be {wanted}, got {json.dumps(value)}")
+    raise ValueError(f"{flag_name(field.name)} must be {wanted}, got {json.dumps(value)}")
 
 
 def describe_preset(name: str, make: Callable[[], TrainConfig],
@@ -459,67 +421,10 @@ def describe_preset(name: str, make: Callable[[], TrainConfig],
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         if value != getattr(base, field.name):
-            flag = _flag(field.name)
+            flag = flag_name(field.name)
             differs.append((flag if value else f"--no-{flag[2:]}") if isinstance(value, bool)
                            else f"{flag} {value}")
     summary = (make.__doc__ or "").strip().split(". ")[0].rstrip(".")
     described = (f"{name}" + (f": {summary}" if summary else "")
                  + (f" ({', '.join(differs)})" if differs else "") + ".")
     return described.replace("%", "%%")  # argparse formats help strings with %
-
-
-def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config_class: type,
-             field: dataclasses.Field, default, doc: str, short: str | None = None):
-    """The flag of one dataclass field: --field-name, typed by its annotation (a bool is
-    --name/--no-name, a Literal a choice), its docstring as the help."""
-    names = [_flag(field.name)] + ([short] if short else [])
-    help_text = " ".join(doc.split()).replace("%", "%%")
-    kind = _base_type(config_class, field)
-    choices = _literal_choices(config_class, field)
-    if kind is bool:
-        parser.add_argument(*names, action=argparse.BooleanOptionalAction,
-                            default=default, help=help_text)
-    elif choices:
-        parser.add_argument(*names, default=default, choices=choices, help=help_text)
-    else:
-        parser.add_argument(*names, default=default, type=kind, help=help_text,
-                            metavar=field.name.upper())
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-@functools.cache
-def _resolved_hints(cls: type) -> dict:
-    return typing.get_type_hints(cls)
-
-
-def _literal_choices(config_class: type, field: dataclasses.Field) -> tuple:
-    hint = _resolved_hints(config_class)[field.name]
-    if typing.get_origin(hint) is not Literal:  # Literal[...] | None: the Literal's choices
-        hint = next((a for a in typing.get_args(hint) if typing.get_origin(a) is Literal), hint)
-    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
-
-
-def _base_type(config_class: type, field: dataclasses.Field) -> type:
-    hint = _resolved_hints(config_class)[field.name]
-    if typing.get_origin(hint) is Literal:
-        return str
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
-
-
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass, read from its source."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for statement, following in zip(body, body[1:]):
-        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
-                and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            docs[statement.target.id] = inspect.cleandoc(following.value.value)
-    return docs

@@ -46,12 +46,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TextIO
 
 from hvdtrain.cli import usage_name
-from hvdtrain.config import FlagHelpFormatter, OneLineParser
 from hvdtrain.data.folder import FolderListing, list_image_folder
 from hvdtrain.data.images import image_format_of_bytes
 from hvdtrain.data.listing import DEFAULT_FILE_IMAGE_SIZE
 from hvdtrain.data.records import METADATA, TRAIN, VALIDATION, serialize_example, shard_name
 from hvdtrain.errors import UserError, first_line, reported
+from hvdtrain.flags import FlagHelpFormatter, OneLineParser
 from hvdtrain.rundir import current_umask, replace_atomically
 
 if TYPE_CHECKING:

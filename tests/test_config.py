@@ -7,7 +7,8 @@ import pytest
 
 from hvdtrain.cnn import PRESETS as CNN_PRESETS
 from hvdtrain.cnn import ClassifierConfig
-from hvdtrain.config import ImageConfig, TrainConfig, field_docs, parse_config
+from hvdtrain.config import ImageConfig, TrainConfig, parse_config
+from hvdtrain.flags import field_docs
 from hvdtrain.errors import UserError
 
 

@@ -1,7 +1,7 @@
 """The launcher's options: one dataclass whose fields are its flags, and what every rank runs.
 
-Each field of ``LaunchOptions`` is a flag of the same name, its docstring the flag's help (as in
-``hvdtrain.config``), so a new option is one documented field.
+Each field of ``LaunchOptions`` is a flag of the same name, its docstring the flag's help
+(``hvdtrain.flags``, as for the training flags), so a new option is one documented field.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from typing import Literal, Mapping, Sequence
 
 from hvdtrain import default_keras
 from hvdtrain.cli import usage_name
-from hvdtrain.config import FlagHelpFormatter, OneLineParser, add_flag, field_docs
 from hvdtrain.errors import UserError
+from hvdtrain.flags import FlagHelpFormatter, OneLineParser, add_flag, field_docs
 from hvdtrain.launch.console import PROGRAM
 
 Via = Literal["horovodrun", "mpirun", "srun"]
