@@ -33,6 +33,16 @@ RELAYED_STOP = signal.SIGUSR2
 
 
 
+def rebuild_the_stack() -> str:
+    """How to (re)build horovod against this Python's TensorFlow, for a message's remedy: in
+    hvdtrain's checkout `make install`; a pip-installed hvdtrain has no install script beside it."""
+    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(top, "scripts", "install.sh")):
+        return "run `make install`"
+    return ("build it from a checkout of hvdtrain's repository against this Python's TensorFlow: "
+            "HVDTRAIN_STACK=existing PYTHON=python bash scripts/install.sh (docs/install.md)")
+
+
 def stop_status(signum: int) -> int:
     """How a job ends after a stop signal, the one rule the ranks and the launcher both apply:
     SIGUSR1 (Slurm's warning before the time limit) asks to be run again, so 75

@@ -79,8 +79,7 @@ def import_mlflow():
         import mlflow
     except ImportError as error:
         raise UserError(f"--track mlflow needs the mlflow package ({as_one_line(error)}): pip "
-                        "install 'hvdtrain[mlflow]' (or mlflow-skinny) into this "
-                        "environment") from None
+                        "install mlflow-skinny into this environment") from None
     return mlflow
 
 

@@ -292,7 +292,7 @@ fi
 constraints=("-c" "$constraints_file")
 say "installing $tf_requirement, tf_keras, mpi4py and the rest of the pinned stack"
 # mlflow: for --track mlflow, and the tracking server its tests start (a user's own environment
-# needs only the client: pip install 'hvdtrain[mlflow]').
+# needs only the client: pip install mlflow-skinny).
 pip install "${constraints[@]}" "$tf_requirement" \
   mpi4py scikit-learn matplotlib pytest pytest-timeout \
   packaging cloudpickle psutil pyyaml cffi mlflow tensorboard

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, integration, run_job
 from hvdtrain.cli import COMMANDS
 from hvdtrain.cnn import PRESETS
 from hvdtrain.config import describe_preset
 from hvdtrain.launch.options import parse_options
+from hvdtrain.slurm import TEMPLATES
 
 sys.path.insert(0, str(REPO / "scripts"))
 from cli_reference import reference  # noqa: E402
@@ -101,3 +103,49 @@ def test_hvdtrain_alone_prints_its_commands_and_exits_2(without_tensorflow):
 def test_the_launcher_takes_horovodruns_np():
     assert parse_options(["-np", "3", "hvdtrain.cnn"], "").np == 3
     assert parse_options(["--np", "3", "hvdtrain.cnn"], "").np == 3
+
+
+@integration
+@pytest.mark.timeout(400)
+def test_the_wheel_works_outside_the_checkout(tmp_path):
+    """hvdtrain built as a wheel and installed (no dependencies) beside this stack, used from a
+    directory of its own: the templates it writes run this Python, a 2-rank job trains there,
+    and without horovod it says how to get it without a checkout."""
+    source, wheels = tmp_path / "source", tmp_path / "wheels"
+    site, work = tmp_path / "site", tmp_path / "project"
+    # The repository's files as they are (pip builds in the tree it is given: not this one's).
+    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True,
+                             text=True, check=True).stdout.split("\0")
+    for name in filter(None, tracked):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    run_job([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+             "-w", str(wheels), str(source)], timeout=300, env=clean_env(PIP_NO_INDEX="1"))
+    wheel = next(wheels.glob("hvdtrain-*.whl"))
+    run_job([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
+             "--target", str(site), str(wheel)], timeout=300, env=clean_env())
+    work.mkdir()
+    env = clean_env(PYTHONPATH=str(site))  # ahead of the checkout's editable install
+    where = run_job([sys.executable, "-c", "import hvdtrain; print(hvdtrain.__file__)"],
+                    timeout=60, env=env, cwd=work).stdout
+    assert where.startswith(str(site)), where
+
+    written = run_job([sys.executable, "-m", "hvdtrain", "slurm", "templates", "slurm"],
+                      timeout=60, env=env, cwd=work).stdout.split()
+    assert written == [f"slurm/{name}" for name in TEMPLATES]
+    assert f'exec "${{HVDTRAIN_PYTHON:-{sys.executable}}}"' in (work / "slurm/4gpu.sh").read_text()
+
+    trained = run_job([sys.executable, "-m", "hvdtrain", "launch", "-np", "2", "hvdtrain.cnn",
+                       "--preset", "tiny", "--epochs", "1", "--no-tensorboard", "--run-dir",
+                       "run"], timeout=300, env=env, cwd=work)
+    assert "done: 1 epoch(s)" in trained.stdout and (work / "run" / "metrics.json").is_file()
+
+    no_horovod = tmp_path / "no-horovod"
+    (no_horovod / "horovod").mkdir(parents=True)
+    (no_horovod / "horovod" / "__init__.py").write_text("raise ImportError('no horovod here')\n")
+    refused = run_job([sys.executable, "-m", "hvdtrain", "launch", "-np", "2", "hvdtrain.cnn"],
+                      timeout=120, check=False, cwd=work,
+                      env=clean_env(PYTHONPATH=f"{no_horovod}:{site}"))
+    assert refused.returncode == 2 and "make install" not in refused.stdout, refused.stdout
+    assert "HVDTRAIN_STACK=existing PYTHON=python bash scripts/install.sh" in refused.stdout

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -820,3 +821,18 @@ def test_a_stop_before_launch_kills_the_launchers_own_children_only():
     finally:
         other.kill()
         other.wait()
+
+
+def test_templates_written_outside_the_checkout_run_this_python_from_any_directory(tmp_path):
+    from hvdtrain.slurm import write_templates
+
+    written = write_templates(str(tmp_path / "slurm"), "/opt/site/bin/python")
+    assert sorted(os.path.basename(path) for path in written) == sorted(TEMPLATES)
+    for path in written:
+        script = Path(path).read_text()
+        assert 'exec "${HVDTRAIN_PYTHON:-/opt/site/bin/python}" -m hvdtrain.launch' in script
+        assert "# Submit from any directory:" in script and os.access(path, os.X_OK)
+    with pytest.raises(UserError, match=r"4gpu\.sh.* already exist\(s\); not overwriting"):
+        write_templates(str(tmp_path / "slurm"), "/opt/site/bin/python")
+    # The repository's own templates keep its venv, relative to the repository's root.
+    assert 'exec "${HVDTRAIN_PYTHON:-.venv/bin/python}"' in render(TEMPLATES["4gpu.sh"])

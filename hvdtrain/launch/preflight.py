@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, rebuild_the_stack
 from hvdtrain.gpus import cpu_allowed, given_gpus, not_seen
 from hvdtrain.launch.probe import ask
 from hvdtrain.launch.options import LaunchOptions
@@ -86,13 +86,12 @@ def preflight(build: Build, allocation: Allocation | None, np: int | None,
         detail = f" ({build.error})" if build.error else ""
         if build.error and "undefined symbol" in build.error:
             detail = (" (its TensorFlow extension does not load: it was compiled against a "
-                      f"different TensorFlow than the one installed; rerun `make install`: "
-                      f"{build.error})")
-        problems.append(f"horovod cannot run TensorFlow jobs{detail}; rebuild it with "
-                        "`make install` (HOROVOD_WITH_TENSORFLOW=1)")
+                      f"different TensorFlow than the one installed: {build.error})")
+        problems.append(f"horovod cannot run TensorFlow jobs{detail}; to rebuild it, "
+                        f"{rebuild_the_stack()}")
     elif not (build.mpi or build.gloo):
-        problems.append("horovod was built without a controller (neither MPI nor Gloo); rebuild "
-                        "with `make install` (HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)")
+        problems.append("horovod was built without a controller (neither MPI nor Gloo); to "
+                        f"rebuild it, {rebuild_the_stack()}")
     elif options.controller == "gloo" and not build.gloo:
         problems.append("--controller gloo, but horovod was built without Gloo")
     elif (options.controller == "mpi" or options.via in ("mpirun", "srun")) and not build.mpi:

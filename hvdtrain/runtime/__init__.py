@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Mapping
 
-from hvdtrain.errors import UserError
+from hvdtrain.errors import UserError, rebuild_the_stack
 from hvdtrain.launcher_env import launched_as
 from hvdtrain.runtime.base import (Devices, Runtime, World, choose_gpu, configure_devices,
                                    cpu_threads_per_local_rank, placement)
@@ -62,8 +62,8 @@ def make_runtime(backend: str, *, threads_per_worker: int | None = None,
         try:
             from hvdtrain.runtime.horovod import HorovodRuntime
         except ImportError as error:
-            raise UserError(f"the horovod backend needs horovod ({error}); run `make install`, "
-                            "or use --backend single") from None
+            raise UserError(f"the horovod backend needs horovod ({error}); "
+                            f"{rebuild_the_stack()}, or use --backend single") from None
         return HorovodRuntime(threads_per_worker=threads_per_worker)
     if chosen == "tpu":
         return tpu_runtime()

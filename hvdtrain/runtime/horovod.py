@@ -75,8 +75,8 @@ def _exchange_through_mpi(own: frozenset[int], world: World) -> list[frozenset[i
     try:
         import mpi4py
     except ImportError as error:
-        raise UserError(f"the horovod backend over MPI needs mpi4py ({error}); run `make install`, "
-                        "or pip install mpi4py") from None
+        raise UserError(f"the horovod backend over MPI needs mpi4py ({error}): pip install "
+                        "mpi4py (or hvdtrain[horovod])") from None
     # Horovod started MPI and finalizes it at exit (a rank that fails must not wait there for
     # its peers); mpi4py only joins it, as the allreduce benchmark does.
     mpi4py.rc.initialize = mpi4py.rc.finalize = False
