@@ -907,7 +907,9 @@ def test_the_image_keeps_none_of_the_build_hosts_credentials(container_image):
     tag = f"hvdtrain-test-{os.getpid()}"
     for planted in (f"/etc/apt/apt.conf.d/99{tag}", "/etc/apt/auth.conf.d", "/root/.config/pip"):
         assert planted in removed.group(1).split(), removed.group(0)
-    known = 'PATH="/opt/hvdtrain/.venv/bin:'  # containers/build.sh writes it to /etc/environment
+    # What containers/build.sh writes to /etc/environment, put together here: the image holds
+    # the repository, this file too, which must not contain it whole.
+    known = "PATH=" + '"' + "/opt/hvdtrain/.venv/bin:"
     grep = "grep -rlIF -e \"$0\" -e \"$1\" $(ls -d /* | grep -vxE '/(proc|sys|dev|tmp)')"
     found = subprocess.run(["ch-run", "--private-tmp", "--no-passwd", str(container_image), "--",
                             "sh", "-c", grep, BUILD_HOST_SECRET, known], capture_output=True,
