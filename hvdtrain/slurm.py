@@ -390,11 +390,13 @@ def run(argv: Sequence[str] | None = None) -> int:
             continue
         kind = int if spec.name in ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task",
                                     "signal_seconds", "max_requeues") else str
-        # The interpreter running this command, which has hvdtrain: the script runs anywhere.
-        default = sys.executable if spec.name == "python" else spec.default
+        help_text = docs.get(spec.name)
+        if spec.name == "python":  # None: the interpreter running this command (it has hvdtrain)
+            help_text += " Default here: the Python running this command."
         render_parser.add_argument("--" + spec.name.replace("_", "-"), type=kind,
-                                   required=spec.name == "name", help=docs.get(spec.name),
-                                   default=None if default is MISSING else default)
+                                   required=spec.name == "name", help=help_text,
+                                   default=None if spec.default is MISSING or spec.name == "python"
+                                   else spec.default)
     render_parser.add_argument("args", nargs=argparse.REMAINDER,
                                help="training flags baked into the script (after --)")
     templates_parser = commands.add_parser(
@@ -409,6 +411,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(path)
         return 0
     values = {k: v for k, v in vars(options).items() if k not in ("command", "args")}
+    values["python"] = values["python"] or sys.executable
     args = tuple(a for a in options.args if a != "--")
     try:
         job = SbatchJob(description=f"{values['name']}: custom hvdtrain job", args=args, **values)
