@@ -55,15 +55,20 @@ def versions() -> str:
     commit = _checkout_commit(os.path.dirname(os.path.dirname(os.path.abspath(hvdtrain.__file__))))
     if commit:
         line += f" (commit {commit})"
-    for label, distributions in (("TensorFlow", ("tensorflow", "tensorflow-cpu")),
-                                 ("Keras", ("keras",)), ("tf_keras", ("tf-keras", "tf_keras")),
+    for label, distributions in (("TensorFlow", TENSORFLOW_DISTRIBUTIONS),
+                                 ("Keras", ("keras",)), ("tf_keras", ("tf_keras",)),
                                  ("horovod", ("horovod",))):
-        found = next((v for v in map(_version, distributions) if v), None)
+        found = next(filter(None, map(installed_version, distributions)), None)
         line += f", {label} {found or 'not installed'}"
     return line + f", Python {sys.version.split()[0]}"
 
 
-def _version(distribution: str) -> str | None:
+#: The names TensorFlow is installed under (one of them per environment).
+TENSORFLOW_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu")
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (from its metadata: nothing imported)."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:

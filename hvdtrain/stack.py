@@ -11,7 +11,6 @@ them; the rules (``problems``) are pure.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -19,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from hvdtrain.cli import usage_name
+from hvdtrain.cli import TENSORFLOW_DISTRIBUTIONS, installed_version, usage_name
 from hvdtrain.errors import EXIT_USAGE
 from hvdtrain.launch.probe import ask
 
@@ -54,13 +53,6 @@ class Stack:
     """hvdtrain's own requirements that are not installed (their pip names)."""
 
 
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _minor(version: str) -> tuple[int, int]:
     major, minor = version.split(".")[:2]
     return int(major), int("".join(char for char in minor if char.isdigit()) or 0)
@@ -69,16 +61,15 @@ def _minor(version: str) -> tuple[int, int]:
 def gather() -> Stack:
     """This interpreter's stack. horovod is loaded in a child, as a rank would load it: with
     Keras 2 when tf_keras is there, else Keras 3 (hvdtrain chooses at import)."""
-    tensorflow = next(filter(None, map(_version, ("tensorflow", "tensorflow-cpu",
-                                                  "tensorflow-gpu"))), None)
-    horovod, tf_keras = _version("horovod"), _version("tf_keras")
+    tensorflow = next(filter(None, map(installed_version, TENSORFLOW_DISTRIBUTIONS)), None)
+    horovod, tf_keras = installed_version("horovod"), installed_version("tf_keras")
     built = {}
     if tensorflow and horovod:
         keras = {"HVDTRAIN_KERAS": "2" if tf_keras else "3", "TF_CPP_MIN_LOG_LEVEL": "3"}
         answer, stderr = ask(sys.executable, ["build"], timeout=300, env={**os.environ, **keras})
         built = answer or {"error": (stderr.strip().splitlines() or ["no answer"])[-1]}
     return Stack(python=sys.version_info[:2], tensorflow=tensorflow, tf_keras=tf_keras,
-                 keras=_version("keras"), horovod=horovod, horovod_error=built.get("error"),
+                 keras=installed_version("keras"), horovod=horovod, horovod_error=built.get("error"),
                  mpi=built.get("mpi", False), gloo=built.get("gloo", False),
                  nccl=built.get("nccl", False), gpus=built.get("gpus", 0),
                  mpirun=shutil.which("mpirun"),
