@@ -15,7 +15,7 @@ MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # The collective tests run once as 2 ranks. Oversubscribe: CI machines may have fewer cores.
 MPIRUN := $(MPI_ENV) mpirun -np 2 --oversubscribe --bind-to none
 
-.PHONY: install train test test-clusters test-local test-unit test-mpi test-stack bench slurm-up slurm-down cluster-up cluster-down clean distclean
+.PHONY: install train test test-clusters test-local test-unit test-mpi test-stack bench docs slurm-up slurm-down cluster-up cluster-down clean distclean
 
 $(STAMP): setup.cfg scripts/install.sh $(wildcard scripts/constraints/*.txt scripts/horovod-patches/*.patch)
 	HVDTRAIN_VENV=$(VENV) bash scripts/install.sh
@@ -94,6 +94,10 @@ test-stack:
 bench: $(STAMP)
 	$(MPI_ENV) $(PYTHON) -m benchmarks all $(ARGS)
 
+# The docs as a website in site/ (mkdocs.yml); --strict stops at the first warning, as the test does.
+docs: $(STAMP)
+	$(PYTHON) -m mkdocs build --strict
+
 slurm-up:
 	bash tests/cluster/slurm-local.sh up
 
@@ -109,7 +113,7 @@ cluster-down:
 	bash tests/cluster/cluster-local.sh down
 
 clean:
-	rm -rf runs .pytest_cache build hvdtrain.egg-info
+	rm -rf runs .pytest_cache build site hvdtrain.egg-info
 	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +
 
 distclean: clean

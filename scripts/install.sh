@@ -292,10 +292,12 @@ fi
 constraints=("-c" "$constraints_file")
 say "installing $tf_requirement, tf_keras, mpi4py and the rest of the pinned stack"
 # mlflow: for --track mlflow, and the tracking server its tests start (a user's own environment
-# needs only the client: pip install mlflow-skinny).
+# needs only the client: pip install mlflow-skinny). mkdocs: `make docs` and tests/test_docs.py; the
+# constraints do not pin it, hence its range.
 pip install "${constraints[@]}" "$tf_requirement" \
   mpi4py scikit-learn matplotlib pytest pytest-timeout \
-  packaging cloudpickle psutil pyyaml cffi mlflow tensorboard
+  packaging cloudpickle psutil pyyaml cffi mlflow tensorboard \
+  'mkdocs>=1.6,<2' 'pymdown-extensions>=10,<14'
 # tf_keras requires `tensorflow` by that name and nothing else; with the CPU wheel installed under
 # its own name, resolving that requirement would put the CUDA build over the same files.
 pip install "${constraints[@]}" --no-deps "tf_keras==$TF_KERAS_VERSION"
