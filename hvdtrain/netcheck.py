@@ -53,6 +53,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from hvdtrain.launch import remote
+
 PROGRAM = "hvdtrain.netcheck"
 #: Seconds one TCP connection attempt may take before the peer counts as unreachable. A LAN
 #: answers in milliseconds; a dropped SYN is retried after 1 s and 3 s by the kernel.
@@ -622,11 +624,6 @@ def end_probes(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
             process.wait()
 
 
-#: How the launcher reaches another host outside Slurm, as horovodrun and mpirun do: never a
-#: password prompt, and a bounded wait for a host that does not answer.
-SSH = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
-
-
 def probe_command(python: str, args: Sequence[str]) -> list[str]:
     return [python, "-m", "hvdtrain.netcheck", *args]
 
@@ -635,8 +632,7 @@ def start_with_srun(python: str, num_hosts: int) -> Callable[[list[str]], list]:
     """Probes as one Slurm step, one task per node of the allocation, each given srun's stdin."""
     def start(args):
         return [subprocess.Popen(
-            ["srun", f"--nodes={num_hosts}", f"--ntasks={num_hosts}", "--ntasks-per-node=1",
-             "--kill-on-bad-exit=0", "--input=all", *probe_command(python, args)],
+            remote.on_every_node(num_hosts, probe_command(python, args)),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "SLURM_CPUS_PER_TASK": "1"})]
     return start
@@ -645,15 +641,12 @@ def start_with_srun(python: str, num_hosts: int) -> Callable[[list[str]], list]:
 def start_with_ssh(python: str, hosts: Sequence[str], local_names: Sequence[str]
                    ) -> Callable[[list[str]], list]:
     """Probes over ssh (as horovodrun and mpirun reach hosts outside Slurm); this host's directly."""
-    import shlex
-
     def start(args):
         processes = []
         for host in hosts:
             command = probe_command(python, args)
             if host not in local_names:
-                command = [*SSH, host,
-                           f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(command)}"]
+                command = remote.on_host(host, command, in_allocation=False, cwd=os.getcwd())
             processes.append(subprocess.Popen(command, stdin=subprocess.PIPE,
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                               text=True))

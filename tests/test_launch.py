@@ -602,6 +602,27 @@ def test_the_orphan_guard_asks_rank_0s_host_only_when_it_is_another_one():
     assert inside.command[-2:] == ("sh", "-c")  # the probe is one shell command, as for ssh
 
 
+def test_another_host_is_reached_over_ssh_outside_slurm_and_an_srun_step_inside(tmp_path):
+    from hvdtrain.launch.remote import on_every_node, on_host
+
+    ssh = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+    assert on_host("node2", ["true"], in_allocation=False) == [*ssh, "node2", "true"]
+    assert on_host("gpu07", [PY, "-m", "hvdtrain.launch.probe", "ranks", "A=1 2"],
+                   in_allocation=True) == [
+        "srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=gpu07", "--kill-on-bad-exit=0",
+        "sh", "-c", f"{PY} -m hvdtrain.launch.probe ranks 'A=1 2'"]
+    where = tmp_path / "a dir"
+    where.mkdir()
+    line = f"cd '{where}' && exec pwd"
+    assert on_host("node2", ["pwd"], in_allocation=False, cwd=str(where)) == [*ssh, "node2", line]
+    # What ssh gives the remote shell runs there as given (here, in this host's shell).
+    assert subprocess.run(["sh", "-c", line], capture_output=True, text=True,
+                          check=True).stdout.strip() == str(where)
+    assert on_every_node(3, [PY, "-m", "hvdtrain.netcheck"]) == [
+        "srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
+        "--input=all", PY, "-m", "hvdtrain.netcheck"]
+
+
 def test_a_launch_that_starts_no_rank_on_rank_0s_host_ends_at_the_startup_deadline():
     """Real processes: a command that never forks a rank (as mpirun waiting for a node's daemon)
     is ended once the deadline passes; one whose rank started is waited for to its own end."""

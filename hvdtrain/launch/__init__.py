@@ -49,6 +49,7 @@ the launcher requeues the job (``scontrol requeue``, at most --max-requeues time
 #   container  --container: the ranks in an image, with pyxis or Charliecloud
 #   supervise  signals forwarded, the exit verdict, restarts, leftovers of an attempt
 #   survivors  --min-nodes: the hosts that still answer, after a failure
+#   remote     how the launcher reaches another host: ssh, or an srun step inside Slurm
 #   health_check  --health-check: hvdtrain.health on every rank, before the job
 #   failures   the job's output relayed, and read for why it failed (the one end line)
 #   sbatch     as the body of an sbatch script: the job's variables, requeue after USR1

@@ -19,10 +19,10 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from hvdtrain import netcheck
 from hvdtrain.errors import UserError
 from hvdtrain.launch.options import LaunchOptions
 from hvdtrain.launch.paths import host_slots, parse_hosts
+from hvdtrain.launch.remote import on_host
 from hvdtrain.slurm import Allocation
 
 #: Seconds a host has to answer ssh (its ConnectTimeout is 10) before it counts as gone.
@@ -51,14 +51,10 @@ def host_problem(host: str, in_allocation: bool = False,
                  timeout: float = ANSWER_SECONDS) -> str | None:
     """None when ``host`` answers (ssh, or inside an allocation an srun step there); otherwise
     why it counts as gone, in a few words."""
-    if in_allocation:
-        channel, command = "srun", ["srun", "--overlap", "--nodes=1", "--ntasks=1",
-                                    f"--nodelist={host}", "--kill-on-bad-exit=0", "true"]
-    else:
-        channel, command = "ssh", [*netcheck.SSH, host, "true"]
+    channel = "srun" if in_allocation else "ssh"
     try:
-        answered = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL)
+        answered = subprocess.run(on_host(host, ["true"], in_allocation), capture_output=True,
+                                  text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return f"no answer over {channel} in {timeout:g} s"
     if answered.returncode == 0:
