@@ -38,7 +38,7 @@ from hvdtrain.preemption import PreemptionCheck, StopRequest, StopSignals, descr
 from hvdtrain.rundir import (CONFIG_FILE, FINGERPRINT, MODEL_FILE, RunDir, ensure_writable,
                              is_url)
 from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
-from hvdtrain.slurm import job_label
+from hvdtrain.launch.slurm import job_label
 from hvdtrain.task import Datasets, Shard, Task
 
 #: What rank 0 exports for a model that cannot be rebuilt from its config (``export``).

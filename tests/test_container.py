@@ -16,7 +16,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.launch import container
 from hvdtrain.launch.options import LaunchOptions, program_command
 from hvdtrain.launch.paths import build_launch
-from hvdtrain.slurm import Allocation
+from hvdtrain.launch.slurm import Allocation
 
 
 def test_auto_takes_pyxis_where_srun_has_it_else_charliecloud():

@@ -24,8 +24,8 @@ from hvdtrain.launch.sbatch import batch_options
 from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, StartupDeadline, judge_exit,
                                        rank_zero_host, wait_for_job)
 from hvdtrain.launcher_env import child_env, marked
-from hvdtrain.slurm import (TEMPLATES, Allocation, Requeue, SbatchJob, expand_hostlist,
-                            expand_tasks_per_node, render, requeue_decision)
+from hvdtrain.launch.slurm import (TEMPLATES, Allocation, Requeue, SbatchJob, expand_hostlist,
+                                   expand_tasks_per_node, render, requeue_decision)
 from slurm_templates import COMMAND as WRITE_TEMPLATES
 
 GOOD_BUILD = Build(tensorflow=True, mpi=True, gloo=True)
@@ -845,7 +845,7 @@ def test_a_stop_before_launch_kills_the_launchers_own_children_only():
 
 
 def test_templates_written_outside_the_checkout_run_this_python_from_any_directory(tmp_path):
-    from hvdtrain.slurm import write_templates
+    from hvdtrain.launch.slurm import write_templates
 
     written = write_templates(str(tmp_path / "slurm"), "/opt/site/bin/python")
     assert sorted(os.path.basename(path) for path in written) == sorted(TEMPLATES)

@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from hvdtrain import netcheck
+from hvdtrain.launch import netcheck
 from hvdtrain.errors import UserError
 from hvdtrain.launch.network import network_interfaces
 from hvdtrain.launch.options import LaunchOptions
-from hvdtrain.netcheck import NetworkError, decide
+from hvdtrain.launch.netcheck import NetworkError, decide
 
 
 def registration(**interfaces):
@@ -118,7 +118,7 @@ PROBE_AS = """
 import socket, sys
 name = sys.argv.pop(1)
 socket.gethostname = lambda: name
-from hvdtrain import netcheck
+from hvdtrain.launch import netcheck
 netcheck.main(sys.argv[1:])
 """
 

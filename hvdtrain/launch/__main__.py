@@ -21,7 +21,7 @@ from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, SignalForwarder, Stoppe
                                        kill_children, rank_zero_host, run_attempts)
 from hvdtrain.launch.survivors import Survivors, check_min_nodes
 from hvdtrain.launch.watcher import watching
-from hvdtrain.slurm import Allocation
+from hvdtrain.launch.slurm import Allocation
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -1,16 +1,16 @@
 """Across several hosts, which network interfaces the ranks talk over: checked before the ranks
-start (``hvdtrain.netcheck``), since a wrong one makes them hang in their first allreduce."""
+start (``netcheck``), since a wrong one makes them hang in their first allreduce."""
 from __future__ import annotations
 
 import socket
 import time
 
-from hvdtrain import netcheck
+from hvdtrain.launch import netcheck
 from hvdtrain.errors import UserError
 from hvdtrain.launch.console import say
 from hvdtrain.launch.options import LaunchOptions
 from hvdtrain.launch.paths import job_hosts
-from hvdtrain.slurm import Allocation
+from hvdtrain.launch.slurm import Allocation
 
 
 def network_interfaces(options: LaunchOptions, allocation: Allocation | None,

@@ -21,7 +21,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.launch import container
 from hvdtrain.launch.options import VIAS, LaunchOptions, program_command, ranks_keras, shell_words
 from hvdtrain.launcher_env import is_identity
-from hvdtrain.slurm import Allocation
+from hvdtrain.launch.slurm import Allocation
 
 #: Variables of the user's shell never passed on to remote ranks (as horovodrun leaves them out):
 #: bash's exported functions and the previous directory.

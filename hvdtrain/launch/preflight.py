@@ -16,7 +16,7 @@ from hvdtrain.errors import UserError, rebuild_the_stack
 from hvdtrain.gpus import cpu_allowed, given_gpus, not_seen
 from hvdtrain.launch.probe import ask
 from hvdtrain.launch.options import LaunchOptions
-from hvdtrain.slurm import Allocation
+from hvdtrain.launch.slurm import Allocation
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.launch.options import LaunchOptions
 from hvdtrain.launch.paths import host_slots, parse_hosts
 from hvdtrain.launch.remote import on_host
-from hvdtrain.slurm import Allocation
+from hvdtrain.launch.slurm import Allocation
 
 #: Seconds a host has to answer ssh (its ConnectTimeout is 10) before it counts as gone.
 ANSWER_SECONDS = 30.0
