@@ -17,7 +17,8 @@ import pytest
 from conftest import REPO, clean_env, integration, run_job
 from hostlists import BAD_HOSTLISTS, HOSTLISTS
 from hvdtrain.errors import UserError
-from hvdtrain.launch.options import VIAS, LaunchOptions, is_script_path, parse_options
+from hvdtrain.launch.options import (VIAS, LaunchOptions, check_options, is_script_path,
+                                     parse_options)
 from hvdtrain.launch.paths import LAUNCH_PATHS, build_launch, describe, horovod_tuning_env
 from hvdtrain.launch.preflight import Build, preflight
 from hvdtrain.launch.sbatch import batch_options
@@ -200,9 +201,9 @@ def test_mpirun_as_root_needs_the_openmpi_variables_or_the_flag():
 
 def test_srun_outside_slurm_and_gloo_with_mpirun_are_refused():
     with pytest.raises(UserError, match="needs a Slurm allocation"):
-        build_launch(options(via="srun"), None, gpus=0)
+        check_options(options(via="srun"), None)
     with pytest.raises(UserError, match="--controller gloo needs --via horovodrun"):
-        build_launch(options(via="mpirun", controller="gloo"), None, gpus=0)
+        check_options(options(via="mpirun", controller="gloo"), None)
 
 
 @pytest.mark.parametrize("file_name", sorted(TEMPLATES))
@@ -294,7 +295,7 @@ def test_what_counts_as_a_script(tmp_path, monkeypatch):
                              ("sub/missing", "no such script: sub/missing"),
                              ("not a-module", "neither a module name")):
         with pytest.raises(UserError, match=message):
-            build_launch(options(program=program), None, gpus=0)
+            check_options(options(program=program), None)
 
 
 def launcher_cli(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
@@ -320,6 +321,15 @@ def test_a_missing_script_is_one_line_and_exit_2():
     assert result.stderr.splitlines() == [
         "hvdtrain.launch: error: no such script: tests/scripts/no_such_script.py (a script path "
         "runs as `python PATH`, a module name like hvdtrain.cnn as `python -m MODULE`)"]
+
+
+def test_options_are_checked_before_any_step_even_a_dry_run():
+    # The health check's rule was once checked only when the check ran: --dry-run passed it.
+    result = launcher_cli("--dry-run", "--skip-preflight", "--controller", "gloo",
+                          "--health-check", "hvdtrain.cnn")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.splitlines() == [
+        "hvdtrain.launch: error: --health-check talks MPI between the ranks: use --controller mpi"]
 
 
 @pytest.mark.parametrize("module", ["hvdtrain.cnnn", "hvdtrin.cnn"])
@@ -427,13 +437,13 @@ def test_which_exits_restart(status, stop_signal, restart, reason):
 
 def test_max_restarts_is_refused_where_exit_statuses_are_lost():
     with pytest.raises(UserError, match="horovodrun --gloo reports as 1"):
-        build_launch(options(controller="gloo", max_restarts=1), None, gpus=0)
+        check_options(options(controller="gloo", max_restarts=1), None)
     with pytest.raises(UserError, match="--max-restarts must be 0 or more"):
-        build_launch(options(max_restarts=-1), None, gpus=0)
+        check_options(options(max_restarts=-1), None)
     launch = build_launch(options(max_restarts=2), None, gpus=0)
     assert "# up to 2 restart(s) after a failure" in describe(launch)
     with pytest.raises(UserError, match=r"--startup-timeout must be 0 \(none\) or more, got -5"):
-        build_launch(options(startup_timeout=-5), None, gpus=0)
+        check_options(options(startup_timeout=-5), None)
 
 
 # --- requeues after Slurm's time-limit warning ---------------------------------------------------
@@ -667,7 +677,7 @@ def test_hosts_outside_slurm_give_the_rank_count_and_the_host_list():
                                    ""])
 def test_bad_hosts_are_one_line_errors(hosts):
     with pytest.raises(UserError, match="--hosts"):
-        build_launch(options(hosts=hosts), None, gpus=0)
+        check_options(options(hosts=hosts), None)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -684,10 +694,12 @@ def test_bad_hosts_are_one_line_errors(hosts):
      "--stall-check-shutdown-seconds must be a number >= 0, got -1"),
     ({"stall_check_warning_seconds": 0},
      "--stall-check-warning-seconds must be a number >= 1, got 0"),
+    ({"controller": "gloo", "health_check": True},
+     "--health-check talks MPI between the ranks: use --controller mpi"),
 ])
 def test_bad_launch_options_are_one_line_errors_without_the_preflight(changes, message):
     with pytest.raises(UserError, match=re.escape(message)):
-        build_launch(options(**changes), None, gpus=0)
+        check_options(options(**changes), None)
 
 
 @pytest.mark.parametrize("module, argv, message", [
@@ -709,7 +721,7 @@ def test_a_command_line_argparse_refuses_is_one_line_under_the_programs_name(mod
 def test_hosts_inside_an_allocation_are_refused():
     alloc = allocation(SLURM_JOB_NODELIST="gpu[01-02]", SLURM_TASKS_PER_NODE="4(x2)")
     with pytest.raises(UserError, match="outside Slurm"):
-        build_launch(options(hosts="a:1,b:1"), alloc, gpus=0)
+        check_options(options(hosts="a:1,b:1"), alloc.hosts)
 
 
 def test_the_network_interface_reaches_every_transport():
@@ -752,12 +764,10 @@ TWO_NODES = Allocation(("node1", "node2"), (2, 2), job_id="7")
      "--min-nodes 3 is more than the allocation's 2 node(s)"),
 ])
 def test_min_nodes_that_cannot_work_is_one_line(flags, allocation, message):
-    from hvdtrain.launch.survivors import check_min_nodes
-
     with pytest.raises(UserError, match=re.escape(message)):
-        check_min_nodes(options(**flags), allocation)
-    check_min_nodes(options(min_nodes=2, hosts="a:1,b:1,c:1", max_restarts=1), None)
-    check_min_nodes(options(min_nodes=1, max_restarts=1), TWO_NODES)
+        check_options(options(**flags), allocation and allocation.hosts)
+    check_options(options(min_nodes=2, hosts="a:1,b:1,c:1", max_restarts=1), None)
+    check_options(options(min_nodes=1, max_restarts=1), TWO_NODES.hosts)
 
 
 def test_the_hosts_that_stop_answering_are_dropped_until_too_few_are_left():

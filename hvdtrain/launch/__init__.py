@@ -42,7 +42,7 @@ runs/<job name>-<job id>, and after Slurm's time-limit warning (SIGUSR1) the ran
 the launcher requeues the job (``scontrol requeue``, at most --max-requeues times).
 """
 # The package, one module per concern; __main__ runs them in order:
-#   options    the flags (one dataclass) and what every rank runs (script or module)
+#   options    the flags (one dataclass), their checks, what every rank runs (script or module)
 #   preflight  what would make the launch fail, asked of the ranks' Python (probe)
 #   network    across hosts, the interfaces that connect them all
 #   netcheck   the network check itself: the probe on every host, and its rendezvous

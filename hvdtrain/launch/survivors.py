@@ -20,31 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 from hvdtrain.errors import UserError
-from hvdtrain.launch.options import LaunchOptions
-from hvdtrain.launch.paths import host_slots, parse_hosts
+from hvdtrain.launch.options import LaunchOptions, host_slots, parse_hosts
 from hvdtrain.launch.remote import on_host
 from hvdtrain.launch.slurm import Allocation
 
 #: Seconds a host has to answer ssh (its ConnectTimeout is 10) before it counts as gone.
 ANSWER_SECONDS = 30.0
-
-
-def check_min_nodes(options: LaunchOptions, allocation: Allocation | None) -> None:
-    """``UserError`` when ``--min-nodes`` cannot do what it says with these options."""
-    if not options.min_nodes:
-        return
-    if options.min_nodes < 0:
-        raise UserError(f"--min-nodes must be 1 or more, got {options.min_nodes}")
-    if allocation is None and options.hosts is None:
-        raise UserError("--min-nodes needs several hosts: --hosts, or a Slurm allocation")
-    if not options.max_restarts:
-        raise UserError("--min-nodes restarts the job on the hosts left: give --max-restarts "
-                        "too (each restart counts, whatever its cause)")
-    count = len(allocation.hosts) if allocation else len(parse_hosts(options.hosts))
-    if options.min_nodes > count:
-        where = f"the allocation's {count} node(s)" if allocation else \
-            f"the {count} host(s) of --hosts {options.hosts}"
-        raise UserError(f"--min-nodes {options.min_nodes} is more than {where}")
 
 
 def host_problem(host: str, in_allocation: bool = False,
