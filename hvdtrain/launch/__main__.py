@@ -16,11 +16,11 @@ from hvdtrain.launch.options import check_options, is_script_path, parse_options
 from hvdtrain.launch.paths import build_launch, describe, job_hosts
 from hvdtrain.launch.preflight import (check_module, count_gpus_without_tensorflow, preflight,
                                        probe_build)
+from hvdtrain.launch.slurm import Allocation
 from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, SignalForwarder, StoppedBeforeLaunch,
                                        kill_children, rank_zero_host, run_attempts)
 from hvdtrain.launch.survivors import Survivors
 from hvdtrain.launch.watcher import watching
-from hvdtrain.launch.slurm import Allocation
 
 
 def run(argv: Sequence[str] | None = None) -> int:

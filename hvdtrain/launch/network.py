@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 import time
 
-from hvdtrain.launch import netcheck
 from hvdtrain.errors import UserError
+from hvdtrain.launch import netcheck
 from hvdtrain.launch.console import say
 from hvdtrain.launch.options import LaunchOptions
 from hvdtrain.launch.paths import job_hosts

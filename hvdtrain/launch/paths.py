@@ -19,8 +19,8 @@ from hvdtrain.credentials import without_userinfo
 from hvdtrain.launch import container
 from hvdtrain.launch.options import (LaunchOptions, host_slots, parse_hosts, program_command,
                                      ranks_keras, shell_words)
-from hvdtrain.launcher_env import is_identity
 from hvdtrain.launch.slurm import Allocation
+from hvdtrain.launcher_env import is_identity
 
 #: Variables of the user's shell never passed on to remote ranks (as horovodrun leaves them out):
 #: bash's exported functions and the previous directory.
