@@ -428,7 +428,7 @@ def start(program: str, config, runtime, run_dir: RunDir, params: Mapping[str, s
     returns it on rank 0, None elsewhere or when tracking is off."""
     if config.track == "off":
         return None
-    from hvdtrain.slurm import job_label
+    from hvdtrain.launch.slurm import job_label
 
     experiment = config.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or program
     started: list[MlflowRun] = []

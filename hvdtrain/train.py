@@ -32,13 +32,13 @@ from hvdtrain.config import ImageConfig, TrainConfig
 from hvdtrain.data import (ImageDatasets, build_pipelines, choose_data_cache,
                            disk_cache_failures_in_one_line, load_listing)
 from hvdtrain.errors import UserError, as_one_line, stop_status
+from hvdtrain.launch.slurm import job_label
 from hvdtrain.models.user import is_user_model
 from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch, resize_notes
 from hvdtrain.preemption import PreemptionCheck, StopRequest, StopSignals, describe_stop
 from hvdtrain.rundir import (CONFIG_FILE, FINGERPRINT, MODEL_FILE, RunDir, ensure_writable,
                              is_url)
 from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
-from hvdtrain.slurm import job_label
 from hvdtrain.task import Datasets, Shard, Task
 
 #: What rank 0 exports for a model that cannot be rebuilt from its config (``export``).

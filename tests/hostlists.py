@@ -1,5 +1,5 @@
 """Slurm node lists and their hosts, as Slurm 22.05's `scontrol show hostnames` prints them: the
-expected values of hvdtrain.slurm.expand_hostlist (tests/test_launch.py), checked against
+expected values of hvdtrain.launch.slurm.expand_hostlist (tests/test_launch.py), checked against
 scontrol itself on the local Slurm (tests/test_slurm.py)."""
 
 HOSTLISTS = {

@@ -1,6 +1,6 @@
 """Rewrite the shipped sbatch scripts: `python tests/slurm_templates.py` (from the repository).
 
-`slurm/*.sh` are what `hvdtrain.slurm.render` writes for `hvdtrain.slurm.TEMPLATES`, and a golden-file
+`slurm/*.sh` are what `hvdtrain.launch.slurm.render` writes for `TEMPLATES`, and a golden-file
 test (test_launch.py) fails when they differ. After changing the renderer or a template, run this,
 then review the scripts' diff like any other change. It writes into the repository, so it lives
 with the tests, not in the installed package.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hvdtrain.slurm import TEMPLATES, render
+from hvdtrain.launch.slurm import TEMPLATES, render
 
 SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
 COMMAND = "python tests/slurm_templates.py"

@@ -16,7 +16,7 @@ from hvdtrain.cli import COMMANDS
 from hvdtrain.cnn import PRESETS
 from hvdtrain.config import describe_preset
 from hvdtrain.launch.options import parse_options
-from hvdtrain.slurm import TEMPLATES
+from hvdtrain.launch.slurm import TEMPLATES
 
 sys.path.insert(0, str(REPO / "scripts"))
 from cli_reference import reference  # noqa: E402

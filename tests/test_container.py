@@ -14,9 +14,9 @@ import pytest
 from conftest import REPO, apt_install, integration
 from hvdtrain.errors import UserError
 from hvdtrain.launch import container
-from hvdtrain.launch.options import LaunchOptions, program_command
+from hvdtrain.launch.options import LaunchOptions, check_options, program_command
 from hvdtrain.launch.paths import build_launch
-from hvdtrain.slurm import Allocation
+from hvdtrain.launch.slurm import Allocation
 
 
 def test_auto_takes_pyxis_where_srun_has_it_else_charliecloud():
@@ -94,8 +94,8 @@ def test_srun_starts_every_rank_in_ch_run(monkeypatch, tmp_path):
 
 def test_a_container_needs_srun():
     with pytest.raises(UserError, match="--container needs --via srun"):
-        container.prepare(LaunchOptions(program="hvdtrain.cnn", via="mpirun",
-                                        container="/work/img.sqfs"))
+        check_options(LaunchOptions(program="hvdtrain.cnn", via="mpirun",
+                                    container="/work/img.sqfs"), None)
 
 
 def test_an_oci_archive_of_a_small_root_reads_back_with_its_digests(tmp_path):

@@ -17,15 +17,16 @@ import pytest
 from conftest import REPO, clean_env, integration, run_job
 from hostlists import BAD_HOSTLISTS, HOSTLISTS
 from hvdtrain.errors import UserError
-from hvdtrain.launch.options import VIAS, LaunchOptions, is_script_path, parse_options
+from hvdtrain.launch.options import (VIAS, LaunchOptions, check_options, is_script_path,
+                                     parse_options)
 from hvdtrain.launch.paths import LAUNCH_PATHS, build_launch, describe, horovod_tuning_env
 from hvdtrain.launch.preflight import Build, preflight
 from hvdtrain.launch.sbatch import batch_options
 from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, StartupDeadline, judge_exit,
                                        rank_zero_host, wait_for_job)
 from hvdtrain.launcher_env import child_env, marked
-from hvdtrain.slurm import (TEMPLATES, Allocation, Requeue, SbatchJob, expand_hostlist,
-                            expand_tasks_per_node, render, requeue_decision)
+from hvdtrain.launch.slurm import (TEMPLATES, Allocation, Requeue, SbatchJob, expand_hostlist,
+                                   expand_tasks_per_node, render, requeue_decision)
 from slurm_templates import COMMAND as WRITE_TEMPLATES
 
 GOOD_BUILD = Build(tensorflow=True, mpi=True, gloo=True)
@@ -200,9 +201,9 @@ def test_mpirun_as_root_needs_the_openmpi_variables_or_the_flag():
 
 def test_srun_outside_slurm_and_gloo_with_mpirun_are_refused():
     with pytest.raises(UserError, match="needs a Slurm allocation"):
-        build_launch(options(via="srun"), None, gpus=0)
+        check_options(options(via="srun"), None)
     with pytest.raises(UserError, match="--controller gloo needs --via horovodrun"):
-        build_launch(options(via="mpirun", controller="gloo"), None, gpus=0)
+        check_options(options(via="mpirun", controller="gloo"), None)
 
 
 @pytest.mark.parametrize("file_name", sorted(TEMPLATES))
@@ -294,7 +295,7 @@ def test_what_counts_as_a_script(tmp_path, monkeypatch):
                              ("sub/missing", "no such script: sub/missing"),
                              ("not a-module", "neither a module name")):
         with pytest.raises(UserError, match=message):
-            build_launch(options(program=program), None, gpus=0)
+            check_options(options(program=program), None)
 
 
 def launcher_cli(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
@@ -320,6 +321,15 @@ def test_a_missing_script_is_one_line_and_exit_2():
     assert result.stderr.splitlines() == [
         "hvdtrain.launch: error: no such script: tests/scripts/no_such_script.py (a script path "
         "runs as `python PATH`, a module name like hvdtrain.cnn as `python -m MODULE`)"]
+
+
+def test_options_are_checked_before_any_step_even_a_dry_run():
+    # The health check's rule was once checked only when the check ran: --dry-run passed it.
+    result = launcher_cli("--dry-run", "--skip-preflight", "--controller", "gloo",
+                          "--health-check", "hvdtrain.cnn")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.splitlines() == [
+        "hvdtrain.launch: error: --health-check talks MPI between the ranks: use --controller mpi"]
 
 
 @pytest.mark.parametrize("module", ["hvdtrain.cnnn", "hvdtrin.cnn"])
@@ -427,13 +437,13 @@ def test_which_exits_restart(status, stop_signal, restart, reason):
 
 def test_max_restarts_is_refused_where_exit_statuses_are_lost():
     with pytest.raises(UserError, match="horovodrun --gloo reports as 1"):
-        build_launch(options(controller="gloo", max_restarts=1), None, gpus=0)
+        check_options(options(controller="gloo", max_restarts=1), None)
     with pytest.raises(UserError, match="--max-restarts must be 0 or more"):
-        build_launch(options(max_restarts=-1), None, gpus=0)
+        check_options(options(max_restarts=-1), None)
     launch = build_launch(options(max_restarts=2), None, gpus=0)
     assert "# up to 2 restart(s) after a failure" in describe(launch)
     with pytest.raises(UserError, match=r"--startup-timeout must be 0 \(none\) or more, got -5"):
-        build_launch(options(startup_timeout=-5), None, gpus=0)
+        check_options(options(startup_timeout=-5), None)
 
 
 # --- requeues after Slurm's time-limit warning ---------------------------------------------------
@@ -602,6 +612,27 @@ def test_the_orphan_guard_asks_rank_0s_host_only_when_it_is_another_one():
     assert inside.command[-2:] == ("sh", "-c")  # the probe is one shell command, as for ssh
 
 
+def test_another_host_is_reached_over_ssh_outside_slurm_and_an_srun_step_inside(tmp_path):
+    from hvdtrain.launch.remote import on_every_node, on_host
+
+    ssh = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+    assert on_host("node2", ["true"], in_allocation=False) == [*ssh, "node2", "true"]
+    assert on_host("gpu07", [PY, "-m", "hvdtrain.launch.probe", "ranks", "A=1 2"],
+                   in_allocation=True) == [
+        "srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=gpu07", "--kill-on-bad-exit=0",
+        "sh", "-c", f"{PY} -m hvdtrain.launch.probe ranks 'A=1 2'"]
+    where = tmp_path / "a dir"
+    where.mkdir()
+    line = f"cd '{where}' && exec pwd"
+    assert on_host("node2", ["pwd"], in_allocation=False, cwd=str(where)) == [*ssh, "node2", line]
+    # What ssh gives the remote shell runs there as given (here, in this host's shell).
+    assert subprocess.run(["sh", "-c", line], capture_output=True, text=True,
+                          check=True).stdout.strip() == str(where)
+    assert on_every_node(3, [PY, "-m", "hvdtrain.netcheck"]) == [
+        "srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
+        "--input=all", PY, "-m", "hvdtrain.netcheck"]
+
+
 def test_a_launch_that_starts_no_rank_on_rank_0s_host_ends_at_the_startup_deadline():
     """Real processes: a command that never forks a rank (as mpirun waiting for a node's daemon)
     is ended once the deadline passes; one whose rank started is waited for to its own end."""
@@ -646,7 +677,7 @@ def test_hosts_outside_slurm_give_the_rank_count_and_the_host_list():
                                    ""])
 def test_bad_hosts_are_one_line_errors(hosts):
     with pytest.raises(UserError, match="--hosts"):
-        build_launch(options(hosts=hosts), None, gpus=0)
+        check_options(options(hosts=hosts), None)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -663,10 +694,12 @@ def test_bad_hosts_are_one_line_errors(hosts):
      "--stall-check-shutdown-seconds must be a number >= 0, got -1"),
     ({"stall_check_warning_seconds": 0},
      "--stall-check-warning-seconds must be a number >= 1, got 0"),
+    ({"controller": "gloo", "health_check": True},
+     "--health-check talks MPI between the ranks: use --controller mpi"),
 ])
 def test_bad_launch_options_are_one_line_errors_without_the_preflight(changes, message):
     with pytest.raises(UserError, match=re.escape(message)):
-        build_launch(options(**changes), None, gpus=0)
+        check_options(options(**changes), None)
 
 
 @pytest.mark.parametrize("module, argv, message", [
@@ -688,7 +721,7 @@ def test_a_command_line_argparse_refuses_is_one_line_under_the_programs_name(mod
 def test_hosts_inside_an_allocation_are_refused():
     alloc = allocation(SLURM_JOB_NODELIST="gpu[01-02]", SLURM_TASKS_PER_NODE="4(x2)")
     with pytest.raises(UserError, match="outside Slurm"):
-        build_launch(options(hosts="a:1,b:1"), alloc, gpus=0)
+        check_options(options(hosts="a:1,b:1"), alloc.hosts)
 
 
 def test_the_network_interface_reaches_every_transport():
@@ -731,12 +764,10 @@ TWO_NODES = Allocation(("node1", "node2"), (2, 2), job_id="7")
      "--min-nodes 3 is more than the allocation's 2 node(s)"),
 ])
 def test_min_nodes_that_cannot_work_is_one_line(flags, allocation, message):
-    from hvdtrain.launch.survivors import check_min_nodes
-
     with pytest.raises(UserError, match=re.escape(message)):
-        check_min_nodes(options(**flags), allocation)
-    check_min_nodes(options(min_nodes=2, hosts="a:1,b:1,c:1", max_restarts=1), None)
-    check_min_nodes(options(min_nodes=1, max_restarts=1), TWO_NODES)
+        check_options(options(**flags), allocation and allocation.hosts)
+    check_options(options(min_nodes=2, hosts="a:1,b:1,c:1", max_restarts=1), None)
+    check_options(options(min_nodes=1, max_restarts=1), TWO_NODES.hosts)
 
 
 def test_the_hosts_that_stop_answering_are_dropped_until_too_few_are_left():
@@ -824,7 +855,7 @@ def test_a_stop_before_launch_kills_the_launchers_own_children_only():
 
 
 def test_templates_written_outside_the_checkout_run_this_python_from_any_directory(tmp_path):
-    from hvdtrain.slurm import write_templates
+    from hvdtrain.launch.slurm import write_templates
 
     written = write_templates(str(tmp_path / "slurm"), "/opt/site/bin/python")
     assert sorted(os.path.basename(path) for path in written) == sorted(TEMPLATES)

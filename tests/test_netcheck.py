@@ -15,11 +15,10 @@ import time
 
 import pytest
 
-from hvdtrain import netcheck
 from hvdtrain.errors import UserError
-from hvdtrain.launch.network import network_interfaces
-from hvdtrain.launch.options import LaunchOptions
-from hvdtrain.netcheck import NetworkError, decide
+from hvdtrain.launch import netcheck
+from hvdtrain.launch.netcheck import NetworkError, decide
+from hvdtrain.launch.options import LaunchOptions, check_options
 
 
 def registration(**interfaces):
@@ -118,7 +117,7 @@ PROBE_AS = """
 import socket, sys
 name = sys.argv.pop(1)
 socket.gethostname = lambda: name
-from hvdtrain import netcheck
+from hvdtrain.launch import netcheck
 netcheck.main(sys.argv[1:])
 """
 
@@ -419,4 +418,4 @@ def test_an_interface_name_a_shell_would_split_never_reaches_a_command():
     options = LaunchOptions(program="hvdtrain.cnn", network_interface="eth0,x;touch PWNED;")
     with pytest.raises(UserError, match=r"^--network-interface: 'x;touch PWNED;' is no network "
                                         r"interface name"):
-        network_interfaces(options, None, check=False)
+        check_options(options, None)

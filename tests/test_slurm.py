@@ -189,7 +189,7 @@ def test_the_auto_cache_budgets_against_the_jobs_slurm_memory(submit, tmp_path, 
 
 
 def test_node_lists_expand_as_scontrol_show_hostnames_does(slurm_cluster):
-    # hvdtrain.slurm.expand_hostlist (tested on these in tests/test_launch.py) against Slurm's
+    # hvdtrain.launch.slurm.expand_hostlist (tested on these in tests/test_launch.py) against Slurm's
     # own expander, which the launcher no longer needs (containers usually lack it).
     def scontrol_hostnames(nodelist: str) -> subprocess.CompletedProcess:
         return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,

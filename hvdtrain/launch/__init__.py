@@ -42,14 +42,17 @@ runs/<job name>-<job id>, and after Slurm's time-limit warning (SIGUSR1) the ran
 the launcher requeues the job (``scontrol requeue``, at most --max-requeues times).
 """
 # The package, one module per concern; __main__ runs them in order:
-#   options    the flags (one dataclass) and what every rank runs (script or module)
+#   options    the flags (one dataclass), their checks, what every rank runs (script or module)
 #   preflight  what would make the launch fail, asked of the ranks' Python (probe)
 #   network    across hosts, the interfaces that connect them all
+#   netcheck   the network check itself: the probe on every host, and its rendezvous
 #   paths      the command of each launch path: horovodrun, mpirun, srun
 #   container  --container: the ranks in an image, with pyxis or Charliecloud
 #   supervise  signals forwarded, the exit verdict, restarts, leftovers of an attempt
 #   survivors  --min-nodes: the hosts that still answer, after a failure
+#   remote     how the launcher reaches another host: ssh, or an srun step inside Slurm
 #   health_check  --health-check: hvdtrain.health on every rank, before the job
 #   failures   the job's output relayed, and read for why it failed (the one end line)
+#   slurm      Slurm: the allocation read from SLURM_*, sbatch scripts written, requeue
 #   sbatch     as the body of an sbatch script: the job's variables, requeue after USR1
 #   watcher    ends the job if the launcher itself dies

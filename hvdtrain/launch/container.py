@@ -161,10 +161,6 @@ def prepare(options: LaunchOptions) -> tuple[LaunchOptions, tuple[str, ...] | No
     the image (None: run them here; or, with pyxis, not at all: see ``probes``)."""
     if not options.container:
         return options, None
-    if options.via != "srun":
-        # mpirun's daemons and horovodrun's ssh start ranks on the hosts themselves, outside
-        # any image; srun is what pyxis and ch-run --join are made for.
-        raise UserError(f"--container needs --via srun (got --via {options.via})")
     options = dataclasses.replace(options,
                                   container_runtime=detect_runtime(options.container_runtime))
     roots = job_roots(options)

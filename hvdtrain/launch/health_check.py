@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 
-from hvdtrain.errors import EXIT_USAGE, UserError, signal_name, stop_status
+from hvdtrain.errors import EXIT_USAGE, signal_name, stop_status
 from hvdtrain.launch.console import error, say, show
 from hvdtrain.launch.options import HEALTH_PROGRAM, LaunchOptions
 from hvdtrain.launch.paths import Launch
@@ -25,8 +25,6 @@ MARK = f"{HEALTH_PROGRAM}: "
 
 def health_options(options: LaunchOptions, gpus_per_node: int) -> LaunchOptions:
     """The job's options with hvdtrain.health as the program (and no restarts)."""
-    if options.controller == "gloo":
-        raise UserError("--health-check talks MPI between the ranks: use --controller mpi")
     return dataclasses.replace(
         options, program=HEALTH_PROGRAM, max_restarts=0,
         program_args=("--gpus-per-rank", "1" if gpus_per_node else "0"))

@@ -1,4 +1,5 @@
-"""The launcher's options: one dataclass whose fields are its flags, and what every rank runs.
+"""The launcher's options: one dataclass whose fields are its flags, the rules on their values
+(``check_options``, run once before anything starts), and what every rank runs.
 
 Each field of ``LaunchOptions`` is a flag of the same name, its docstring the flag's help
 (``hvdtrain.flags``, as for the training flags), so a new option is one documented field.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -20,6 +22,7 @@ from hvdtrain.cli import usage_name
 from hvdtrain.errors import UserError
 from hvdtrain.flags import FlagHelpFormatter, OneLineParser, add_flag, field_docs
 from hvdtrain.launch.console import PROGRAM
+from hvdtrain.launch.netcheck import is_interface_name
 
 Via = Literal["horovodrun", "mpirun", "srun"]
 #: What can start the ranks (one entry each in ``hvdtrain.launch.paths.LAUNCH_PATHS``).
@@ -172,6 +175,105 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, FlagHelpFormatter):
     """The launcher's docstring as written, the flags' defaults as every command shows them."""
 
 
+def check_options(options: LaunchOptions, allocation_hosts: Sequence[str] | None) -> None:
+    """Every rule on the values of the launch options, checked once before anything starts: a
+    ``UserError`` (one line) for the first one broken. ``allocation_hosts``: the hosts of the
+    Slurm allocation the launcher runs in, None outside one. What only the live system can tell
+    (horovod's build, the GPUs, a host that does not answer, what srun offers) is asked where
+    the launcher asks the system."""
+    if options.via not in VIAS:
+        raise UserError(f"--via must be one of {', '.join(VIAS)}, got {options.via!r}")
+    if is_script_path(options.program):
+        if not os.path.isfile(options.program):
+            raise UserError(f"no such script: {options.program} (a script path runs as `python "
+                            "PATH`, a module name like hvdtrain.cnn as `python -m MODULE`)")
+    elif not MODULE_NAME.fullmatch(options.program):
+        raise UserError(f"{options.program!r} is neither a module name (like hvdtrain.cnn) nor "
+                        "a script path (like train.py)")
+    if options.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {options.max_restarts}")
+    if options.max_requeues < 0:
+        raise UserError(f"--max-requeues must be 0 or more, got {options.max_requeues}")
+    # Also with --skip-preflight: 0 would read as "unset" (one rank), -2 reach horovodrun.
+    if options.np is not None and options.np < 1:
+        raise UserError(f"--np must be at least 1, got {options.np}")
+    if options.startup_timeout < 0:
+        raise UserError(f"--startup-timeout must be 0 (none) or more, got "
+                        f"{options.startup_timeout:g}")
+    # Horovod takes whatever its variables say (a negative fusion buffer, a cycle of -1 ms):
+    # each must be a finite number; a shutdown limit of 0 is horovod's "never".
+    for flag, value, least in (("--fusion-threshold-mb", options.fusion_threshold_mb, 0),
+                               ("--cycle-time-ms", options.cycle_time_ms, 0),
+                               ("--stall-check-warning-seconds",
+                                options.stall_check_warning_seconds, 1),
+                               ("--stall-check-shutdown-seconds",
+                                options.stall_check_shutdown_seconds, 0)):
+        if value is not None and not (math.isfinite(value) and value >= least):
+            raise UserError(f"{flag} must be a number >= {least}, got {value}")
+    if options.controller == "gloo":
+        if options.via != "horovodrun":
+            raise UserError("--controller gloo needs --via horovodrun (it runs the Gloo "
+                            "rendezvous)")
+        if options.max_restarts:
+            # A restart must never repeat a user error (exit 2), and Gloo's horovodrun reports
+            # it as 1.
+            raise UserError("--max-restarts needs the ranks' exit statuses, which horovodrun "
+                            "--gloo reports as 1 whatever they were; use --controller mpi")
+        if options.health_check or options.health_check_only:
+            raise UserError("--health-check talks MPI between the ranks: use --controller mpi")
+    if options.via == "srun" and allocation_hosts is None:
+        raise UserError("--via srun needs a Slurm allocation (run it inside sbatch/salloc)")
+    if options.container and options.via != "srun":
+        # mpirun's daemons and horovodrun's ssh start ranks on the hosts themselves, outside
+        # any image; srun is what pyxis and ch-run --join are made for.
+        raise UserError(f"--container needs --via srun (got --via {options.via})")
+    if options.hosts is not None:
+        if allocation_hosts is not None:
+            raise UserError("--hosts is for outside Slurm; inside an allocation the ranks go "
+                            "where Slurm put the tasks (ask sbatch for other nodes instead)")
+        parse_hosts(options.hosts)
+    # An interface name goes on to horovodrun, which formats it into a /bin/sh -c command.
+    for name in options.network_interface.split(",") if options.network_interface else ():
+        if not is_interface_name(name):
+            raise UserError(f"--network-interface: {name!r} is no network interface name (1 to "
+                            "15 of A-Z a-z 0-9 _ . @ -, not starting with -); `ip -br link` "
+                            "lists this host's")
+    shell_words(options.binding_args or "", f"--binding-args {options.binding_args!r}")
+    if options.min_nodes:
+        # --min-nodes can only do what it says on several hosts, with restarts.
+        if options.min_nodes < 0:
+            raise UserError(f"--min-nodes must be 1 or more, got {options.min_nodes}")
+        if allocation_hosts is None and options.hosts is None:
+            raise UserError("--min-nodes needs several hosts: --hosts, or a Slurm allocation")
+        if not options.max_restarts:
+            raise UserError("--min-nodes restarts the job on the hosts left: give "
+                            "--max-restarts too (each restart counts, whatever its cause)")
+        count = len(allocation_hosts) if allocation_hosts is not None \
+            else len(parse_hosts(options.hosts))
+        if options.min_nodes > count:
+            where = f"the allocation's {count} node(s)" if allocation_hosts is not None else \
+                f"the {count} host(s) of --hosts {options.hosts}"
+            raise UserError(f"--min-nodes {options.min_nodes} is more than {where}")
+
+
+def parse_hosts(text: str) -> list[tuple[str, int]]:
+    """horovodrun's -H syntax, 'node1:2,node2:2' (a host without a count has 1 slot)."""
+    parsed = []
+    for item in text.split(","):
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?::(\d+))?", item.strip())
+        if not match or (match.group(2) is not None and int(match.group(2)) == 0):
+            raise UserError(f"--hosts {text!r}: give HOST:RANKS,HOST:RANKS (e.g. node1:2,node2:2)")
+        parsed.append((match.group(1), int(match.group(2) or 1)))
+    if len({host for host, _ in parsed}) != len(parsed):
+        raise UserError(f"--hosts {text!r} names a host twice")
+    return parsed
+
+
+def host_slots(hosts: list[tuple[str, int]]) -> str:
+    """The -H syntax for (host, ranks) pairs: 'node1:2,node2:2' (parse_hosts' inverse)."""
+    return ",".join(f"{host}:{slots}" for host, slots in hosts)
+
+
 def is_script_path(program: str) -> bool:
     """The script-or-module rule: a program names a script when it ends in .py, has a directory
     part or is an existing file; anything else is a module name."""
@@ -196,7 +298,7 @@ def ranks_keras(options: LaunchOptions, env: Mapping[str, str]) -> str:
                 if _KERAS_2_IMPORT.search(script.read()):
                     return "2"
         except OSError:
-            pass  # program_command says why the script cannot be run
+            pass  # check_options says why the script cannot be run
     return default_keras(env)
 
 
@@ -209,17 +311,11 @@ def program_command(options: LaunchOptions, env: Mapping[str, str] = os.environ)
     """
     python = options.container_python if options.container else options.python
     if is_script_path(options.program):
-        if not os.path.isfile(options.program):
-            raise UserError(f"no such script: {options.program} (a script path runs as `python "
-                            "PATH`, a module name like hvdtrain.cnn as `python -m MODULE`)")
         if ranks_keras(options, env) == "3":
             return [python, options.program, *options.program_args]
         # horovod.tensorflow.keras needs Keras 2; hvdtrain.script selects it, then runs the
         # script exactly as `python script.py args` would.
         return [python, "-m", "hvdtrain.script", options.program, *options.program_args]
-    if not MODULE_NAME.fullmatch(options.program):
-        raise UserError(f"{options.program!r} is neither a module name (like hvdtrain.cnn) nor "
-                        "a script path (like train.py)")
     return [python, "-m", options.program, *options.program_args]
 
 

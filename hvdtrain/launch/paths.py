@@ -7,7 +7,6 @@ horovod feature, one line in ``preflight``). Pure: nothing here starts a process
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import shlex
@@ -17,11 +16,11 @@ from typing import Callable, Mapping
 
 from hvdtrain import default_keras
 from hvdtrain.credentials import without_userinfo
-from hvdtrain.errors import UserError
 from hvdtrain.launch import container
-from hvdtrain.launch.options import VIAS, LaunchOptions, program_command, ranks_keras, shell_words
+from hvdtrain.launch.options import (LaunchOptions, host_slots, parse_hosts, program_command,
+                                     ranks_keras, shell_words)
+from hvdtrain.launch.slurm import Allocation
 from hvdtrain.launcher_env import is_identity
-from hvdtrain.slurm import Allocation
 
 #: Variables of the user's shell never passed on to remote ranks (as horovodrun leaves them out):
 #: bash's exported functions and the previous directory.
@@ -113,8 +112,6 @@ def mpirun_command(plan: Plan) -> list[str]:
 
 
 def srun_command(plan: Plan) -> list[str]:
-    if plan.allocation is None:
-        raise UserError("--via srun needs a Slurm allocation (run it inside sbatch/salloc)")
     if plan.interfaces:  # srun passes the environment on; each rank's MPI reads these
         plan.env["OMPI_MCA_btl_tcp_if_include"] = plan.interfaces
         plan.env["OMPI_MCA_oob_tcp_if_include"] = plan.interfaces
@@ -153,29 +150,10 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
     ``interfaces``: the network interfaces the ranks must talk over (the network check's choice,
     or --network-interface); None leaves the choice to MPI, Gloo and NCCL. ``environment``: the
     launcher's, which the ranks on every host get too (less who the launcher itself is, should
-    it run inside another job).
+    it run inside another job). The options are checked (``options.check_options``).
     """
-    if options.via not in LAUNCH_PATHS:
-        raise UserError(f"--via must be one of {', '.join(VIAS)}, got {options.via!r}")
-    if options.max_restarts < 0:
-        raise UserError(f"--max-restarts must be 0 or more, got {options.max_restarts}")
-    if options.max_requeues < 0:
-        raise UserError(f"--max-requeues must be 0 or more, got {options.max_requeues}")
-    # Here, not only in the preflight (--skip-preflight skips it): 0 would read as "unset" below.
-    if options.np is not None and options.np < 1:
-        raise UserError(f"--np must be at least 1, got {options.np}")
-    if options.startup_timeout < 0:
-        raise UserError(f"--startup-timeout must be 0 (none) or more, got "
-                        f"{options.startup_timeout:g}")
-    if options.max_restarts and options.controller == "gloo":
-        # A restart must never repeat a user error (exit 2), and Gloo's horovodrun reports it as 1.
-        raise UserError("--max-restarts needs the ranks' exit statuses, which horovodrun --gloo "
-                        "reports as 1 whatever they were; use --controller mpi")
     notes = []
     if allocation is not None:
-        if options.hosts is not None:
-            raise UserError("--hosts is for outside Slurm; inside an allocation the ranks go "
-                            "where Slurm put the tasks (ask sbatch for other nodes instead)")
         np = options.np or allocation.num_tasks
         hosts = allocation.host_slots()
         notes.append(f"Slurm job {allocation.job_id}: {len(allocation.hosts)} node(s), "
@@ -228,16 +206,6 @@ def forwarded_names(environment: Mapping[str, str]) -> tuple[str, ...]:
 
 def horovod_tuning_env(options: LaunchOptions) -> dict[str, str]:
     """Horovod's knobs as the environment variables horovod reads in every rank."""
-    # Horovod takes whatever the variables say (a negative fusion buffer, a cycle of -1 ms):
-    # each must be a finite number; a shutdown limit of 0 is horovod's "never".
-    for flag, value, least in (("--fusion-threshold-mb", options.fusion_threshold_mb, 0),
-                               ("--cycle-time-ms", options.cycle_time_ms, 0),
-                               ("--stall-check-warning-seconds",
-                                options.stall_check_warning_seconds, 1),
-                               ("--stall-check-shutdown-seconds",
-                                options.stall_check_shutdown_seconds, 0)):
-        if value is not None and not (math.isfinite(value) and value >= least):
-            raise UserError(f"{flag} must be a number >= {least}, got {value}")
     env = {}
     if options.timeline_filename:
         env["HOROVOD_TIMELINE"] = options.timeline_filename
@@ -260,27 +228,7 @@ def horovod_tuning_env(options: LaunchOptions) -> dict[str, str]:
             # Horovod inspects stalls every HOROVOD_STALL_CHECK_TIME_SECONDS (60): a shorter
             # shutdown limit would only be seen at the next inspection (and horovod warns).
             env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(shutdown_seconds)
-    if options.controller == "gloo" and options.via != "horovodrun":
-        raise UserError("--controller gloo needs --via horovodrun (it runs the Gloo rendezvous)")
     return env
-
-
-def parse_hosts(text: str) -> list[tuple[str, int]]:
-    """horovodrun's -H syntax, 'node1:2,node2:2' (a host without a count has 1 slot)."""
-    parsed = []
-    for item in text.split(","):
-        match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?::(\d+))?", item.strip())
-        if not match or (match.group(2) is not None and int(match.group(2)) == 0):
-            raise UserError(f"--hosts {text!r}: give HOST:RANKS,HOST:RANKS (e.g. node1:2,node2:2)")
-        parsed.append((match.group(1), int(match.group(2) or 1)))
-    if len({host for host, _ in parsed}) != len(parsed):
-        raise UserError(f"--hosts {text!r} names a host twice")
-    return parsed
-
-
-def host_slots(hosts: list[tuple[str, int]]) -> str:
-    """The -H syntax for (host, ranks) pairs: 'node1:2,node2:2' (parse_hosts' inverse)."""
-    return ",".join(f"{host}:{slots}" for host, slots in hosts)
 
 
 def job_hosts(options: LaunchOptions, allocation: Allocation | None) -> list[str]:

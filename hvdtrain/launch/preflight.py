@@ -16,7 +16,7 @@ from hvdtrain.errors import UserError, rebuild_the_stack
 from hvdtrain.gpus import cpu_allowed, given_gpus, not_seen
 from hvdtrain.launch.probe import ask
 from hvdtrain.launch.options import LaunchOptions
-from hvdtrain.slurm import Allocation
+from hvdtrain.launch.slurm import Allocation
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,6 @@ def preflight(build: Build, allocation: Allocation | None, np: int | None,
     if build.tensorflow and not build.gpus and given and not cpu_allowed(env):
         # TensorFlow's count, not Slurm's: the ranks would train on the CPU without a word.
         problems.append(not_seen(given, build.tensorflow_version, build.cuda))
-    if np is not None and np < 1:
-        problems.append(f"--np must be at least 1, got {np}")
     root_ok = env.get("OMPI_ALLOW_RUN_AS_ROOT") == "1" and \
         env.get("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM") == "1"
     if running_as_root and options.via == "mpirun" and not (root_ok or options.allow_run_as_root):

@@ -2,11 +2,11 @@
 #SBATCH lines and one ``exec`` of it).
 
 What a template did in bash before, here once: the HVDTRAIN_* variables given at submission
-(``hvdtrain.slurm.BATCH_VARIABLES``), the run directory that survives a requeue, the
+(``slurm.BATCH_VARIABLES``), the run directory that survives a requeue, the
 script-or-module dispatch, and after Slurm's time-limit warning (SIGUSR1, forwarded to the ranks
 like any stop signal, see ``supervise``), the requeue of exactly this job once the ranks have
 written their checkpoint and exited 75. The rule itself is Slurm knowledge:
-``hvdtrain.slurm.requeue_decision``.
+``slurm.requeue_decision``.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Mapping
 from hvdtrain.errors import EXIT_PREEMPTED, UserError, first_line
 from hvdtrain.launch.console import say
 from hvdtrain.launch.options import VIAS, LaunchOptions, is_script_path, shell_words
-from hvdtrain.slurm import default_run_dir, requeue_decision
+from hvdtrain.launch.slurm import default_run_dir, requeue_decision
 
 
 def batch_options(options: LaunchOptions, env: Mapping[str, str]) -> tuple[LaunchOptions, str]:

@@ -14,13 +14,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hvdtrain import netcheck
 from hvdtrain.errors import (EXIT_PREEMPTED, EXIT_USAGE, RELAYED_STOP, UserError, signal_name,
                              stop_status)
 from hvdtrain.launch.console import say
 from hvdtrain.launch.failures import JobOutput, relay
 from hvdtrain.launch.paths import Launch, command_line
 from hvdtrain.launch.probe import ask
+from hvdtrain.launch.remote import shell_on
 from hvdtrain.launch.survivors import Survivors
 from hvdtrain.launcher_env import Process, marked
 
@@ -89,7 +89,7 @@ class RankZeroHost:
     python: str
     """The ranks' interpreter, which answers there (``hvdtrain.launch.probe ranks``)."""
     command: tuple[str, ...]
-    """What runs a shell command there: ssh outside Slurm, an srun step inside an allocation."""
+    """What runs a shell command line there (``remote.shell_on``: ssh, or an srun step)."""
 
     def rank_zero_runs(self, marker: str) -> bool | None:
         """True while rank 0 of the attempt runs there, False once it has ended, None when the
@@ -109,12 +109,7 @@ def rank_zero_host(hosts: list[str], local_names: set[str], python: str,
     first = hosts[0]
     if first in local_names:
         return None
-    if in_allocation:  # Slurm's own channel; --overlap shares the job's resources
-        command = ("srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={first}",
-                   "--kill-on-bad-exit=0", "sh", "-c")
-    else:  # ssh, as horovodrun and mpirun reach the hosts
-        command = (*netcheck.SSH, first)
-    return RankZeroHost(first, python, command)
+    return RankZeroHost(first, python, shell_on(first, in_allocation))
 
 
 def finishes_a_rank(process: Process) -> bool:

@@ -19,46 +19,23 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from hvdtrain import netcheck
 from hvdtrain.errors import UserError
-from hvdtrain.launch.options import LaunchOptions
-from hvdtrain.launch.paths import host_slots, parse_hosts
-from hvdtrain.slurm import Allocation
+from hvdtrain.launch.options import LaunchOptions, host_slots, parse_hosts
+from hvdtrain.launch.remote import on_host
+from hvdtrain.launch.slurm import Allocation
 
 #: Seconds a host has to answer ssh (its ConnectTimeout is 10) before it counts as gone.
 ANSWER_SECONDS = 30.0
-
-
-def check_min_nodes(options: LaunchOptions, allocation: Allocation | None) -> None:
-    """``UserError`` when ``--min-nodes`` cannot do what it says with these options."""
-    if not options.min_nodes:
-        return
-    if options.min_nodes < 0:
-        raise UserError(f"--min-nodes must be 1 or more, got {options.min_nodes}")
-    if allocation is None and options.hosts is None:
-        raise UserError("--min-nodes needs several hosts: --hosts, or a Slurm allocation")
-    if not options.max_restarts:
-        raise UserError("--min-nodes restarts the job on the hosts left: give --max-restarts "
-                        "too (each restart counts, whatever its cause)")
-    count = len(allocation.hosts) if allocation else len(parse_hosts(options.hosts))
-    if options.min_nodes > count:
-        where = f"the allocation's {count} node(s)" if allocation else \
-            f"the {count} host(s) of --hosts {options.hosts}"
-        raise UserError(f"--min-nodes {options.min_nodes} is more than {where}")
 
 
 def host_problem(host: str, in_allocation: bool = False,
                  timeout: float = ANSWER_SECONDS) -> str | None:
     """None when ``host`` answers (ssh, or inside an allocation an srun step there); otherwise
     why it counts as gone, in a few words."""
-    if in_allocation:
-        channel, command = "srun", ["srun", "--overlap", "--nodes=1", "--ntasks=1",
-                                    f"--nodelist={host}", "--kill-on-bad-exit=0", "true"]
-    else:
-        channel, command = "ssh", [*netcheck.SSH, host, "true"]
+    channel = "srun" if in_allocation else "ssh"
     try:
-        answered = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL)
+        answered = subprocess.run(on_host(host, ["true"], in_allocation), capture_output=True,
+                                  text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return f"no answer over {channel} in {timeout:g} s"
     if answered.returncode == 0:
