@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("hvdtrain.launch", "start a job's ranks (horovodrun, mpirun or srun), pass "
                                   "signals on, restart"),
     "slurm": ("hvdtrain.slurm", "write an sbatch script (or the shipped templates)"),
+    "examples": ("hvdtrain.shipped", "write the shipped examples (a model file, a job through "
+                                     "the API) into a directory"),
     "convert": ("hvdtrain.tfrecords", "convert an image folder into TFRecord shards"),
     "stack": ("hvdtrain.stack", "check that TensorFlow, Keras, horovod and MPI work together"),
     "health": ("hvdtrain.health", "the pre-job health check of the nodes (run by `launch "
@@ -94,8 +96,10 @@ def help_text() -> str:
     lines += [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
     lines += ["", "options:", f"  {'--version':<{width}}  hvdtrain's version and the stack's",
               f"  {'--help':<{width}}  this list", "",
-              "Each command also runs as `python -m MODULE` (train: hvdtrain.cnn, convert: "
-              "hvdtrain.tfrecords, the others hvdtrain.NAME).",
+              "Each command also runs as `python -m MODULE` ("
+              + "".join(f"{name}: {module}, " for name, (module, _) in COMMANDS.items()
+                        if module != f"{COMMAND}.{name}")
+              + f"the others {COMMAND}.NAME).",
               "Docs: docs/cli.md (every flag), README.md."]
     return "\n".join(lines) + "\n"
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
 
 from hvdtrain.credentials import without_userinfo
-from hvdtrain.data.cache import parse_cache_flag
 from hvdtrain.errors import UserError
 from hvdtrain.flags import (OneLineParser, add_flag, base_type, field_docs, flag_name,
                             literal_choices, resolved_hints)
@@ -39,6 +38,32 @@ TfrecordSharding = Literal["file", "example"]
 EmbeddedData = Literal["digits", "synthetic"]
 KerasVersion = Literal["2", "3"]
 Tracker = Literal["off", "mlflow"]
+CacheMode = Literal["auto", "memory", "disk", "off"]
+
+
+@dataclass(frozen=True)
+class CacheSetting:
+    """--cache as the job uses it (hvdtrain.data.cache): the mode and, for 'disk:DIR', the
+    directory. Read from the flag's text once, when the config is built; recorded and printed
+    as that text (``str``)."""
+
+    mode: CacheMode
+    directory: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in typing.get_args(CacheMode) or (
+                self.directory is not None and (self.mode != "disk" or not self.directory)):
+            raise ValueError("--cache must be memory, disk, disk:DIR, off or auto, "
+                             f"got {str(self)!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> CacheSetting:
+        """'memory'|'disk'|'disk:DIR'|'off'|'auto' -> the setting; ValueError otherwise."""
+        mode, colon, directory = text.partition(":")
+        return cls(mode, directory if colon else None)
+
+    def __str__(self) -> str:
+        return self.mode if self.directory is None else f"{self.mode}:{self.directory}"
 
 
 def selected_keras() -> str:
@@ -188,10 +213,15 @@ class TrainConfig:
         return self.run_dir
 
     def to_dict(self) -> dict:
-        """The config as recorded (config.json, the tracker's parameters): a URL's user-info,
-        such as a tracking server's password, is left out (hvdtrain.credentials)."""
-        return {name: without_userinfo(value) if isinstance(value, str) else value
-                for name, value in dataclasses.asdict(self).items()}
+        """The config as recorded (config.json, the tracker's parameters), each value as its
+        flag is written (--cache's setting as its text): a URL's user-info, such as a tracking
+        server's password, is left out (hvdtrain.credentials)."""
+        recorded = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            value = str(value) if dataclasses.is_dataclass(value) else value
+            recorded[field.name] = without_userinfo(value) if isinstance(value, str) else value
+        return recorded
 
 
 @dataclass(kw_only=True)
@@ -236,7 +266,7 @@ class ImageConfig(TrainConfig):
     then stored at image-size / 0.875 to crop from. For photos (image folders, TFRecords). Off by
     default: flips and crops change what a class looks like for digits, text or anything with a
     left and a right, so they are a choice about your data, as in Keras."""
-    cache: str = "auto"
+    cache: CacheSetting = CacheSetting("auto")
     """Where decoded images are kept after the first epoch: 'memory', 'disk' (node-local
     $TMPDIR), 'disk:DIR', 'off', or 'auto': memory when every local rank's decoded share fits
     --cache-budget-gb, else local disk when it has room, else off."""
@@ -253,7 +283,8 @@ class ImageConfig(TrainConfig):
         _check_at_least_one(self, ["synthetic_samples"], ["image_size"])
         if self.channels not in (None, 1, 3):
             raise ValueError(f"--channels must be 1 or 3, got {self.channels}")
-        parse_cache_flag(self.cache)
+        if isinstance(self.cache, str):  # a flag's or a --config file's text
+            self.cache = CacheSetting.parse(self.cache)
         if self.augment and not (self.data_dir or self.tfrecords):
             raise ValueError("--augment is for images read from files (--data-dir or "
                              "--tfrecords), not the embedded data")
@@ -404,8 +435,8 @@ def _config_value(config_class: type, field: dataclasses.Field, value):
         return value
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if kind is str and isinstance(value, str) and not choices:
-        return value
+    if kind not in (int, float, bool) and isinstance(value, str) and not choices:
+        return value  # also a type of the config's own (--cache's): the config parses the text
     wanted = (f"one of {', '.join(choices)}" if choices else
               {int: "an integer", float: "a number", bool: "true or false"}.get(kind, "a string"))
     raise ValueError(f"{flag_name(field.name)} must be {wanted}, got {json.dumps(value)}")

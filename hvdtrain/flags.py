@@ -67,9 +67,9 @@ def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config_c
                             default=default, help=help_text)
     elif choices:
         parser.add_argument(*names, default=default, choices=choices, help=help_text)
-    else:
-        parser.add_argument(*names, default=default, type=kind, help=help_text,
-                            metavar=field.name.upper())
+    else:  # a type of the config's own (--cache's) is given as text, which the config parses
+        parser.add_argument(*names, default=default, type=kind if kind in (int, float) else str,
+                            help=help_text, metavar=field.name.upper())
 
 
 def flag_name(name: str) -> str:

@@ -4,10 +4,12 @@ training through it run in tests/test_gpus.py (`hvdtrain launch -np 2`, `hvdtrai
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -80,7 +82,7 @@ def _installed(distribution: str) -> bool:
 
 @pytest.mark.parametrize("args, line", [
     (["trian"], "hvdtrain: error: no command 'trian'; did you mean train? (commands: train, "
-                "autoencoder, launch, slurm, convert, stack, health; hvdtrain --help)"),
+                "autoencoder, launch, slurm, examples, convert, stack, health; hvdtrain --help)"),
     (["train", "--epoch", "3"], "hvdtrain.cnn: error: unrecognized arguments: --epoch 3; did you "
                                 "mean --epochs? (see --help)"),
     (["launch", "--hostz", "a:1", "hvdtrain.cnn"], "hvdtrain.launch: error: unrecognized "
@@ -105,12 +107,28 @@ def test_the_launcher_takes_horovodruns_np():
     assert parse_options(["--np", "3", "hvdtrain.cnn"], "").np == 3
 
 
+def test_the_examples_are_written_beside_a_users_files_never_over_them(tmp_path, capsys):
+    from hvdtrain.errors import UserError
+    from hvdtrain.shipped import run
+
+    run([str(tmp_path / "mine")])
+    written = capsys.readouterr().out.split()
+    assert "my_model.py" in [path.rsplit("/", 1)[-1] for path in written]
+    (tmp_path / "mine" / "my_model.py").write_text("# edited\n")
+    with pytest.raises(UserError) as error:
+        run([str(tmp_path / "mine")])
+    assert str(error.value) == (f"{', '.join(written)} already exist(s); not overwriting: "
+                                "remove them or choose another directory")
+    assert (tmp_path / "mine" / "my_model.py").read_text() == "# edited\n"
+
+
 @integration
 @pytest.mark.timeout(400)
 def test_the_wheel_works_outside_the_checkout(tmp_path):
     """hvdtrain built as a wheel and installed (no dependencies) beside this stack, used from a
-    directory of its own: the templates it writes run this Python, a 2-rank job trains there,
-    and without horovod it says how to get it without a checkout."""
+    directory of its own: the templates it writes run this Python, the examples it writes are
+    the repository's, a 2-rank job trains the example model file there, and without horovod it
+    says how to get it without a checkout."""
     source, wheels = tmp_path / "source", tmp_path / "wheels"
     site, work = tmp_path / "site", tmp_path / "project"
     # The repository's files as they are (pip builds in the tree it is given: not this one's).
@@ -135,11 +153,21 @@ def test_the_wheel_works_outside_the_checkout(tmp_path):
                       timeout=60, env=env, cwd=work).stdout.split()
     assert written == [f"slurm/{name}" for name in TEMPLATES]
     assert f'exec "${{HVDTRAIN_PYTHON:-{sys.executable}}}"' in (work / "slurm/4gpu.sh").read_text()
+    # The examples, as the repository has them, and the job below trains the model file.
+    written = run_job([sys.executable, "-m", "hvdtrain", "examples", "examples"],
+                      timeout=60, env=env, cwd=work).stdout.split()
+    shipped = sorted(path.name for path in (REPO / "examples").iterdir() if path.is_file())
+    assert written == [f"examples/{name}" for name in shipped] and "my_model.py" in shipped
+    assert [name for name in shipped if (work / "examples" / name).read_bytes()
+            != (REPO / "examples" / name).read_bytes()] == []
 
     trained = run_job([sys.executable, "-m", "hvdtrain", "launch", "-np", "2", "hvdtrain.cnn",
                        "--preset", "tiny", "--epochs", "1", "--no-tensorboard", "--run-dir",
-                       "run"], timeout=300, env=env, cwd=work)
+                       "run", "--model", "examples/my_model.py:build"],
+                      timeout=300, env=env, cwd=work)
     assert "done: 1 epoch(s)" in trained.stdout and (work / "run" / "metrics.json").is_file()
+    with zipfile.ZipFile(work / "run" / "model.keras") as exported:  # what Keras saved
+        assert json.loads(exported.read("config.json"))["config"]["name"] == "my_model"
 
     no_horovod = tmp_path / "no-horovod"
     (no_horovod / "horovod").mkdir(parents=True)

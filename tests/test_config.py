@@ -7,7 +7,7 @@ import pytest
 
 from hvdtrain.cnn import PRESETS as CNN_PRESETS
 from hvdtrain.cnn import ClassifierConfig
-from hvdtrain.config import ImageConfig, TrainConfig, parse_config
+from hvdtrain.config import CacheSetting, ImageConfig, TrainConfig, parse_config
 from hvdtrain.flags import field_docs
 from hvdtrain.errors import UserError
 
@@ -82,6 +82,7 @@ def test_the_default_run_dir_is_the_presets_for_the_digits_and_its_own_for_other
     (["--learning-rate", "nan"], "--learning-rate must be a finite number, got nan"),
     (["--warmup-epochs", "inf"], "--warmup-epochs must be a finite number, got inf"),
     (["--cache-budget-gb", "nan"], "--cache-budget-gb must be a finite number, got nan"),
+    (["--cache", "disk:"], "--cache must be memory, disk, disk:DIR, off or auto, got 'disk:'"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--epochs", "99999999999999999999"], "--epochs must be at most 2147483647"),
     (["--epochs", "-3000000000"], "--epochs must be at least 1"),
@@ -105,7 +106,11 @@ def test_help_lists_flags_with_their_docs(capsys):
 def test_a_run_directorys_config_json_replays_the_run_and_the_flags_given_win(tmp_path, capsys):
     """--config FILE: a run's config.json (as train.py writes it) gives back that run's config;
     --print-config prints what --config reads, so the two round-trip."""
-    ran = parse("--preset", "tiny", "--epochs", "5", "--model", "resnet50", "--no-augment")
+    ran = parse("--preset", "tiny", "--epochs", "5", "--model", "resnet50", "--no-augment",
+                "--cache", "disk:/scratch")
+    # --cache is parsed once, here, and recorded as the flag is written.
+    assert ran.cache == CacheSetting("disk", "/scratch")
+    assert ran.to_dict()["cache"] == "disk:/scratch"
     recorded = tmp_path / "config.json"
     recorded.write_text(json.dumps({"program": "hvdtrain.cnn", "config": ran.to_dict(),
                                     "plan": {"num_workers": 2}}))
@@ -125,6 +130,8 @@ def test_a_run_directorys_config_json_replays_the_run_and_the_flags_given_win(tm
     ('{"augment": 1}', "--augment must be true or false, got 1"),
     ('{"lr_decay": "linear"}', '--lr-decay must be one of cosine, constant, got "linear"'),
     ('{"epochs": 0}', "--epochs must be at least 1, got 0"),
+    ('{"cache": "ram"}', "--cache must be memory, disk, disk:DIR, off or auto, got 'ram'"),
+    ('{"cache": 3}', "--cache must be a string, got 3"),
     ('[1, 2]', "holds a JSON list, not an object of flags"),
     ('{"epochs": 3', "not JSON (Expecting ',' delimiter at line 1 column 13)"),
 ])

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.config import ImageConfig
+from hvdtrain.config import CacheSetting, ImageConfig
 from hvdtrain.data import build_pipelines, list_data, split_indices
 from hvdtrain.data.folder import list_image_folder
 from hvdtrain.data.records import file_order, files_for_rank, list_tfrecords
@@ -487,35 +487,35 @@ GB = 10**9
 def test_auto_cache_never_holds_more_than_the_memory_budget():
     from hvdtrain.data.cache import choose_cache
 
+    auto, fast_disk = CacheSetting("auto"), CacheSetting.parse("disk:/fast")
     common = dict(local_size=4, disk_dir="/scratch")
-    fits = choose_cache("auto", bytes_per_rank=2 * GB, memory_budget=8 * GB, disk_free=0,
-                        **common)
+    fits = choose_cache(auto, bytes_per_rank=2 * GB, memory_budget=8 * GB, disk_free=0, **common)
     assert fits.kind == "memory" and "8.0 GB decoded <= 8.0 GB budget" in fits.reason
     # 4 local ranks x 2.1 GB > 8 GB: never memory, whatever the disk.
     for disk_free, kind in ((100 * GB, "disk"), (9 * GB, "off"), (None, "off")):
-        choice = choose_cache("auto", bytes_per_rank=int(2.1 * GB), memory_budget=8 * GB,
+        choice = choose_cache(auto, bytes_per_rank=int(2.1 * GB), memory_budget=8 * GB,
                               disk_free=disk_free, **common)
         assert choice.kind == kind and "8.4 GB decoded > 8.0 GB budget" in choice.reason, choice
-    assert choose_cache("auto", bytes_per_rank=3 * GB, memory_budget=8 * GB,
+    assert choose_cache(auto, bytes_per_rank=3 * GB, memory_budget=8 * GB,
                         disk_free=100 * GB, **common).directory == "/scratch"
     # What the user asks for is what they get, with the size in the reason.
-    assert choose_cache("memory", bytes_per_rank=9 * GB, memory_budget=GB, disk_free=0,
-                        **common).kind == "memory"
-    assert choose_cache("disk:/fast", bytes_per_rank=GB, memory_budget=GB, disk_free=4 * GB,
+    assert choose_cache(CacheSetting("memory"), bytes_per_rank=9 * GB, memory_budget=GB,
+                        disk_free=0, **common).kind == "memory"
+    assert choose_cache(fast_disk, bytes_per_rank=GB, memory_budget=GB, disk_free=4 * GB,
                         **common).directory == "/fast"
     # ... unless it cannot fit: the 4 local ranks' share on a disk with less free.
     with pytest.raises(RankError, match=r"^--cache disk needs 4.0 GB in /fast \(1.0 GB decoded "
                        r"per rank x 4 local rank\(s\)\), which has 4.0 GB free"):
-        choose_cache("disk:/fast", bytes_per_rank=GB, memory_budget=GB, disk_free=4 * GB - 1,
+        choose_cache(fast_disk, bytes_per_rank=GB, memory_budget=GB, disk_free=4 * GB - 1,
                      **common)
-    assert choose_cache("off", bytes_per_rank=1, memory_budget=GB, disk_free=0,
+    assert choose_cache(CacheSetting("off"), bytes_per_rank=1, memory_budget=GB, disk_free=0,
                         **common).kind == "off"
 
 
 def test_the_banner_names_the_limit_that_decided():
     from hvdtrain.data.cache import choose_cache
 
-    choice = choose_cache("auto", bytes_per_rank=448 * 10**6, local_size=2,
+    choice = choose_cache(CacheSetting("auto"), bytes_per_rank=448 * 10**6, local_size=2,
                           memory_budget=300 * 10**6, disk_free=80 * GB, disk_dir="/tmp",
                           budget_source="half of Slurm --mem 600M")
     assert choice.describe() == (
@@ -537,14 +537,16 @@ def test_the_budget_decides_for_a_real_listing(tmp_path):
                                 on_bad_image="skip")
     world = World(rank=0, size=2, local_size=2)
     decoded = 40 * 32 * 32 * 3 + 8 * 32 * 32 * 3  # this rank: 40 training + 8 validation
-    enough = choose_data_cache(listing, world, "auto", budget_gb=2 * decoded / 1e9,
+    auto = CacheSetting("auto")
+    enough = choose_data_cache(listing, world, auto, budget_gb=2 * decoded / 1e9,
                                validation_samples=8)
-    short = choose_data_cache(listing, world, "auto", budget_gb=(2 * decoded - 1) / 1e9,
+    short = choose_data_cache(listing, world, auto, budget_gb=(2 * decoded - 1) / 1e9,
                               validation_samples=8)
     assert enough.kind == "memory"
     assert short.kind != "memory"
-    assert choose_data_cache(list_data(ImageConfig()), world, "memory", budget_gb=None,
-                             validation_samples=0).kind == "off"  # embedded: in memory already
+    embedded = list_data(ImageConfig())  # in memory already
+    assert choose_data_cache(embedded, world, CacheSetting("memory"), budget_gb=None,
+                             validation_samples=0).kind == "off"
 
 
 def test_a_disk_cache_is_written_per_process(tmp_path):

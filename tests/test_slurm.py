@@ -171,12 +171,14 @@ def test_the_auto_cache_budgets_against_the_jobs_slurm_memory(submit, tmp_path, 
         (folder / name).mkdir(parents=True)
         for index in range(1200):
             os.link(one, folder / name / f"{index}{one.suffix}")
-    code = ("import hvdtrain; from hvdtrain.data import choose_data_cache; "
+    code = ("import hvdtrain; from hvdtrain.config import CacheSetting; "
+            "from hvdtrain.data import choose_data_cache; "
             "from hvdtrain.data.folder import list_image_folder; "
             "from hvdtrain.runtime import World; "
             f"listing = list_image_folder({str(folder)!r}, image_size=224, "
             "validation_fraction=0.0, seed=0, on_bad_image='skip'); "
-            "print(choose_data_cache(listing, World(rank=0, size=2, local_size=2), 'auto', "
+            "print(choose_data_cache(listing, World(rank=0, size=2, local_size=2), "
+            "CacheSetting('auto'), "
             "budget_gb=None, validation_samples=0).describe())")
     job = submit(*memory, f"--chdir={REPO}", "--wrap", f"{VENV_BIN / 'python'} -c \"{code}\"")
     job.wait()

@@ -16,8 +16,8 @@ Every source becomes the same two ``tf.data`` pipelines per rank. The package, b
 """
 import importlib
 
-# Resolved on first use: importing one module of the package (the config imports cache.py's
-# flag parser) must not import them all, numpy and the pipeline included.
+# Resolved on first use: importing one module of the package (the converter imports folder.py
+# and records.py) must not import them all, the pipeline included.
 _PUBLIC = {"CacheChoice": "cache", "choose_data_cache": "cache", "Listing": "listing",
            "Split": "listing", "split_indices": "listing", "ImageDatasets": "pipeline",
            "build_pipelines": "pipeline", "list_data": "sources", "load_listing": "sources",

@@ -28,6 +28,7 @@ from hvdtrain.runtime.base import World
 from hvdtrain.scratch import own_directory
 
 if TYPE_CHECKING:
+    from hvdtrain.config import CacheSetting
     from hvdtrain.data.listing import Listing
 
 CacheKind = Literal["memory", "disk", "off"]
@@ -55,17 +56,17 @@ class CacheChoice:
         return f"cache: {self.kind}{where} ({self.reason})"
 
 
-def choose_data_cache(listing: Listing, world: World, flag: str, *, budget_gb: float | None,
-                      validation_samples: int, augment: bool = False) -> CacheChoice:
-    """The cache this rank uses for ``listing``: the flag's, with ``auto`` decided by
-    ``choose_cache`` against this node's numbers."""
+def choose_data_cache(listing: Listing, world: World, setting: CacheSetting, *,
+                      budget_gb: float | None, validation_samples: int,
+                      augment: bool = False) -> CacheChoice:
+    """The cache this rank uses for ``listing``: the --cache ``setting``'s, with ``auto``
+    decided by ``choose_cache`` against this node's numbers."""
     if listing.in_memory:
         return CacheChoice("off", listing.in_memory)
-    mode, directory = parse_cache_flag(flag)
-    disk_dir = directory or default_disk_dir()
+    disk_dir = setting.directory or default_disk_dir()
     # Only auto needs the budget (it reads Slurm's variables, the cgroup files and /proc).
-    budget, budget_source = memory_budget(budget_gb) if mode == "auto" else (0, "")
-    return choose_cache(flag, bytes_per_rank=decoded_bytes_per_rank(listing, world,
+    budget, budget_source = memory_budget(budget_gb) if setting.mode == "auto" else (0, "")
+    return choose_cache(setting, bytes_per_rank=decoded_bytes_per_rank(listing, world,
                                                                     validation_samples, augment),
                         local_size=world.local_size, memory_budget=budget,
                         budget_source=budget_source, disk_free=free_bytes(disk_dir),
@@ -81,31 +82,21 @@ def decoded_bytes_per_rank(listing: Listing, world: World, validation_samples: i
     return (training + validation_samples) * height * width * channels
 
 
-def parse_cache_flag(value: str) -> tuple[str, str | None]:
-    """'memory'|'disk'|'disk:DIR'|'off'|'auto' -> (mode, directory); ValueError otherwise."""
-    mode, _, directory = value.partition(":")
-    if mode not in ("memory", "disk", "off", "auto") or (directory and mode != "disk") or (
-            value.endswith(":") and not directory):
-        raise ValueError(f"--cache must be memory, disk, disk:DIR, off or auto, got {value!r}")
-    return mode, directory or None
-
-
-def choose_cache(flag: str, *, bytes_per_rank: int, local_size: int, memory_budget: int,
-                 disk_free: int | None, disk_dir: str,
+def choose_cache(setting: CacheSetting, *, bytes_per_rank: int, local_size: int,
+                 memory_budget: int, disk_free: int | None, disk_dir: str,
                  budget_source: str = "the memory budget") -> CacheChoice:
     """The cache for one rank. ``bytes_per_rank``: decoded size of what this rank caches;
     ``memory_budget``: bytes the job's ranks on this node may cache in memory, ``budget_source``
     where that number came from (for the banner); ``disk_free``: free bytes in ``disk_dir``
     (None: unknown, e.g. it does not exist)."""
-    mode, directory = parse_cache_flag(flag)
-    disk_dir = directory or disk_dir
+    disk_dir = setting.directory or disk_dir
     node_bytes = bytes_per_rank * local_size
     need = f"{_size(bytes_per_rank)} decoded per rank x {local_size} local rank(s)"
-    if mode == "off":
+    if setting.mode == "off":
         return CacheChoice("off", "--cache off")
-    if mode == "memory":
+    if setting.mode == "memory":
         return CacheChoice("memory", f"--cache memory; {need}")
-    if mode == "disk":
+    if setting.mode == "disk":
         if disk_free is not None and node_bytes > disk_free:
             # It would fill the disk mid-epoch; this node's disk, so this rank's line.
             raise RankError(f"--cache disk needs {_size(node_bytes)} in {disk_dir} ({need}), "
