@@ -24,7 +24,7 @@ import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 from hvdtrain import KERAS, STARTED, __version__, ranklog, tracking
 from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
                                 MetricsLog, Progress, StallWatchdog, TensorBoardLog,
-                                Throughput,
+                                Throughput, TrackEpochs,
                                 batch_norm_layers)
 from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, training_state,
                                  variables_bytes)
@@ -95,7 +95,7 @@ def keras_name() -> str:
 def run(program: str, config: TrainConfig, runtime: Runtime, task: Task) -> TrainingResult:
     """Data -> plan -> banner -> fit: a whole job once the runtime is up."""
     check_keras(config)
-    tracking.check_available(config.track, runtime)
+    tracking.check(config, runtime)  # before the data is read and the run directory made
     request = StopRequest()
     with StopSignals(runtime.world.rank, request):  # a stop signal is recorded, never fatal
         if task.datasets is None:
@@ -302,7 +302,6 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     state_variables = training_state(model)
 
     # --- run directory and resume ---------------------------------------------------------------
-    tracking.check_server(config, runtime)  # before the run directory is made
     # Rank 0 also takes the run directory's lock, held until this process ends: a second job on
     # the same directory (a duplicate sbatch, a requeued job whose old copy still runs) is
     # refused on every rank, naming the holder, before it writes anything. So is a directory
@@ -333,9 +332,10 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done"
                        + (f"; resized: {', '.join(resized)} (the schedule follows the epochs)"
                           if resized else ""))
-    tracker = tracking.start(program, config, runtime, run_dir, tracking.flat_params({
+    tracker = tracking.start(program, config, runtime, run_dir, {
         "config": config.to_dict(), "plan": plan.to_dict(), "world": dataclasses.asdict(world),
-        "run": {"program": program, "precision": precision, **_versions()}}), rows)
+        "run": {"program": program, "precision": precision, **_versions()}}, rows,
+        job=job_label(os.environ))
     run_dir.write_json(CONFIG_FILE, {
         "program": program, "config": config.to_dict(), "plan": plan.to_dict(),
         "world": dataclasses.asdict(world), "precision": precision,
@@ -374,9 +374,9 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         # Metrics before the checkpoint: a crash between the two then costs a repeated epoch,
         # never a missing row.
         callbacks += [MetricsLog(run_dir, rows, request, throughput),
-                      SaveCheckpoint(checkpoints, request)]
-        if tracker:  # after the checkpoint: the tracker holds checkpointed epochs only
-            callbacks.append(tracking.TrackEpochs(tracker, rows, request))
+                      SaveCheckpoint(checkpoints, request),
+                      # After the checkpoint: the tracker holds checkpointed epochs only.
+                      TrackEpochs(tracker, rows, request)]
         if config.tensorboard:
             callbacks.append(TensorBoardLog(run_dir.tensorboard, profile_batch=0))
     # A signal that came before training (while listing data or building the model): stop now,
@@ -397,8 +397,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     # --- finish ---------------------------------------------------------------------------------
     if request.agreed:
         runtime.print0(describe_stop(request))
-        if tracker:
-            tracker.finish("KILLED", model_file=None)  # a rerun reopens it
+        tracker.finish("KILLED", model_file=None)  # a rerun reopens it
         # Nobody leaves before rank 0 has written the checkpoint: the ranks exit non-zero, and
         # mpirun kills the rest of a job as soon as one rank does so.
         runtime.barrier()
@@ -410,8 +409,8 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         note = export(model, run_dir)
         if note:
             runtime.print0(note)
-    if tracker:
-        tracker.finish("FINISHED", model_file=exported(run_dir))
+    # Rank 0's tracker is the only one that records it (the others' is a NullTracker).
+    tracker.finish("FINISHED", model_file=exported(run_dir) if world.is_chief else None)
     return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows, 0)
 
 

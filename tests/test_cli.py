@@ -4,6 +4,7 @@ training through it run in tests/test_gpus.py (`hvdtrain launch -np 2`, `hvdtrai
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import re
 import shutil
 import subprocess
@@ -137,9 +138,18 @@ def test_the_wheel_works_outside_the_checkout(tmp_path):
     assert f'exec "${{HVDTRAIN_PYTHON:-{sys.executable}}}"' in (work / "slurm/4gpu.sh").read_text()
 
     trained = run_job([sys.executable, "-m", "hvdtrain", "launch", "-np", "2", "hvdtrain.cnn",
-                       "--preset", "tiny", "--epochs", "1", "--no-tensorboard", "--run-dir",
-                       "run"], timeout=300, env=env, cwd=work)
-    assert "done: 1 epoch(s)" in trained.stdout and (work / "run" / "metrics.json").is_file()
+                       "--preset", "tiny", "--epochs", "2", "--no-tensorboard", "--run-dir",
+                       "run", "--track", "jsonl:track.jsonl"], timeout=300, env=env, cwd=work)
+    assert "done: 2 epoch(s)" in trained.stdout, trained.stdout[-3000:]
+    # The JSON-lines tracker (rank 0 alone: one start): the run's parameters, each epoch's
+    # metrics.json row, its end.
+    rows = json.loads((work / "run" / "metrics.json").read_text())
+    events = [json.loads(line) for line in (work / "track.jsonl").read_text().splitlines()]
+    assert [event["event"] for event in events] == ["start", "epoch", "epoch", "finish"]
+    assert events[0]["params"]["world"]["size"] == 2
+    assert events[0]["params"]["config"]["track"] == "jsonl:track.jsonl"
+    assert [{"epoch": event["epoch"], **event["metrics"]} for event in events[1:3]] == rows
+    assert events[-1]["status"] == "FINISHED" and events[-1]["model_file"] == "model.keras"
 
     no_horovod = tmp_path / "no-horovod"
     (no_horovod / "horovod").mkdir(parents=True)
