@@ -1,5 +1,6 @@
 """Keras callbacks of a training run that are neither checkpointing (``checkpoint.py``) nor
-preemption (``preemption.py``): data problems, batch-norm statistics, throughput, metrics.
+preemption (``preemption.py``): data problems, batch-norm statistics, throughput, metrics, the
+tracker's epochs.
 
 ``DecodeFailureReport`` and ``BatchNormStatistics`` are collectives (attached on every rank or
 none); the rest are local. Callbacks that write files are only attached on rank 0.
@@ -20,6 +21,7 @@ from hvdtrain.errors import RankError, UserError, no_step_report, report_once
 from hvdtrain.plots import curves_title, plot_curves
 from hvdtrain.preemption import StopRequest
 from hvdtrain.rundir import RunDir
+from hvdtrain.tracking import Tracker
 
 
 class DecodeFailureReport(keras.callbacks.Callback):
@@ -414,3 +416,18 @@ class MetricsLog(keras.callbacks.Callback):
                             f"{error.strerror or error}; make room there (or pass another "
                             "--run-dir), then run the job again: it resumes from its last "
                             "checkpoint") from None
+
+
+class TrackEpochs(keras.callbacks.Callback):
+    """Rank 0, after SaveCheckpoint: each completed epoch's row to the tracker, once its
+    checkpoint exists."""
+
+    def __init__(self, tracker: Tracker, rows: list[dict], request: StopRequest):
+        super().__init__()
+        self.tracker = tracker
+        self.rows = rows
+        self.request = request
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not self.request.mid_epoch:  # a cut-short epoch has no row (MetricsLog)
+            self.tracker.log_epochs(self.rows)

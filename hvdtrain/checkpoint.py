@@ -6,7 +6,8 @@
   resume at. ``restore_or_start`` reads the newest loadable one on rank 0 and broadcasts every
   variable of it, so all ranks continue from identical state.
 * ``SaveCheckpoint`` writes one after every completed epoch; a preemption stop writes its own
-  (``preemption.py``), so an epoch cut short is re-run from its start.
+  at once (``SaveOnStop``, called by ``preemption.PreemptionCheck``), so an epoch cut short is
+  re-run from its start.
 """
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ def restore_or_start(checkpoints: Checkpoints, runtime, state_variables: list,
 
 
 class SaveCheckpoint(keras.callbacks.Callback):
-    """Rank 0: a checkpoint after every completed epoch (a stop writes its own, see train.fit)."""
+    """Rank 0: a checkpoint after every completed epoch (a stop writes its own: SaveOnStop)."""
 
     def __init__(self, checkpoints: Checkpoints, request: StopRequest):
         super().__init__()
@@ -174,3 +175,19 @@ class SaveCheckpoint(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not self.request.saved:
             self.checkpoints.save(resume_epoch=epoch + 1)
+
+
+class SaveOnStop:
+    """``PreemptionCheck``'s ``on_stop``: the moment the ranks agree to stop, rank 0 writes the
+    checkpoint, before Keras' end-of-epoch validation eats into Slurm's warning time; the
+    epoch's own ``SaveCheckpoint`` then writes nothing more."""
+
+    def __init__(self, checkpoints: Checkpoints, request: StopRequest, is_chief: bool):
+        self.checkpoints = checkpoints
+        self.request = request
+        self.is_chief = is_chief
+
+    def __call__(self, epoch: int, mid_epoch: bool) -> None:
+        if self.is_chief:  # an epoch cut short is re-run from its start on resume
+            self.checkpoints.save(resume_epoch=epoch if mid_epoch else epoch + 1)
+            self.request.saved = True

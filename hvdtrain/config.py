@@ -27,6 +27,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.flags import (OneLineParser, add_flag, base_type, field_docs, flag_name,
                             literal_choices, resolved_hints)
 from hvdtrain.rundir import is_url
+from hvdtrain.tracking import check_track
 
 Backend = Literal["auto", "horovod", "tpu", "mirrored", "single"]
 BatchPolicy = Literal["per-worker", "global"]
@@ -37,7 +38,6 @@ BadImagePolicy = Literal["skip", "fail"]
 TfrecordSharding = Literal["file", "example"]
 EmbeddedData = Literal["digits", "synthetic"]
 KerasVersion = Literal["2", "3"]
-Tracker = Literal["off", "mlflow"]
 CacheMode = Literal["auto", "memory", "disk", "off"]
 
 
@@ -163,12 +163,15 @@ class TrainConfig:
     """Write TensorBoard logs (rank 0 only) under <run_dir>/tensorboard."""
     export: bool = True
     """Save the trained model (without optimizer state) as <run_dir>/model.keras at the end."""
-    track: Tracker = "off"
-    """Mirror the run into an experiment tracker from rank 0. 'mlflow': the config and the plan
-    (world size, global batch, scaled learning rate) as parameters, every epoch's metrics with
-    the epoch as step, the outputs (config, metrics, curves, model) as artifacts; one MLflow run
-    per run directory across resume and requeue (its id in <run_dir>/tracking.json). Needs
-    MLflow's client: `pip install mlflow-skinny` (`make install`'s venv has it)."""
+    track: str = "off"
+    """Mirror the run into an experiment tracker from rank 0: off, mlflow or jsonl:PATH.
+    'mlflow': the config and the plan (world size, global batch, scaled learning rate) as
+    parameters, every epoch's metrics with the epoch as step, the outputs (config, metrics,
+    curves, model) as artifacts; one MLflow run per run directory across resume and requeue (its
+    id in <run_dir>/tracking.json). Needs MLflow's client: `pip install mlflow-skinny` (`make
+    install`'s venv has it). 'jsonl:PATH': one JSON object per line appended to the local file
+    PATH (your own plain file, created when missing; never a symbolic link): the run's start with
+    its parameters, each checkpointed epoch's metrics, its end with its status."""
     tracking_uri: str | None = None
     """The MLflow tracking server (http://host:5000, databricks, ...). Default:
     MLFLOW_TRACKING_URI, else MLflow's own default. Give a user and password in
@@ -201,6 +204,7 @@ class TrainConfig:
             raise ValueError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
         if not self.run_dir:
             raise ValueError("--run-dir must not be empty")
+        check_track(self.track)
         if self.seed < 0:  # numpy's and TensorFlow's seeds are unsigned
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         # After the checks that say more (--epochs -3000000000: "at least 1").

@@ -3,7 +3,7 @@ password are often given, and every line, file or MLflow parameter that shows th
 them on (run directories and logs are commonly readable by a whole group on a shared cluster).
 
 The rule, kept in one place: a URL's user-info goes only to the client that authenticates with it
-(``hvdtrain.tracking`` hands it to MLflow's own credential variables); everything printed, logged
+(``hvdtrain.tracking.mlflow`` hands it to MLflow's own credential variables); everything printed, logged
 or recorded shows the URL without it, and URLs are compared without it.
 """
 from __future__ import annotations

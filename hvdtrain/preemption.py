@@ -7,7 +7,7 @@ path through this module:
 
 1. ``StopSignals`` records the signal on whichever rank got it (never fatal);
 2. ``PreemptionCheck`` makes all ranks agree on it at the same step, leave ``fit`` together, and
-   has rank 0 write a checkpoint at once (``on_stop``);
+   has rank 0 write a checkpoint at once (``on_stop``: ``checkpoint.SaveOnStop``);
 3. ``hvdtrain.errors.stop_status`` says how the job ends: 75 (``EXIT_PREEMPTED``: requeue me)
    after SIGUSR1, 128 + N after any other signal, as if it had killed the process.
 """

@@ -24,10 +24,10 @@ import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 from hvdtrain import KERAS, STARTED, __version__, ranklog, tracking
 from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
                                 MetricsLog, Progress, StallWatchdog, TensorBoardLog,
-                                Throughput,
+                                Throughput, TrackEpochs,
                                 batch_norm_layers)
-from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, restore_or_start, training_state,
-                                 variables_bytes)
+from hvdtrain.checkpoint import (Checkpoints, SaveCheckpoint, SaveOnStop, restore_or_start,
+                                 training_state, variables_bytes)
 from hvdtrain.config import ImageConfig, TrainConfig
 from hvdtrain.data import (ImageDatasets, build_pipelines, choose_data_cache,
                            disk_cache_failures_in_one_line, load_listing)
@@ -40,6 +40,7 @@ from hvdtrain.rundir import (CONFIG_FILE, FINGERPRINT, MODEL_FILE, RunDir, ensur
                              is_url)
 from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
 from hvdtrain.task import Datasets, Shard, Task
+from hvdtrain.tracking import Tracker
 
 #: What rank 0 exports for a model that cannot be rebuilt from its config (``export``).
 WEIGHTS_FILE = "model.weights.h5"
@@ -95,7 +96,7 @@ def keras_name() -> str:
 def run(program: str, config: TrainConfig, runtime: Runtime, task: Task) -> TrainingResult:
     """Data -> plan -> banner -> fit: a whole job once the runtime is up."""
     check_keras(config)
-    tracking.check_available(config.track, runtime)
+    tracking.check(config, runtime)  # before the data is read and the run directory made
     request = StopRequest()
     with StopSignals(runtime.world.rank, request):  # a stop signal is recorded, never fatal
         if task.datasets is None:
@@ -280,34 +281,74 @@ def learning_rate_schedule(plan: TrainingPlan, decay: str):
     )
 
 
+@dataclass
+class RunStart:
+    """Where a run starts: its run directory and checkpoints, and what earlier runs did."""
+
+    run_dir: RunDir
+    checkpoints: Checkpoints
+    initial_epoch: int
+    """Epochs already completed (from a checkpoint)."""
+    restored_from: str | None
+    """The checkpoint this run resumed from, or None."""
+    rows: list[dict]
+    """Rank 0: the metrics.json rows of the epochs done (empty on the other ranks)."""
+
+
 def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         datasets: Datasets, task: Task, request: StopRequest,
         banner_text: str = "") -> TrainingResult:
-    world = runtime.world
-    run_dir = RunDir(config.run_dir, is_chief=world.is_chief)
+    """Model -> run directory -> resume -> tracker -> callbacks -> model.fit -> finish, on
+    every rank (each step's collectives are entered by all of them)."""
+    precision = seed_and_precision(config, runtime)
+    train, validation = model_data(datasets, task)
+    schedule = learning_rate_schedule(plan, config.lr_decay)
+    model = build_and_compile(config, runtime, task, datasets, train.element_spec, schedule)
+    state_variables = training_state(model)
+    experiment = fingerprint(program, config, datasets, plan)
+    run_dir = claim_run_dir(program, config, runtime, experiment, state_variables, banner_text)
+    start = resume(config, runtime, plan, run_dir, model, state_variables)
+    tracker = record_start(program, config, runtime, plan, start, precision, experiment)
+    callbacks = training_callbacks(config, runtime, plan, datasets, model, train, schedule, start,
+                                   tracker, request)
+    trains = train_epochs(config, runtime, plan, model, train, validation, callbacks,
+                          start.initial_epoch, tracker, request)
+    return finish_run(config, runtime, plan, datasets, model, start, tracker, request, trains)
+
+
+def seed_and_precision(config: TrainConfig, runtime: Runtime) -> str:
+    """Seed this rank's random draws and set Keras' precision policy; returns the precision
+    ('fp32', 'mixed_float16', 'mixed_bfloat16')."""
     # Each rank draws its own dropout masks and augmentations (seed + rank): identical draws would
     # make N ranks N copies of one sample's noise. Weights still start equal: rank 0's are
     # broadcast by restore_or_start.
-    keras.utils.set_random_seed(config.seed + world.rank)
+    keras.utils.set_random_seed(config.seed + runtime.world.rank)
     precision = runtime.default_precision() if config.precision == "auto" else config.precision
     keras.mixed_precision.set_global_policy("float32" if precision == "fp32" else precision)
+    return precision
 
-    # --- data as the model sees it, model and optimizer -----------------------------------------
+
+def model_data(datasets: Datasets, task: Task
+               ) -> tuple[tf.data.Dataset, tf.data.Dataset | None]:
+    """(training, validation) data as the model sees it: the task's ``to_pairs`` applied."""
     train, validation = datasets.train, datasets.validation
     if task.to_pairs is not None:
         train = with_targets(train, task.to_pairs)
         validation = with_targets(validation, task.to_pairs) if validation is not None else None
-    schedule = learning_rate_schedule(plan, config.lr_decay)
-    model = build_and_compile(config, runtime, task, datasets, train.element_spec, schedule)
-    state_variables = training_state(model)
+    return train, validation
 
-    # --- run directory and resume ---------------------------------------------------------------
-    tracking.check_server(config, runtime)  # before the run directory is made
+
+def claim_run_dir(program: str, config: TrainConfig, runtime: Runtime,
+                  experiment: dict[str, str], state_variables: list,
+                  banner_text: str) -> RunDir:
+    """The run directory, checked and locked by rank 0 (every rank refused alike), and every
+    rank's own log beside it."""
+    world = runtime.world
+    run_dir = RunDir(config.run_dir, is_chief=world.is_chief)
     # Rank 0 also takes the run directory's lock, held until this process ends: a second job on
     # the same directory (a duplicate sbatch, a requeued job whose old copy still runs) is
     # refused on every rank, naming the holder, before it writes anything. So is a directory
     # that recorded another experiment, whose checkpoint would go on training on this data.
-    experiment = fingerprint(program, config, datasets, plan)
     lock_note = ensure_writable(run_dir, runtime, bytes_needed=(config.keep_checkpoints + 1)
                                 * variables_bytes(state_variables) + 2**20,
                                 job=job_label(os.environ), fingerprint=experiment)
@@ -318,6 +359,13 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
                       + ("\n" + banner_text if world.is_chief and banner_text else ""))
     if lock_note:
         runtime.print0(lock_note)
+    return run_dir
+
+
+def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: RunDir,
+           model: keras.Model, state_variables: list) -> RunStart:
+    """Every rank at the newest checkpoint's state (rank 0's, broadcast), or at the start."""
+    world = runtime.world
     checkpoints = Checkpoints(run_dir, model, config.keep_checkpoints)
     initial_epoch, restored_from = restore_or_start(checkpoints, runtime, state_variables,
                                                     plan.steps_per_epoch)
@@ -333,26 +381,36 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done"
                        + (f"; resized: {', '.join(resized)} (the schedule follows the epochs)"
                           if resized else ""))
-    tracker = tracking.start(program, config, runtime, run_dir, tracking.flat_params({
+    return RunStart(run_dir, checkpoints, initial_epoch, restored_from, rows)
+
+
+def record_start(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
+                 start: RunStart, precision: str, experiment: dict[str, str]) -> Tracker:
+    """The tracker started (rank 0's; a NullTracker elsewhere) and config.json written."""
+    world = runtime.world
+    tracker = tracking.start(program, config, runtime, start.run_dir, {
         "config": config.to_dict(), "plan": plan.to_dict(), "world": dataclasses.asdict(world),
-        "run": {"program": program, "precision": precision, **_versions()}}), rows)
-    run_dir.write_json(CONFIG_FILE, {
+        "run": {"program": program, "precision": precision, **_versions()}}, start.rows,
+        job=job_label(os.environ))
+    start.run_dir.write_json(CONFIG_FILE, {
         "program": program, "config": config.to_dict(), "plan": plan.to_dict(),
         "world": dataclasses.asdict(world), "precision": precision,
-        "resumed_from": restored_from, "versions": _versions(), FINGERPRINT: experiment})
+        "resumed_from": start.restored_from, "versions": _versions(), FINGERPRINT: experiment})
+    return tracker
 
-    # --- fit ------------------------------------------------------------------------------------
-    def save_on_stop(epoch: int, mid_epoch: bool) -> None:
-        if world.is_chief:  # an epoch cut short is re-run from its start on resume
-            checkpoints.save(resume_epoch=epoch if mid_epoch else epoch + 1)
-            request.saved = True
 
+def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
+                       datasets: Datasets, model: keras.Model, train: tf.data.Dataset, schedule,
+                       start: RunStart, tracker: Tracker, request: StopRequest) -> list:
+    """Keras' callbacks, in the order they must run."""
+    world = runtime.world
     throughput = Throughput(plan.global_batch_size, plan.num_workers)
     callbacks = [
         *runtime.sync_callbacks(),  # first: the callbacks after it read averaged metrics
         throughput,
         LearningRateLog(schedule),
-        PreemptionCheck(runtime, request, config.signal_check_every_steps, save_on_stop),
+        PreemptionCheck(runtime, request, config.signal_check_every_steps,
+                        SaveOnStop(start.checkpoints, request, world.is_chief)),
     ]
     stall_limit = runtime.stall_limit_seconds()
     if stall_limit:
@@ -373,12 +431,19 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
                                   STARTED, print_line=runtime.print0))
         # Metrics before the checkpoint: a crash between the two then costs a repeated epoch,
         # never a missing row.
-        callbacks += [MetricsLog(run_dir, rows, request, throughput),
-                      SaveCheckpoint(checkpoints, request)]
-        if tracker:  # after the checkpoint: the tracker holds checkpointed epochs only
-            callbacks.append(tracking.TrackEpochs(tracker, rows, request))
+        callbacks += [MetricsLog(start.run_dir, start.rows, request, throughput),
+                      SaveCheckpoint(start.checkpoints, request),
+                      # After the checkpoint: the tracker holds checkpointed epochs only.
+                      TrackEpochs(tracker, start.rows, request)]
         if config.tensorboard:
-            callbacks.append(TensorBoardLog(run_dir.tensorboard, profile_batch=0))
+            callbacks.append(TensorBoardLog(start.run_dir.tensorboard, profile_batch=0))
+    return callbacks
+
+
+def train_epochs(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, model: keras.Model,
+                 train: tf.data.Dataset, validation: tf.data.Dataset | None, callbacks: list,
+                 initial_epoch: int, tracker: Tracker, request: StopRequest) -> bool:
+    """``model.fit`` over the epochs not done yet; returns whether there were any."""
     # A signal that came before training (while listing data or building the model): stop now,
     # all ranks together; nothing new to save.
     request.agreed = runtime.max_over_ranks(request.received)
@@ -389,30 +454,36 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         with tracking.failure_marked(tracker), disk_cache_failures_in_one_line():
             model.fit(train, epochs=config.epochs, initial_epoch=initial_epoch,
                       steps_per_epoch=plan.steps_per_epoch, validation_data=validation,
-                      callbacks=callbacks, verbose=_verbosity(world),
+                      callbacks=callbacks, verbose=_verbosity(runtime.world),
                       shuffle=False)  # the pipelines shuffle (Keras 3 warns that it cannot)
     else:
         runtime.print0(f"{initial_epoch} of {config.epochs} epochs already done; nothing to train")
+    return trains
 
-    # --- finish ---------------------------------------------------------------------------------
+
+def finish_run(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, datasets: Datasets,
+               model: keras.Model, start: RunStart, tracker: Tracker, request: StopRequest,
+               trained: bool) -> TrainingResult:
+    """A stopped run's exit status once its checkpoint is written; a finished one's model
+    exported. The tracker learns either end."""
+    world, run_dir = runtime.world, start.run_dir
     if request.agreed:
         runtime.print0(describe_stop(request))
-        if tracker:
-            tracker.finish("KILLED", model_file=None)  # a rerun reopens it
+        tracker.finish("KILLED", model_file=None)  # a rerun reopens it
         # Nobody leaves before rank 0 has written the checkpoint: the ranks exit non-zero, and
         # mpirun kills the rest of a job as soon as one rank does so.
         runtime.barrier()
-        return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows,
+        return TrainingResult(model, plan, datasets, run_dir, start.initial_epoch, start.rows,
                               stop_status(request.agreed))
     # A resumed run that found every epoch done has nothing new to export either (an earlier run
     # wrote it); one whose export is missing (it ended before) writes it now.
-    if config.export and world.is_chief and (trains or not exported(run_dir)):
+    if config.export and world.is_chief and (trained or not exported(run_dir)):
         note = export(model, run_dir)
         if note:
             runtime.print0(note)
-    if tracker:
-        tracker.finish("FINISHED", model_file=exported(run_dir))
-    return TrainingResult(model, plan, datasets, run_dir, initial_epoch, rows, 0)
+    # Rank 0's tracker is the only one that records it (the others' is a NullTracker).
+    tracker.finish("FINISHED", model_file=exported(run_dir) if world.is_chief else None)
+    return TrainingResult(model, plan, datasets, run_dir, start.initial_epoch, start.rows, 0)
 
 
 def fingerprint(program: str, config: TrainConfig, datasets: Datasets,

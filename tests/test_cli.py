@@ -162,10 +162,19 @@ def test_the_wheel_works_outside_the_checkout(tmp_path):
             != (REPO / "examples" / name).read_bytes()] == []
 
     trained = run_job([sys.executable, "-m", "hvdtrain", "launch", "-np", "2", "hvdtrain.cnn",
-                       "--preset", "tiny", "--epochs", "1", "--no-tensorboard", "--run-dir",
-                       "run", "--model", "examples/my_model.py:build"],
-                      timeout=300, env=env, cwd=work)
-    assert "done: 1 epoch(s)" in trained.stdout and (work / "run" / "metrics.json").is_file()
+                       "--preset", "tiny", "--epochs", "2", "--no-tensorboard", "--run-dir",
+                       "run", "--track", "jsonl:track.jsonl", "--model",
+                       "examples/my_model.py:build"], timeout=300, env=env, cwd=work)
+    assert "done: 2 epoch(s)" in trained.stdout, trained.stdout[-3000:]
+    # The JSON-lines tracker (rank 0 alone: one start): the run's parameters, each epoch's
+    # metrics.json row, its end.
+    rows = json.loads((work / "run" / "metrics.json").read_text())
+    events = [json.loads(line) for line in (work / "track.jsonl").read_text().splitlines()]
+    assert [event["event"] for event in events] == ["start", "epoch", "epoch", "finish"]
+    assert events[0]["params"]["world"]["size"] == 2
+    assert events[0]["params"]["config"]["track"] == "jsonl:track.jsonl"
+    assert [{"epoch": event["epoch"], **event["metrics"]} for event in events[1:3]] == rows
+    assert events[-1]["status"] == "FINISHED" and events[-1]["model_file"] == "model.keras"
     with zipfile.ZipFile(work / "run" / "model.keras") as exported:  # what Keras saved
         assert json.loads(exported.read("config.json"))["config"]["name"] == "my_model"
 

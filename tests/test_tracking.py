@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import base64
 import shutil
 import subprocess
@@ -34,9 +35,11 @@ from hvdtrain.config import TrainConfig
 from hvdtrain.credentials import split_userinfo, without_userinfo
 from hvdtrain.errors import UserError
 from hvdtrain.launch.paths import Launch, describe
-from hvdtrain.rundir import RunDir
-from hvdtrain.tracking import (EPOCH_KEY, MlflowRun, changed_params, epoch_metrics, flat_params,
-                               is_claimed_by, latest_per_step, server_uri)
+from hvdtrain import tracking
+from hvdtrain.rundir import RunDir, current_umask
+from hvdtrain.runtime.base import Devices, Runtime, World
+from hvdtrain.tracking.mlflow import (EPOCH_KEY, MlflowRun, changed_params, epoch_metrics,
+                                      flat_params, is_claimed_by, latest_per_step, server_uri)
 
 LAUNCH = [sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via", "mpirun",
           "--skip-preflight", "--"]
@@ -91,6 +94,84 @@ def test_the_latest_value_of_a_step_is_the_servers_and_a_claim_names_its_directo
     assert is_claimed_by({"claim": "b"}, None)  # a run from before claims
     assert not is_claimed_by({"claim": "b", "previous_claim": "a"}, "c")  # a copy claimed it
     assert not is_claimed_by({}, "c")
+
+
+def one_process() -> Runtime:
+    return Runtime(World(), Devices(kind="cpu", description="cpu"))
+
+
+def test_the_track_flag_takes_off_mlflow_or_a_jsonl_path():
+    assert TrainConfig(track="jsonl:runs/track.jsonl").track == "jsonl:runs/track.jsonl"
+    for bad in ("jsonl:", "wandb", "runs/track.jsonl"):
+        with pytest.raises(ValueError, match="--track must be off, mlflow or jsonl:PATH"):
+            TrainConfig(track=bad)
+    tracker = tracking.start("job", TrainConfig(), one_process(), RunDir("run", is_chief=True),
+                             {}, [], job=None)
+    assert isinstance(tracker, tracking.NullTracker)  # --track off: calls without an `if`
+
+
+def jsonl_refusal(path: Path) -> str:
+    """The one line ``--track jsonl:PATH`` is refused with, before the data is read."""
+    with pytest.raises(UserError) as refusal:
+        tracking.check(TrainConfig(track=f"jsonl:{path}"), one_process())
+    message = str(refusal.value)
+    assert "\n" not in message and message.startswith(f"--track jsonl:{path}: "), message
+    return message
+
+
+def test_a_jsonl_path_another_user_could_have_planted_is_refused_in_one_line(tmp_path):
+    """A link at PATH is never followed (its target is left as it was); a hard link, a
+    directory, a device, a FIFO (without waiting for its reader), another user's file, a missing
+    directory and a URL are refused, naming why."""
+    target = tmp_path / "someone-elses.txt"
+    target.write_text("theirs\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    assert "is a symbolic link, which hvdtrain never follows" in jsonl_refusal(link)
+    assert target.read_text() == "theirs\n"
+    hard = tmp_path / "hard.jsonl"
+    os.link(target, hard)
+    assert "is a hard link to another file" in jsonl_refusal(hard)
+    assert "Is a directory" in jsonl_refusal(tmp_path)
+    assert "is not a plain file" in jsonl_refusal(Path(os.devnull))
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    assert "cannot append to" in jsonl_refusal(fifo)  # at once: nobody reads it
+    assert "cannot append to" in jsonl_refusal(tmp_path / "missing" / "track.jsonl")
+    assert "a local file, not a URL" in jsonl_refusal("gs://bucket/track.jsonl")
+    assert target.read_text() == "theirs\n"
+    if os.getuid() == 0:  # only root can give a file to another user
+        theirs = tmp_path / "theirs.jsonl"
+        theirs.write_text("")
+        os.chown(theirs, 12345, 12345)
+        assert "is owned by another user (uid 12345)" in jsonl_refusal(theirs)
+
+
+def test_the_jsonl_tracker_appends_each_event_once_to_a_file_of_this_user(tmp_path):
+    """A new file gets the umask's mode; an existing one keeps its lines. A resumed run's
+    start names the epochs it had, and only later epochs follow; the end is written once."""
+    path = tmp_path / "track.jsonl"
+    path.write_text('{"event": "earlier"}\n')
+    path.chmod(0o600)
+    config = TrainConfig(track=f"jsonl:{path}")
+    tracker = tracking.start("job", config, one_process(), RunDir("run", is_chief=True),
+                             {"config": {"epochs": 3}}, [{"epoch": 1, "loss": 0.9}], job="J 1")
+    rows = [{"epoch": 1, "loss": 0.9}, {"epoch": 2, "loss": 0.5}]
+    tracker.log_epochs(rows)
+    tracker.log_epochs(rows)  # an epoch's end that brought nothing new
+    with pytest.raises(RuntimeError), tracking.failure_marked(tracker):
+        raise RuntimeError("training raised")
+    tracker.finish("FINISHED", "model.keras")  # after the failure: nothing more
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [event["event"] for event in events] == ["earlier", "start", "epoch", "finish"]
+    start, epoch, finish = events[1:]
+    assert start["params"] == {"config": {"epochs": 3}} and start["epochs_done"] == 1
+    assert start["job"] == "J 1" and start["run_dir"] == "run"
+    assert epoch["epoch"] == 2 and epoch["metrics"] == {"loss": 0.5}
+    assert finish["status"] == "FAILED" and finish["model_file"] is None
+    fresh = tmp_path / "fresh.jsonl"
+    tracking.check(TrainConfig(track=f"jsonl:{fresh}"), one_process())
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o666 & ~current_umask()
 
 
 def free_port() -> int:

@@ -1,4 +1,5 @@
-"""Experiment tracking (``--track mlflow``): rank 0 mirrors the run into an MLflow run.
+"""``--track mlflow``: rank 0 mirrors the run into an MLflow run (a ``hvdtrain.tracking``
+tracker; the only module that imports mlflow).
 
 * **One run directory, one MLflow run, one history.** The run's id is written to
   ``<run_dir>/tracking.json`` before anything is logged; a resumed run (a rerun,
@@ -24,21 +25,17 @@
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import secrets
 import tempfile
 import threading
 import time
-from typing import Any, Iterator, Mapping
-
-import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
+from typing import Any, Mapping
 
 from hvdtrain import __version__
 from hvdtrain.credentials import split_userinfo, without_userinfo
 from hvdtrain.errors import UserError, as_one_line
-from hvdtrain.preemption import StopRequest
 from hvdtrain.rundir import RunDir, is_url
 
 #: The run directory's record of its MLflow run.
@@ -249,7 +246,7 @@ class MlflowRun:
                 f"'{experiment}' {where}")
 
     # --- the training thread ----------------------------------------------------------------------
-    def hand_off(self, rows: list[dict]) -> None:
+    def log_epochs(self, rows: list[dict]) -> None:
         """At an epoch's end: the thread logs every row the server lacks; this waits at most
         HAND_OFF_SECONDS for it (not at all while the server is behind)."""
         with self._changed:
@@ -404,62 +401,26 @@ def _recorded_run(client, record: Mapping[str, Any], run_dir: RunDir, uri: str):
     return run
 
 
-@contextlib.contextmanager
-def failure_marked(run: MlflowRun | None) -> Iterator[None]:
-    """Training inside: an exception marks the run FAILED on the server, then goes on up."""
+def check(config) -> None:
+    """Rank 0, before the data is read: mlflow importable (else one line naming the package)
+    and the tracking server answering one question (a wrong --tracking-uri, a server that is
+    down), so a refusal leaves no run directory behind."""
+    mlflow = import_mlflow()
+    uri = server_uri(config.tracking_uri)
     try:
-        yield
-    except BaseException:
-        if run is not None:
-            run.fail()
-        raise
+        mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as error:  # noqa: BLE001 - whatever the client raises: HTTP, auth, store
+        raise UserError(_refused(uri, error)) from None
 
 
-def check_available(track: str, runtime) -> None:
-    """Before the data is read: refuse ``--track mlflow`` on every rank when rank 0 (the one
-    that logs) cannot import mlflow, instead of after listing a large folder."""
-    if track == "mlflow":
-        runtime.from_chief(lambda: import_mlflow() and None)
-
-
-def start(program: str, config, runtime, run_dir: RunDir, params: Mapping[str, str],
-          rows: list[dict]) -> MlflowRun | None:
-    """Rank 0 starts or reopens the run while every rank waits (a refusal ends them all);
-    returns it on rank 0, None elsewhere or when tracking is off."""
-    if config.track == "off":
-        return None
-    from hvdtrain.launch.slurm import job_label
-
+def start(program: str, config, run_dir: RunDir, sections: Mapping[str, Mapping[str, Any]],
+          rows: list[dict], job: str | None) -> tuple[MlflowRun, str]:
+    """Rank 0: the run started or reopened (``MlflowRun.start``), and its start line."""
     experiment = config.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or program
-    started: list[MlflowRun] = []
-
-    def open_run() -> str:
-        run = MlflowRun.start(run_dir, tracking_uri=config.tracking_uri, experiment=experiment,
-                              run_name=os.path.basename(run_dir.path.rstrip("/")),
-                              job=job_label(os.environ), params=params, rows=rows)
-        started.append(run)
-        return run.describe(experiment)
-
-    runtime.print0(runtime.from_chief(open_run))
-    return started[0] if started else None
-
-
-def check_server(config, runtime) -> None:
-    """Rank 0 asks the tracking server one question before the run directory is made (every
-    rank waits): a server that does not answer (a wrong --tracking-uri, one that is down) is
-    one line that leaves no run directory behind."""
-    if config.track == "off":
-        return
-
-    def ask() -> None:
-        mlflow = import_mlflow()
-        uri = server_uri(config.tracking_uri)
-        try:
-            mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
-        except Exception as error:  # noqa: BLE001 - whatever the client raises: HTTP, auth, store
-            raise UserError(_refused(uri, error)) from None
-
-    runtime.from_chief(ask)
+    run = MlflowRun.start(run_dir, tracking_uri=config.tracking_uri, experiment=experiment,
+                          run_name=os.path.basename(run_dir.path.rstrip("/")), job=job,
+                          params=flat_params(sections), rows=rows)
+    return run, run.describe(experiment)
 
 
 def _refused(uri: str, error: BaseException) -> str:
@@ -483,17 +444,3 @@ def _experiment_id(client, name: str) -> str:
         if experiment is None:
             raise
         return experiment.experiment_id
-
-
-class TrackEpochs(keras.callbacks.Callback):
-    """Rank 0, after SaveCheckpoint: each completed epoch's row, once its checkpoint exists."""
-
-    def __init__(self, run: MlflowRun, rows: list[dict], request: StopRequest):
-        super().__init__()
-        self.run = run
-        self.rows = rows
-        self.request = request
-
-    def on_epoch_end(self, epoch, logs=None):
-        if not self.request.mid_epoch:  # a cut-short epoch has no row (MetricsLog)
-            self.run.hand_off(self.rows)
