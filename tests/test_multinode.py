@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager, Iterator
 
 import pytest
 
@@ -38,6 +38,7 @@ from conftest import (FAKE_GPU_NODES, REPO, VENV_BIN, apt_install, clean_env, ha
 from benchmarks.threads import CLOCK_TICKS, thread_ticks
 from hvdtrain.launcher_env import processes
 from hvdtrain.scratch import PREFIX as SCRATCH_PREFIX
+from processes import process_group
 
 pytestmark = [integration, pytest.mark.timeout(600)]
 CLUSTER = REPO / "tests" / "cluster" / "cluster-local.sh"
@@ -337,21 +338,20 @@ def test_a_stop_signal_during_the_network_check_ends_it_and_every_probe_at_once(
         return processes_mentioning("hvdtrain.netcheck")
 
     for stop, to_group in ((signal.SIGINT, True), (signal.SIGTERM, False)):
-        launcher = subprocess.Popen(
-            on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:1,node2:1",
-                     "hvdtrain.cnn", "--run-dir", str(run_dir)), cwd=REPO, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            # node1's probe, ssh to node2 and node2's probe: the check is under way.
-            wait_until(lambda: len(probes()) >= 3, 60, lambda: f"the probes: {probes()}")
-            time.sleep(1)
-            os.killpg(launcher.pid, stop) if to_group else launcher.send_signal(stop)
-            signalled = time.monotonic()
-            output, _ = launcher.communicate(timeout=30)
-            stopped_in = time.monotonic() - signalled
-            wait_until(lambda: not probes(), 20, lambda: f"probes left: {probes()}")
+            with process_group(
+                    on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:1,node2:1",
+                             "hvdtrain.cnn", "--run-dir", str(run_dir)), cwd=REPO, env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as launcher:
+                # node1's probe, ssh to node2 and node2's probe: the check is under way.
+                wait_until(lambda: len(probes()) >= 3, 60, lambda: f"the probes: {probes()}")
+                time.sleep(1)
+                os.killpg(launcher.pid, stop) if to_group else launcher.send_signal(stop)
+                signalled = time.monotonic()
+                output, _ = launcher.communicate(timeout=30)
+                stopped_in = time.monotonic() - signalled
+                wait_until(lambda: not probes(), 20, lambda: f"probes left: {probes()}")
         finally:
-            os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
             for line in probes():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(line.split(":")[0]), signal.SIGKILL)
@@ -453,10 +453,13 @@ def wait_until(condition, timeout: float, what: str | Callable[[], str]) -> floa
     return time.monotonic() - started
 
 
-def start_job(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    with open(log, "w") as output:
-        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=REPO,
-                                env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+@contextlib.contextmanager
+def started_job(command: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """``command`` running in a process group of its own for the block, its output in ``log``."""
+    with open(log, "w") as output, process_group(command, stdout=output, stderr=subprocess.STDOUT,
+                                                 cwd=REPO, env=env,
+                                                 stdin=subprocess.DEVNULL) as job:
+        yield job
 
 
 def launch_on_node1(run_dir: Path, *launcher_args: str) -> list[str]:
@@ -502,8 +505,9 @@ class FaultedRun:
         self.done_at_fault: int | None = None
         """Epochs in metrics.json when the last fault hit; None: no fault to resume from."""
 
-    def start(self, log: Path, *launcher_args: str) -> subprocess.Popen:
-        return start_job(launch_on_node1(self.path, *launcher_args), log, self.env)
+    def start(self, log: Path, *launcher_args: str) -> ContextManager[subprocess.Popen]:
+        """The fault tests' job, running for the block (`started_job`)."""
+        return started_job(launch_on_node1(self.path, *launcher_args), log, self.env)
 
     def wait_for_training(self, log: Path) -> None:
         """Until the job has trained 3 epochs of its own (after a resume, when one was due)."""
@@ -560,8 +564,7 @@ def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, faulted_run
                           if name.startswith(("OMPI_", "TF_", "PYTHON")))
         command = ["ssh", "-tt", "node1", f"cd {REPO} && exec env {remote} "
                    + " ".join(command[command.index(PYTHON):])]
-    job = start_job(command, log, cluster_env)
-    try:
+    with started_job(command, log, cluster_env) as job:
         faulted_run.wait_for_training(log)
         assert len(job_processes(run_dir)) >= 4
         if how == "SIGKILL":
@@ -572,8 +575,6 @@ def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, faulted_run
             os.kill(job.pid, signal.SIGKILL)  # the ssh client: the connection drops
         seconds = wait_until(lambda: not job_processes(run_dir), 120,
                              f"the job outlived its launcher: {job_processes(run_dir)}")
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
     print(f"{how}: the job was gone {seconds:.0f} s later")
     if how == "SIGKILL":
         assert "the launcher (pid" in log.read_text() and "died; stopping its job" in \
@@ -585,17 +586,14 @@ def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, faulted_run
 def test_a_rank_killed_on_node2_ends_the_job_in_one_line_naming_it(cluster_env, faulted_run,
                                                                    tmp_path):
     log = tmp_path / "job.out"
-    job = faulted_run.start(log)
-    try:
+    with faulted_run.start(log) as job:
         faulted_run.wait_for_training(log)
         rank_3 = [process.pid for process in processes() if process.rank == 3
                   and "hvdtrain.cnn" in process.argv and str(faulted_run.path) in process.argv]
         assert len(rank_3) == 1, job_processes(faulted_run.path)
         os.kill(rank_3[0], signal.SIGKILL)  # as the OOM killer does
         wait_until(lambda: job.poll() is not None, 60, "the job to end")
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    output = log.read_text()
+        output = log.read_text()
     assert job.returncode not in (0, None), output[-3000:]
     assert one_failure_line(output) == (
         "rank 3 on node2 ended on SIGKILL (killed: the out-of-memory killer, or by hand); its "
@@ -612,26 +610,25 @@ def test_a_link_down_ends_the_job_instead_of_hanging(cluster_env, faulted_run, t
     # HorovodRuntime.stall_limit_seconds): a short interval keeps the test short.
     watchdog = limit + 4 * inspections
     log = tmp_path / "job.out"
-    job = faulted_run.start(log, "--stall-check-shutdown-seconds", str(limit),
-                            "--stall-check-warning-seconds", str(inspections))
-    try:
-        faulted_run.wait_for_training(log)
-        subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "down"], check=True)
-        budget = watchdog + launch_module().ORPHANED_COMMAND_SECONDS + 30
-        seconds = wait_until(lambda: job.poll() is not None, budget, "the job to end")
-    finally:
-        subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "up"], check=True)
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    output = log.read_text()
-    assert job.returncode != 0
-    assert re.fullmatch(rf"no training step finished in {watchdog} s on rank 0 on node1: .*; "
-                        rf"its log: {faulted_run.path}/logs/rank-0.log|node2 stopped answering.*",
-                        one_failure_line(output)), output[-3000:]
-    print(f"link down: the job ended {seconds:.0f} s later (watchdog {watchdog} s)")
-    # With the link back, node2's leftovers (its ranks ended by their own watchdogs; orted's
-    # connection resets) go too.
-    wait_until(lambda: not job_processes(faulted_run.path), 90,
-               f"orphans: {job_processes(faulted_run.path)}")
+    with faulted_run.start(log, "--stall-check-shutdown-seconds", str(limit),
+                           "--stall-check-warning-seconds", str(inspections)) as job:
+        try:
+            faulted_run.wait_for_training(log)
+            subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "down"], check=True)
+            budget = watchdog + launch_module().ORPHANED_COMMAND_SECONDS + 30
+            seconds = wait_until(lambda: job.poll() is not None, budget, "the job to end")
+        finally:
+            subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "up"], check=True)
+        output = log.read_text()
+        assert job.returncode != 0
+        assert re.fullmatch(rf"no training step finished in {watchdog} s on rank 0 on node1: .*; "
+                            rf"its log: {faulted_run.path}/logs/rank-0.log|node2 stopped "
+                            r"answering.*", one_failure_line(output)), output[-3000:]
+        print(f"link down: the job ended {seconds:.0f} s later (watchdog {watchdog} s)")
+        # With the link back, node2's leftovers (its ranks ended by their own watchdogs; orted's
+        # connection resets) go too; checked before the block ends what is left of the group.
+        wait_until(lambda: not job_processes(faulted_run.path), 90,
+                   f"orphans: {job_processes(faulted_run.path)}")
     faulted_run.faulted()
 
 
@@ -817,22 +814,19 @@ def container_build(cluster_env, tmp_path_factory):
         assert install.returncode == 0, install.stdout + install.stderr
     out = tmp_path_factory.mktemp("images")
     planted = plant_build_host_credentials()
-    log = (out / "build.log").open("w")
-    # --reuse-caches: the pip cache and compiled horovod of this machine's own install (the
-    # image is the same; a clean build compiles horovod again, ~4 minutes more).
-    # --mount-point: the repository's top directory, which a clone may have anywhere (/check,
-    # say) and which ch-run binds only onto a directory the image has.
-    build = subprocess.Popen(["nice", "-n", "19", "bash", str(REPO / "containers" / "build.sh"),
-                              "--out", str(out), "--formats", "squash", "--reuse-caches",
-                              "--mount-point", top_directory(REPO)],
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        yield build, out
+        # --reuse-caches: the pip cache and compiled horovod of this machine's own install (the
+        # image is the same; a clean build compiles horovod again, ~4 minutes more).
+        # --mount-point: the repository's top directory, which a clone may have anywhere
+        # (/check, say) and which ch-run binds only onto a directory the image has.
+        # A build cut short gets 2 minutes to clean up after itself on SIGTERM.
+        with (out / "build.log").open("w") as log, process_group(
+                ["nice", "-n", "19", "bash", str(REPO / "containers" / "build.sh"), "--out",
+                 str(out), "--formats", "squash", "--reuse-caches", "--mount-point",
+                 top_directory(REPO)],
+                grace_seconds=120, stdout=log, stderr=subprocess.STDOUT) as build:
+            yield build, out
     finally:
-        if build.poll() is None:
-            os.killpg(build.pid, signal.SIGTERM)
-            build.wait(timeout=120)
-        log.close()
         for path in reversed(planted):
             path.rmdir() if path.is_dir() else path.unlink()
     # ch-run's SquashFS mount point (the ranks made it; ch-run leaves it): empty once they ended.
@@ -1032,45 +1026,41 @@ def node_loss_job(run_dir: Path, min_nodes: int, epochs: int) -> list[str]:
 def test_a_crashed_node_is_dropped_and_the_job_finishes_on_the_nodes_left(three_nodes, run_dir,
                                                                           tmp_path):
     log, epochs = tmp_path / "job.out", 12
-    job = start_job(node_loss_job(run_dir, 2, epochs), log, three_nodes)
-    try:
+    with started_job(node_loss_job(run_dir, 2, epochs), log, three_nodes) as job:
         wait_for_epoch(log, 3)
         crash_node("node3")
         crashed = time.monotonic()
         back = wait_until(lambda: "resized: worker(s) 3 -> 2" in log.read_text(), 240,
                           f"the resume on 2 nodes:\n{log.read_text()[-3000:]}")
         wait_until(lambda: job.poll() is not None, 300, "the job to end")
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    output = log.read_text()
-    assert job.returncode == 0, output[-4000:]
-    restart = check_went_on_without_node3(output, run_dir, epochs, "ssh")
-    print(f"node3 crashed: the resume on node1 and node2 {back:.0f} s later, the job done "
-          f"{time.monotonic() - crashed:.0f} s later; restart line: {restart}")
-    wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
+        output = log.read_text()
+        assert job.returncode == 0, output[-4000:]
+        restart = check_went_on_without_node3(output, run_dir, epochs, "ssh")
+        print(f"node3 crashed: the resume on node1 and node2 {back:.0f} s later, the job done "
+              f"{time.monotonic() - crashed:.0f} s later; restart line: {restart}")
+        # Checked before the block ends what is left of the job's group.
+        wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
 
 
 @pytest.mark.timeout(600)
 def test_fewer_nodes_left_than_min_nodes_ends_the_job_in_one_line(three_nodes, run_dir,
                                                                    tmp_path):
     log = tmp_path / "job.out"
-    job = start_job(node_loss_job(run_dir, 3, 400), log, three_nodes)
-    try:
+    with started_job(node_loss_job(run_dir, 3, 400), log, three_nodes) as job:
         wait_for_epoch(log, 3)
         crash_node("node3")
         wait_until(lambda: job.poll() is not None, 240, "the job to end")
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    output = log.read_text()
-    assert job.returncode not in (0, None), output[-3000:]
-    # The crash named once, with the rank it took and its log, then why there is no restart.
-    assert re.fullmatch(
-        r"node3 stopped answering \(crashed, or its network is down\) with rank 2 on it; its "
-        rf"log: {re.escape(str(run_dir))}/logs/rank-2\.log; node3 is gone \(ssh: .*\); 2 "
-        r"host\(s\) left, fewer than --min-nodes 3: not restarting", one_failure_line(output)), \
-        output[-3000:]
-    assert "resuming from" not in output
-    wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
+        output = log.read_text()
+        assert job.returncode not in (0, None), output[-3000:]
+        # The crash named once, with the rank it took and its log, then why there is no restart.
+        assert re.fullmatch(
+            r"node3 stopped answering \(crashed, or its network is down\) with rank 2 on it; its "
+            rf"log: {re.escape(str(run_dir))}/logs/rank-2\.log; node3 is gone \(ssh: .*\); 2 "
+            r"host\(s\) left, fewer than --min-nodes 3: not restarting",
+            one_failure_line(output)), output[-3000:]
+        assert "resuming from" not in output
+        # Checked before the block ends what is left of the job's group.
+        wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
 
 
 @pytest.mark.timeout(900)
