@@ -29,6 +29,7 @@ import pytest
 
 import hvdtrain  # noqa: F401  (selects Keras 2 before anything imports TensorFlow)
 from hvdtrain.launcher_env import child_env
+from processes import process_group
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -128,16 +129,17 @@ def small_disk_at(mount_point: Path, size: str):
 
 def run_job(args: list[str], *, timeout: float, cwd: Path = REPO, env: dict | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
-    """Run a command (a horovodrun job, a CLI) to completion, killing its process group on timeout."""
-    process = subprocess.Popen(args, cwd=cwd, env=env or clean_env(), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish in {timeout} s; output:\n{output[-4000:]}")
+    """Run a command (a horovodrun job, a CLI) to completion in a process group of its own, which
+    is killed on timeout; whatever the command left of the group is ended after it."""
+    with process_group(args, cwd=cwd, env=env or clean_env(), text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as process:
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)  # at once, for the output it wrote until then
+            output, _ = process.communicate()
+            pytest.fail(f"{' '.join(args)} did not finish in {timeout} s; output:\n"
+                        f"{output[-4000:]}")
     result = subprocess.CompletedProcess(args, process.returncode, output, None)
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(args)} exited {result.returncode}; output:\n{output[-6000:]}")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import clean_env, integration, mpirun_job, small_disk_at
+from processes import process_group
 
 pytestmark = [integration, pytest.mark.timeout(600)]
 
@@ -155,10 +156,8 @@ def test_a_killed_ranks_disk_cache_is_removed(numbered_folder, tmp_path):
                "--skip-preflight", "--", "hvdtrain.cnn", "--data-dir", str(numbered_folder),
                "--image-size", "8", "--cache", "disk", "--epochs", "100", "--batch-size", "16",
                "--no-tensorboard", "--no-export", "--run-dir", str(run_dir)]
-    job = subprocess.Popen(command, env=clean_env(TMPDIR=str(scratch)), text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           start_new_session=True)
-    try:
+    with process_group(command, env=clean_env(TMPDIR=str(scratch)), text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as job:
         deadline = time.monotonic() + 180
         storing = []
         while len(storing) < 2:  # both ranks are storing their first pass
@@ -171,12 +170,8 @@ def test_a_killed_ranks_disk_cache_is_removed(numbered_folder, tmp_path):
         assert sorted(ranks) == [0, 1], ranks
         os.kill(ranks[1], signal.SIGKILL)
         output, _ = job.communicate(timeout=90)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    assert job.returncode == 137, output[-3000:]
-    assert list(scratch.iterdir()) == [], [str(path) for path in scratch.rglob("*")][:10]
+        assert job.returncode == 137, output[-3000:]
+        assert list(scratch.iterdir()) == [], [str(path) for path in scratch.rglob("*")][:10]
 
 
 @pytest.fixture
@@ -190,27 +185,26 @@ def test_a_disk_cache_that_does_not_fit_is_one_line_at_the_start_or_when_the_dis
         numbered_folder, small_disk, tmp_path):
     """--cache disk on a node whose TMPDIR is too small, and on one whose disk fills up after the
     start (another job's files): this rank's one line, exit 2, nothing left on that disk."""
-    def job(image_size: int, run_dir: Path) -> subprocess.Popen:
-        return subprocess.Popen(
+    def job(image_size: int, run_dir: Path):
+        return process_group(
             [sys.executable, "-u", "-m", "hvdtrain.cnn", "--data-dir", str(numbered_folder),
              "--image-size", str(image_size), "--cache", "disk", "--epochs", "1",
              "--no-tensorboard", "--run-dir", str(run_dir)],
             env=clean_env(TMPDIR=str(small_disk)), text=True, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            stderr=subprocess.STDOUT)
 
     # 4,096 images at 64x64x3 are 50 MB decoded: refused before anything is made.
-    too_big = job(64, tmp_path / "too-big")
-    output, _ = too_big.communicate(timeout=120)
-    errors = [line for line in output.splitlines() if "error" in line]
-    assert too_big.returncode == 2 and len(errors) == 1, output[-3000:]
-    assert errors[0].startswith("hvdtrain.cnn: error on rank 0: --cache disk needs 50.1 MB in "
-                                f"{small_disk}/"), errors[0]
-    assert "which has 4.2 MB free" in errors[0] and "Traceback" not in output
-    assert not (tmp_path / "too-big").exists() and list(small_disk.iterdir()) == []
+    with job(64, tmp_path / "too-big") as too_big:
+        output, _ = too_big.communicate(timeout=120)
+        errors = [line for line in output.splitlines() if "error" in line]
+        assert too_big.returncode == 2 and len(errors) == 1, output[-3000:]
+        assert errors[0].startswith("hvdtrain.cnn: error on rank 0: --cache disk needs 50.1 MB in "
+                                    f"{small_disk}/"), errors[0]
+        assert "which has 4.2 MB free" in errors[0] and "Traceback" not in output
+        assert not (tmp_path / "too-big").exists() and list(small_disk.iterdir()) == []
 
     # At 8x8x3 they fit (0.8 MB); once the banner is out, the disk is filled up to its last byte.
-    fills = job(8, tmp_path / "fills")
-    try:
+    with job(8, tmp_path / "fills") as fills:
         lines = []
         for line in fills.stdout:
             lines.append(line)
@@ -222,14 +216,11 @@ def test_a_disk_cache_that_does_not_fit_is_one_line_at_the_start_or_when_the_dis
                     filler.write(b"\0" * 65536)
                     filler.flush()
         output, _ = fills.communicate(timeout=240)
-    finally:
-        if fills.poll() is None:
-            os.killpg(fills.pid, signal.SIGKILL)
-            fills.wait()
-    output = "".join(lines) + output
-    errors = [line for line in output.splitlines() if "error" in line]
-    assert fills.returncode == 2 and len(errors) == 1, output[-3000:]
-    assert errors[0].startswith(f"hvdtrain.cnn: error on rank 0: cannot write the disk cache in "
-                                f"{small_disk}/"), errors[0]
-    assert "No space left on device; free space there" in errors[0] and "Traceback" not in output
-    assert [path.name for path in small_disk.iterdir()] == ["another-job"]
+        output = "".join(lines) + output
+        errors = [line for line in output.splitlines() if "error" in line]
+        assert fills.returncode == 2 and len(errors) == 1, output[-3000:]
+        assert errors[0].startswith(f"hvdtrain.cnn: error on rank 0: cannot write the disk cache "
+                                    f"in {small_disk}/"), errors[0]
+        assert "No space left on device; free space there" in errors[0]
+        assert "Traceback" not in output
+        assert [path.name for path in small_disk.iterdir()] == ["another-job"]

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from cluster_helpers import CLUSTER, SLURM_LOCAL
 from conftest import REPO, integration
 
-CLUSTER = REPO / "tests" / "cluster" / "cluster-local.sh"
-SLURM_LOCAL = REPO / "tests" / "cluster" / "slurm-local.sh"
 LIB = REPO / "tests" / "cluster" / "lib.sh"
 DAEMONS = ("sshd", "slurmd", "slurmctld", "munged")
 TIMEOUT = 120

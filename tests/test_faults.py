@@ -19,6 +19,7 @@ import pytest
 from conftest import clean_env, integration, mpirun_job, mpirun_ranks, one_error, run_job
 from hvdtrain.launcher_env import processes
 from images import make_image_folder
+from processes import process_group
 
 pytestmark = [integration, pytest.mark.timeout(600)]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -36,13 +37,12 @@ def test_a_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, np_, victim):
     run_dir = tmp_path / "run"
     command = [*mpirun_ranks(np_), sys.executable, "-m",
                "hvdtrain.cnn", "--preset", "tiny", "--epochs", "200", "--run-dir", str(run_dir)]
-    job = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
+    with process_group(command, env=clean_env(), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True) as job:
         deadline = time.monotonic() + 240
         while not (run_dir / "checkpoints" / "checkpoint").exists():  # an epoch checkpointed
             if job.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("the job ended or never finished an epoch")  # finally kills it
+                pytest.fail("the job ended or never finished an epoch")  # the group is killed
             time.sleep(0.2)
         time.sleep(0.5)  # mid-epoch
         ranks = rank_pids(str(run_dir))
@@ -52,21 +52,18 @@ def test_a_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, np_, victim):
         os.kill(ranks[victim], signal.SIGKILL)
         output, _ = job.communicate(timeout=60)  # the whole job must be gone within 60 s
         elapsed = time.monotonic() - killed_at
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    assert job.returncode != 0
-    assert elapsed < 60
-    # mpirun names the rank (its PID field reads 0 in OpenMPI 4.1 for a killed rank).
-    assert re.search(rf"process rank {victim} with PID \d+ on node \S+ exited on signal 9",
-                     output), output[-3000:]
-    # mpirun SIGKILLs the other ranks as it ends, and may return while one is still being torn
-    # down (on a busy machine, for a moment): gone within seconds is not outliving the job.
-    deadline = time.monotonic() + 10
-    while rank_pids(str(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not rank_pids(str(run_dir)), "ranks outlived the job"
+        assert job.returncode != 0
+        assert elapsed < 60
+        # mpirun names the rank (its PID field reads 0 in OpenMPI 4.1 for a killed rank).
+        assert re.search(rf"process rank {victim} with PID \d+ on node \S+ exited on signal 9",
+                         output), output[-3000:]
+        # mpirun SIGKILLs the other ranks as it ends, and may return while one is still being
+        # torn down (on a busy machine, for a moment): gone within seconds is not outliving the
+        # job. (Checked before the block ends what is left of the job's group.)
+        deadline = time.monotonic() + 10
+        while rank_pids(str(run_dir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not rank_pids(str(run_dir)), "ranks outlived the job"
     # Every rank kept its own log beside the run, the killed one too.
     for rank in range(np_):
         log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
@@ -134,10 +131,8 @@ def test_a_rank_that_fails_names_its_log_which_holds_the_failure(tmp_path):
 
 def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_loadable(tmp_path):
     run_dir = tmp_path / "run"
-    writer = subprocess.Popen([sys.executable, str(SCRIPTS / "checkpoint_writer.py"),
-                               str(run_dir)], stdout=subprocess.PIPE, text=True,
-                              env=clean_env(), start_new_session=True)
-    try:
+    with process_group([sys.executable, str(SCRIPTS / "checkpoint_writer.py"), str(run_dir)],
+                       stdout=subprocess.PIPE, text=True, env=clean_env()) as writer:
         first = writer.stdout.readline()
         assert first.startswith("first saved"), first
         checksum = float(first.split()[-1])
@@ -147,9 +142,6 @@ def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_loadable(tmp
             time.sleep(0.005)
         os.killpg(writer.pid, signal.SIGKILL)  # in the middle of writing checkpoint 2
         rest, _ = writer.communicate(timeout=30)
-    finally:
-        if writer.poll() is None:
-            os.killpg(writer.pid, signal.SIGKILL)
     assert "second saved" not in rest  # really interrupted, not finished
     assert not (run_dir / "checkpoints" / "ckpt-2.index").exists()
     check = (

@@ -137,8 +137,8 @@ def test_make_tests_lanes_run_every_test_file_once_and_keep_the_clusters_togethe
     assert clusters.index("tests/") > max(clusters.index(name) for name in cluster_files)
     every_file = {str(path.relative_to(REPO)) for path in (REPO / "tests").glob("test_*.py")}
     assert cluster_files == ignored and cluster_files < every_file, (cluster_files, ignored)
-    using_a_cluster = {name for name in every_file
-                       if re.search(r"(cluster|slurm)-local\.sh", (REPO / name).read_text())}
+    using_a_cluster = {name for name in every_file if re.search(
+        r"(cluster|slurm)-local\.sh|^from cluster_helpers ", (REPO / name).read_text(), re.M)}
     assert using_a_cluster and using_a_cluster <= cluster_files, using_a_cluster - cluster_files
 
 

@@ -27,6 +27,7 @@ from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, StartupDeadline, judge_
 from hvdtrain.launcher_env import child_env, marked
 from hvdtrain.launch.slurm import (TEMPLATES, Allocation, Requeue, SbatchJob, expand_hostlist,
                                    expand_tasks_per_node, render, requeue_decision)
+from processes import process_group
 from slurm_templates import COMMAND as WRITE_TEMPLATES
 
 GOOD_BUILD = Build(tensorflow=True, mpi=True, gloo=True)
@@ -518,15 +519,10 @@ def test_a_full_disk_under_the_launchers_output_neither_hangs_nor_fails_the_job(
                    "    stream.write(('x' * 1023 + '\\n') * 1024)\n")
     streams = {name: open("/dev/full", "w") if name in full else subprocess.PIPE
                for name in ("stdout", "stderr")}
-    launcher = subprocess.Popen([sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via",
-                                 "mpirun", "--skip-preflight", "--", str(job)], cwd=REPO,
-                                env=clean_env(), text=True, start_new_session=True, **streams)
-    try:
+    with process_group([sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via", "mpirun",
+                        "--skip-preflight", "--", str(job)], cwd=REPO, env=clean_env(), text=True,
+                       **streams) as launcher:
         _, said = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
     assert launcher.returncode == 0, said
     if said is not None:  # stderr works: one line about stdout, then not a line of the job's
         lost = [line for line in said.splitlines() if "cannot write" in line]
@@ -548,11 +544,10 @@ def test_a_stop_signal_during_the_preflight_probe_stops_the_launcher_in_one_line
     def probes():
         return [process for process in marked(tag) if "hvdtrain.launch.probe" in process.argv]
 
-    launcher = subprocess.Popen([sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--",
-                                 "hvdtrain.cnn"], cwd=REPO, text=True,
-                                env=clean_env(**dict([tag.split("=")])), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with process_group([sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--",
+                        "hvdtrain.cnn"], cwd=REPO, text=True,
+                       env=clean_env(**dict([tag.split("=")])), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT) as launcher:
         deadline = time.monotonic() + 30
         while not any(process.argv[-1] == "build" for process in probes()):
             assert launcher.poll() is None and time.monotonic() < deadline, "no probe started"
@@ -562,14 +557,10 @@ def test_a_stop_signal_during_the_preflight_probe_stops_the_launcher_in_one_line
         else:
             launcher.send_signal(stop)
         output, _ = launcher.communicate(timeout=30)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    assert launcher.returncode == 128 + stop, output
-    assert output.splitlines() == [f"hvdtrain.launch: {stop.name} before the ranks started; not "
-                                   "starting them"], output
-    assert not probes()
+        assert launcher.returncode == 128 + stop, output
+        assert output.splitlines() == [f"hvdtrain.launch: {stop.name} before the ranks started; "
+                                       "not starting them"], output
+        assert not probes()
 
 
 # --- several hosts: --hosts and the network interface --------------------------------------------

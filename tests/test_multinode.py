@@ -1,8 +1,9 @@
 """Every launch path across two hosts: 2 nodes x 2 ranks on tests/cluster/cluster-local.sh.
 
 The nodes are network namespaces with their own hostnames, sshd and slurmd, sharing this file
-system; the module fixture brings the cluster up and takes it down again if it started it. Each
-job trains hvdtrain.cnn's tiny preset through tests/scripts/multinode_probe.py (the same job, with
+system; the module fixture brings the cluster up and takes it down again if it started it
+(tests/cluster_helpers.py reaches the cluster, its nodes and its jobs). Each job trains
+hvdtrain.cnn's tiny preset through tests/scripts/multinode_probe.py (the same job, with
 rank-seeded initial weights and a report of what every rank saw) and must show:
 
 * rank 0's banner `placement: node1[0-1] node2[2-3]`;
@@ -29,20 +30,22 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import ContextManager
 
 import pytest
 
 from conftest import (FAKE_GPU_NODES, REPO, VENV_BIN, apt_install, clean_env, have_command,
                       integration, run_job)
-from benchmarks.threads import CLOCK_TICKS, thread_ticks
+from cluster_helpers import (CLUSTER, JOB_TIMEOUT, LIVE_STATES, assert_nothing_left, cluster_up,
+                             crash_node, epochs_done, job_processes, job_snapshot, job_state,
+                             kill_processes_mentioning, on_node1, processes_mentioning,
+                             resumed_from, sbatch, started_job, unavailable_reason, wait_for_epoch,
+                             wait_for_job, wait_until)
 from hvdtrain.launcher_env import processes
 from hvdtrain.scratch import PREFIX as SCRATCH_PREFIX
+from processes import process_group
 
 pytestmark = [integration, pytest.mark.timeout(600)]
-CLUSTER = REPO / "tests" / "cluster" / "cluster-local.sh"
-#: The cluster's state directory (cluster-local.sh's default): keys, configuration, logs.
-STATE_DIR = Path("/run/hvdtrain-cluster")
 PROBE = REPO / "tests" / "scripts" / "multinode_probe.py"
 PYTHON = str(VENV_BIN / "python")
 #: The tiny preset's 3 epochs reach ~0.93 on 4 ranks; epochs after the first take 1-2 s.
@@ -51,27 +54,6 @@ JOB_ARGS = ("--preset", "tiny", "--epochs", str(EPOCHS), "--tensorboard")
 #: What 2 nodes x 2 ranks must report: rank -> (host, local_rank, cross_rank).
 EXPECTED_RANKS = {0: ("node1", 0, 0), 1: ("node1", 1, 0), 2: ("node2", 0, 1), 3: ("node2", 1, 1)}
 PLACEMENT = "placement: node1[0-1] node2[2-3]"
-JOB_TIMEOUT = 420
-
-
-def unavailable_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "the local multi-node cluster needs root (network namespaces, sshd, slurmd)"
-    probe = subprocess.run(["unshare", "--net", "--uts", "true"], capture_output=True, text=True,
-                           timeout=30)
-    if probe.returncode != 0:
-        return f"network/UTS namespaces unavailable here: {probe.stderr.strip()}"
-    return None
-
-
-def cluster_up() -> None:
-    """Bring the cluster up (idempotent: restarts what a test killed). Every node gets a second
-    interface, eth1, in one subnet that connects nothing (docker0 on a real cluster's nodes), so
-    every job here also proves that the launchers keep off it."""
-    up = subprocess.run(["bash", str(CLUSTER), "up", "--nodes", "2", "--isolated-iface"],
-                        capture_output=True, text=True, timeout=900)
-    if up.returncode != 0:
-        pytest.fail(f"tests/cluster/cluster-local.sh up failed:\n{(up.stdout + up.stderr)[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -94,39 +76,12 @@ def cluster_env() -> dict[str, str]:
         assert_nothing_left()
 
 
-def assert_nothing_left() -> None:
-    """What `down` promises: no namespace, link, daemon, /etc entry or state directory."""
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    daemons = subprocess.run(["pgrep", "-af", "hvdtrain-cluster"], capture_output=True,
-                             text=True).stdout
-    assert "hvdt-" not in namespaces + links, namespaces + links
-    assert not daemons.strip(), daemons
-    assert "hvdtrain tests/cluster/cluster-local.sh" not in Path("/etc/hosts").read_text()
-    assert not Path("/etc/ssh/ssh_config.d/hvdtrain-cluster.conf").exists()
-    assert not STATE_DIR.exists()
-    assert not list(Path("/tmp").glob("hvdtrain-cluster-tmpfs.*"))
-
-
 @pytest.fixture
 def run_dir(tmp_path):
     """A run directory on the shared file system; whatever of its job is left is killed after."""
     path = tmp_path / "run"
     yield path
     kill_processes_mentioning(path)
-
-
-def kill_processes_mentioning(path: Path) -> None:
-    """A failed or timed-out job may leave ranks on node2 (not in the launcher's process group)."""
-    for line in job_processes(path):
-        try:
-            os.kill(int(line.split(":")[0]), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def on_node1(*command: str) -> list[str]:
-    return ["bash", str(CLUSTER), "exec", "node1", *command]
 
 
 def check_job(output: str, run_dir: Path) -> None:
@@ -182,41 +137,6 @@ def test_horovodrun_from_node1(cluster_env, run_dir, controller):
                      timeout=JOB_TIMEOUT, env=cluster_env)
     check_job(result.stdout, run_dir)
     print(f"horovodrun --{controller}: {time.monotonic() - started:.0f} s")
-
-
-def sbatch(env: dict[str, str], log: Path, *args: str) -> str:
-    job_id = run_job(["sbatch", "--parsable", f"--output={log}", *args], timeout=60,
-                     env=env).stdout.strip().split(";")[0]
-    return job_id
-
-
-def job_state(env: dict[str, str], job_id: str) -> str:
-    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
-                           timeout=30, env=env).stdout
-    return (re.search(r"\bJobState=(\S+)", shown) or [None, ""])[1]
-
-
-LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "")
-"""A job's states before its end ("" while squeue and scontrol do not know it yet)."""
-
-
-def wait_for_job(env: dict[str, str], job_id: str, log: Path) -> str:
-    """The job's output once it has ended; fails unless it COMPLETED."""
-    deadline = time.monotonic() + JOB_TIMEOUT
-    state = ""
-    try:
-        while time.monotonic() < deadline:
-            state = job_state(env, job_id)
-            # A job that requeues itself goes from RUNNING to PENDING (BeginTime), never
-            # through an end state: an end state is final.
-            if state not in LIVE_STATES:
-                break
-            time.sleep(2)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30, env=env)
-    output = log.read_text() if log.exists() else ""
-    assert state == "COMPLETED", f"job {job_id} is {state}; log:\n{output[-5000:]}"
-    return output
 
 
 #: What the launcher says when it keeps the job off the dead-end interface.
@@ -337,21 +257,20 @@ def test_a_stop_signal_during_the_network_check_ends_it_and_every_probe_at_once(
         return processes_mentioning("hvdtrain.netcheck")
 
     for stop, to_group in ((signal.SIGINT, True), (signal.SIGTERM, False)):
-        launcher = subprocess.Popen(
-            on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:1,node2:1",
-                     "hvdtrain.cnn", "--run-dir", str(run_dir)), cwd=REPO, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            # node1's probe, ssh to node2 and node2's probe: the check is under way.
-            wait_until(lambda: len(probes()) >= 3, 60, lambda: f"the probes: {probes()}")
-            time.sleep(1)
-            os.killpg(launcher.pid, stop) if to_group else launcher.send_signal(stop)
-            signalled = time.monotonic()
-            output, _ = launcher.communicate(timeout=30)
-            stopped_in = time.monotonic() - signalled
-            wait_until(lambda: not probes(), 20, lambda: f"probes left: {probes()}")
+            with process_group(
+                    on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:1,node2:1",
+                             "hvdtrain.cnn", "--run-dir", str(run_dir)), cwd=REPO, env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as launcher:
+                # node1's probe, ssh to node2 and node2's probe: the check is under way.
+                wait_until(lambda: len(probes()) >= 3, 60, lambda: f"the probes: {probes()}")
+                time.sleep(1)
+                os.killpg(launcher.pid, stop) if to_group else launcher.send_signal(stop)
+                signalled = time.monotonic()
+                output, _ = launcher.communicate(timeout=30)
+                stopped_in = time.monotonic() - signalled
+                wait_until(lambda: not probes(), 20, lambda: f"probes left: {probes()}")
         finally:
-            os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
             for line in probes():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(line.split(":")[0]), signal.SIGKILL)
@@ -387,98 +306,9 @@ def test_a_named_interface_in_slurm(cluster_env, run_dir, tmp_path):
 LONG_JOB = ("hvdtrain.cnn", "--preset", "tiny", "--epochs", "400", "--no-tensorboard")
 
 
-def job_processes(run_dir: Path) -> list[str]:
-    """Every process on every node that belongs to the job: the ranks (their --run-dir) and
-    their rank-log copies."""
-    return processes_mentioning(str(run_dir))
-
-
-def processes_mentioning(text: str) -> list[str]:
-    """"PID: command line" of every process on every node (one /proc: the nodes share this
-    kernel) whose command line has ``text``."""
-    return [f"{process.pid}: {' '.join(process.argv)[:160]}" for process in processes()
-            if text in " ".join(process.argv)]
-
-
-def job_snapshot(env: dict[str, str], job_id: str) -> str:
-    """Where a Slurm job stands, for a failure message: its steps, each of its processes on
-    every node (those whose environment names the job) with its threads' CPU seconds, the kernel
-    function it sleeps in, and the last lines of every slurmd's log. A job that sat RUNNING for
-    minutes with nothing in its log, twice in CI (never here), left no trace of where it
-    waited: an srun of mpirun's waiting for its step, daemons without ranks, or ranks stuck."""
-    def slurm(*command: str) -> str:
-        return subprocess.run(command, capture_output=True, text=True, timeout=30,
-                              env=env).stdout.rstrip()
-
-    # A job that never left PENDING says why (a node DOWN after a fault test, say).
-    state = slurm("squeue", "--noheader", "--jobs", job_id, "--format", "%T %r")
-    nodes = slurm("sinfo", "--noheader", "--Node", "--format", "%N %T %E")
-    steps = slurm("squeue", "--steps", "--jobs", job_id)
-    lines = [f"its state and reason: {state or '(not listed)'}", f"the nodes:\n{nodes}",
-             f"its steps:\n{steps}", "its processes (pid, CPU s, waiting in):"]
-    for process in processes():
-        if process.env.get("SLURM_JOB_ID") != job_id:
-            continue
-        try:
-            wchan = Path(f"/proc/{process.pid}/wchan").read_text()
-            cpu = sum(thread_ticks(process.pid).values()) / CLOCK_TICKS
-        except OSError:
-            continue
-        lines.append(f"{process.pid} {cpu:.1f} [{wchan}] {' '.join(process.argv)[:200]}")
-    for log in sorted((STATE_DIR / "log").glob("slurmd-*.log")):
-        lines += [f"{log.name}:", *log.read_text().splitlines()[-6:]]
-    return "\n".join(lines)
-
-
-def crash_node(node: str) -> None:
-    """Every process in the node's namespace dies at once (ranks, orted, sshd, slurmd)."""
-    pids = subprocess.run(["ip", "netns", "pids", f"hvdt-{node}"], capture_output=True,
-                          text=True, check=True).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def wait_until(condition, timeout: float, what: str | Callable[[], str]) -> float:
-    """Seconds until ``condition()`` held; fails after ``timeout``, saying ``what`` (a callable:
-    what it returns then, e.g. a job's log as it is at the failure)."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started >= timeout:
-            raise AssertionError(f"not within {timeout:g} s: "
-                                 f"{what() if callable(what) else what}")
-        time.sleep(0.5)
-    return time.monotonic() - started
-
-
-def start_job(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    with open(log, "w") as output:
-        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=REPO,
-                                env=env, start_new_session=True, stdin=subprocess.DEVNULL)
-
-
 def launch_on_node1(run_dir: Path, *launcher_args: str) -> list[str]:
     return on_node1(PYTHON, "-m", "hvdtrain.launch", "--hosts", "node1:2,node2:2",
                     *launcher_args, *LONG_JOB, "--run-dir", str(run_dir))
-
-
-def wait_for_epoch(log: Path, epoch: int, timeout: float = 240) -> None:
-    """Until ``log`` (which a job still pending has not made yet) shows the epoch's start."""
-    def text() -> str:
-        return log.read_text() if log.exists() else ""
-    wait_until(lambda: f"Epoch {epoch}/" in text(), timeout,
-               f"epoch {epoch} in {log}:\n{text()[-3000:]}")
-
-
-def epochs_done(run_dir: Path) -> int:
-    return len(json.loads((run_dir / "metrics.json").read_text()))
-
-
-def resumed_from(output: str) -> int | None:
-    found = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", output)
-    return int(found.group(1)) if found else None
 
 
 def one_failure_line(output: str) -> str:
@@ -502,8 +332,9 @@ class FaultedRun:
         self.done_at_fault: int | None = None
         """Epochs in metrics.json when the last fault hit; None: no fault to resume from."""
 
-    def start(self, log: Path, *launcher_args: str) -> subprocess.Popen:
-        return start_job(launch_on_node1(self.path, *launcher_args), log, self.env)
+    def start(self, log: Path, *launcher_args: str) -> ContextManager[subprocess.Popen]:
+        """The fault tests' job, running for the block (`started_job`)."""
+        return started_job(launch_on_node1(self.path, *launcher_args), log, self.env)
 
     def wait_for_training(self, log: Path) -> None:
         """Until the job has trained 3 epochs of its own (after a resume, when one was due)."""
@@ -560,8 +391,7 @@ def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, faulted_run
                           if name.startswith(("OMPI_", "TF_", "PYTHON")))
         command = ["ssh", "-tt", "node1", f"cd {REPO} && exec env {remote} "
                    + " ".join(command[command.index(PYTHON):])]
-    job = start_job(command, log, cluster_env)
-    try:
+    with started_job(command, log, cluster_env) as job:
         faulted_run.wait_for_training(log)
         assert len(job_processes(run_dir)) >= 4
         if how == "SIGKILL":
@@ -572,8 +402,6 @@ def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, faulted_run
             os.kill(job.pid, signal.SIGKILL)  # the ssh client: the connection drops
         seconds = wait_until(lambda: not job_processes(run_dir), 120,
                              f"the job outlived its launcher: {job_processes(run_dir)}")
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
     print(f"{how}: the job was gone {seconds:.0f} s later")
     if how == "SIGKILL":
         assert "the launcher (pid" in log.read_text() and "died; stopping its job" in \
@@ -585,17 +413,14 @@ def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, faulted_run
 def test_a_rank_killed_on_node2_ends_the_job_in_one_line_naming_it(cluster_env, faulted_run,
                                                                    tmp_path):
     log = tmp_path / "job.out"
-    job = faulted_run.start(log)
-    try:
+    with faulted_run.start(log) as job:
         faulted_run.wait_for_training(log)
         rank_3 = [process.pid for process in processes() if process.rank == 3
                   and "hvdtrain.cnn" in process.argv and str(faulted_run.path) in process.argv]
         assert len(rank_3) == 1, job_processes(faulted_run.path)
         os.kill(rank_3[0], signal.SIGKILL)  # as the OOM killer does
         wait_until(lambda: job.poll() is not None, 60, "the job to end")
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    output = log.read_text()
+        output = log.read_text()
     assert job.returncode not in (0, None), output[-3000:]
     assert one_failure_line(output) == (
         "rank 3 on node2 ended on SIGKILL (killed: the out-of-memory killer, or by hand); its "
@@ -612,26 +437,25 @@ def test_a_link_down_ends_the_job_instead_of_hanging(cluster_env, faulted_run, t
     # HorovodRuntime.stall_limit_seconds): a short interval keeps the test short.
     watchdog = limit + 4 * inspections
     log = tmp_path / "job.out"
-    job = faulted_run.start(log, "--stall-check-shutdown-seconds", str(limit),
-                            "--stall-check-warning-seconds", str(inspections))
-    try:
-        faulted_run.wait_for_training(log)
-        subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "down"], check=True)
-        budget = watchdog + launch_module().ORPHANED_COMMAND_SECONDS + 30
-        seconds = wait_until(lambda: job.poll() is not None, budget, "the job to end")
-    finally:
-        subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "up"], check=True)
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    output = log.read_text()
-    assert job.returncode != 0
-    assert re.fullmatch(rf"no training step finished in {watchdog} s on rank 0 on node1: .*; "
-                        rf"its log: {faulted_run.path}/logs/rank-0.log|node2 stopped answering.*",
-                        one_failure_line(output)), output[-3000:]
-    print(f"link down: the job ended {seconds:.0f} s later (watchdog {watchdog} s)")
-    # With the link back, node2's leftovers (its ranks ended by their own watchdogs; orted's
-    # connection resets) go too.
-    wait_until(lambda: not job_processes(faulted_run.path), 90,
-               f"orphans: {job_processes(faulted_run.path)}")
+    with faulted_run.start(log, "--stall-check-shutdown-seconds", str(limit),
+                           "--stall-check-warning-seconds", str(inspections)) as job:
+        try:
+            faulted_run.wait_for_training(log)
+            subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "down"], check=True)
+            budget = watchdog + launch_module().ORPHANED_COMMAND_SECONDS + 30
+            seconds = wait_until(lambda: job.poll() is not None, budget, "the job to end")
+        finally:
+            subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "up"], check=True)
+        output = log.read_text()
+        assert job.returncode != 0
+        assert re.fullmatch(rf"no training step finished in {watchdog} s on rank 0 on node1: .*; "
+                            rf"its log: {faulted_run.path}/logs/rank-0.log|node2 stopped "
+                            r"answering.*", one_failure_line(output)), output[-3000:]
+        print(f"link down: the job ended {seconds:.0f} s later (watchdog {watchdog} s)")
+        # With the link back, node2's leftovers (its ranks ended by their own watchdogs; orted's
+        # connection resets) go too; checked before the block ends what is left of the group.
+        wait_until(lambda: not job_processes(faulted_run.path), 90,
+                   f"orphans: {job_processes(faulted_run.path)}")
     faulted_run.faulted()
 
 
@@ -817,22 +641,19 @@ def container_build(cluster_env, tmp_path_factory):
         assert install.returncode == 0, install.stdout + install.stderr
     out = tmp_path_factory.mktemp("images")
     planted = plant_build_host_credentials()
-    log = (out / "build.log").open("w")
-    # --reuse-caches: the pip cache and compiled horovod of this machine's own install (the
-    # image is the same; a clean build compiles horovod again, ~4 minutes more).
-    # --mount-point: the repository's top directory, which a clone may have anywhere (/check,
-    # say) and which ch-run binds only onto a directory the image has.
-    build = subprocess.Popen(["nice", "-n", "19", "bash", str(REPO / "containers" / "build.sh"),
-                              "--out", str(out), "--formats", "squash", "--reuse-caches",
-                              "--mount-point", top_directory(REPO)],
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        yield build, out
+        # --reuse-caches: the pip cache and compiled horovod of this machine's own install (the
+        # image is the same; a clean build compiles horovod again, ~4 minutes more).
+        # --mount-point: the repository's top directory, which a clone may have anywhere
+        # (/check, say) and which ch-run binds only onto a directory the image has.
+        # A build cut short gets 2 minutes to clean up after itself on SIGTERM.
+        with (out / "build.log").open("w") as log, process_group(
+                ["nice", "-n", "19", "bash", str(REPO / "containers" / "build.sh"), "--out",
+                 str(out), "--formats", "squash", "--reuse-caches", "--mount-point",
+                 top_directory(REPO)],
+                grace_seconds=120, stdout=log, stderr=subprocess.STDOUT) as build:
+            yield build, out
     finally:
-        if build.poll() is None:
-            os.killpg(build.pid, signal.SIGTERM)
-            build.wait(timeout=120)
-        log.close()
         for path in reversed(planted):
             path.rmdir() if path.is_dir() else path.unlink()
     # ch-run's SquashFS mount point (the ranks made it; ch-run leaves it): empty once they ended.
@@ -1032,45 +853,41 @@ def node_loss_job(run_dir: Path, min_nodes: int, epochs: int) -> list[str]:
 def test_a_crashed_node_is_dropped_and_the_job_finishes_on_the_nodes_left(three_nodes, run_dir,
                                                                           tmp_path):
     log, epochs = tmp_path / "job.out", 12
-    job = start_job(node_loss_job(run_dir, 2, epochs), log, three_nodes)
-    try:
+    with started_job(node_loss_job(run_dir, 2, epochs), log, three_nodes) as job:
         wait_for_epoch(log, 3)
         crash_node("node3")
         crashed = time.monotonic()
         back = wait_until(lambda: "resized: worker(s) 3 -> 2" in log.read_text(), 240,
                           f"the resume on 2 nodes:\n{log.read_text()[-3000:]}")
         wait_until(lambda: job.poll() is not None, 300, "the job to end")
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    output = log.read_text()
-    assert job.returncode == 0, output[-4000:]
-    restart = check_went_on_without_node3(output, run_dir, epochs, "ssh")
-    print(f"node3 crashed: the resume on node1 and node2 {back:.0f} s later, the job done "
-          f"{time.monotonic() - crashed:.0f} s later; restart line: {restart}")
-    wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
+        output = log.read_text()
+        assert job.returncode == 0, output[-4000:]
+        restart = check_went_on_without_node3(output, run_dir, epochs, "ssh")
+        print(f"node3 crashed: the resume on node1 and node2 {back:.0f} s later, the job done "
+              f"{time.monotonic() - crashed:.0f} s later; restart line: {restart}")
+        # Checked before the block ends what is left of the job's group.
+        wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
 
 
 @pytest.mark.timeout(600)
 def test_fewer_nodes_left_than_min_nodes_ends_the_job_in_one_line(three_nodes, run_dir,
                                                                    tmp_path):
     log = tmp_path / "job.out"
-    job = start_job(node_loss_job(run_dir, 3, 400), log, three_nodes)
-    try:
+    with started_job(node_loss_job(run_dir, 3, 400), log, three_nodes) as job:
         wait_for_epoch(log, 3)
         crash_node("node3")
         wait_until(lambda: job.poll() is not None, 240, "the job to end")
-    finally:
-        os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
-    output = log.read_text()
-    assert job.returncode not in (0, None), output[-3000:]
-    # The crash named once, with the rank it took and its log, then why there is no restart.
-    assert re.fullmatch(
-        r"node3 stopped answering \(crashed, or its network is down\) with rank 2 on it; its "
-        rf"log: {re.escape(str(run_dir))}/logs/rank-2\.log; node3 is gone \(ssh: .*\); 2 "
-        r"host\(s\) left, fewer than --min-nodes 3: not restarting", one_failure_line(output)), \
-        output[-3000:]
-    assert "resuming from" not in output
-    wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
+        output = log.read_text()
+        assert job.returncode not in (0, None), output[-3000:]
+        # The crash named once, with the rank it took and its log, then why there is no restart.
+        assert re.fullmatch(
+            r"node3 stopped answering \(crashed, or its network is down\) with rank 2 on it; its "
+            rf"log: {re.escape(str(run_dir))}/logs/rank-2\.log; node3 is gone \(ssh: .*\); 2 "
+            r"host\(s\) left, fewer than --min-nodes 3: not restarting",
+            one_failure_line(output)), output[-3000:]
+        assert "resuming from" not in output
+        # Checked before the block ends what is left of the job's group.
+        wait_until(lambda: not job_processes(run_dir), 30, f"orphans: {job_processes(run_dir)}")
 
 
 @pytest.mark.timeout(900)

@@ -23,6 +23,7 @@ import pytest
 from conftest import (clean_env, integration, mpirun_job, one_error, run_job,
                       wait_for_first_epoch)
 from hvdtrain.launcher_env import processes
+from processes import process_group
 
 pytestmark = [integration]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -53,13 +54,12 @@ def test_a_killed_rank_is_restarted_and_the_job_resumes_to_the_end(tmp_path):
     run_dir = tmp_path / "run"
     # --via mpirun: the restart path of horovodrun without horovodrun's own TensorFlow import,
     # which costs many seconds per attempt on 2 busy cores (the user-error test uses horovodrun).
-    launcher = subprocess.Popen(
-        [*LAUNCH, "--np", "2", "--via", "mpirun", "--max-restarts", "1", "--skip-preflight",
-         "--", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "4", "--steps-per-epoch", "30",
-         "--no-tensorboard", "--no-export", "--run-dir", str(run_dir)],
-        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    try:
+    with process_group(
+            [*LAUNCH, "--np", "2", "--via", "mpirun", "--max-restarts", "1", "--skip-preflight",
+             "--", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "4", "--steps-per-epoch", "30",
+             "--no-tensorboard", "--no-export", "--run-dir", str(run_dir)],
+            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True) as launcher:
         deadline = time.monotonic() + 150
         # The first epoch is done and checkpointed (its metrics are written just before).
         while not (run_dir / "checkpoints" / "checkpoint").exists():
@@ -71,22 +71,18 @@ def test_a_killed_rank_is_restarted_and_the_job_resumes_to_the_end(tmp_path):
         assert sorted(ranks) == [0, 1] and epochs_before < 4, (ranks, epochs_before)
         os.kill(ranks[1], signal.SIGKILL)
         output, _ = launcher.communicate(timeout=150)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    assert launcher.returncode == 0, output[-4000:]
-    restarts = re.findall(r"hvdtrain\.launch: job exited (\d+): rank 1 on (\S+) (.*); its log: "
-                          r"(\S+); restart (\d) of 1", output)
-    # The killed rank said nothing: the launcher names it, its host (as mpirun does) and its log.
-    assert restarts == [("137", socket.gethostname(), "ended on SIGKILL (killed: the "
-                         "out-of-memory killer, or by hand)", f"{run_dir}/logs/rank-1.log", "1")], \
-        output[-4000:]
-    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", output)
-    assert resumed and int(resumed.group(1)) >= epochs_before - 1, output[-4000:]
-    epochs = [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())]
-    assert epochs == [1, 2, 3, 4], epochs  # every epoch once, none lost or logged twice
-    assert not ranks_of(run_dir), "ranks outlived the job"
+        assert launcher.returncode == 0, output[-4000:]
+        restarts = re.findall(r"hvdtrain\.launch: job exited (\d+): rank 1 on (\S+) (.*); its "
+                              r"log: (\S+); restart (\d) of 1", output)
+        # The killed rank said nothing: the launcher names it, its host (as mpirun does), its log.
+        assert restarts == [("137", socket.gethostname(), "ended on SIGKILL (killed: the "
+                             "out-of-memory killer, or by hand)", f"{run_dir}/logs/rank-1.log",
+                             "1")], output[-4000:]
+        resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", output)
+        assert resumed and int(resumed.group(1)) >= epochs_before - 1, output[-4000:]
+        epochs = [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())]
+        assert epochs == [1, 2, 3, 4], epochs  # every epoch once, none lost or logged twice
+        assert not ranks_of(run_dir), "ranks outlived the job"
 
 
 @pytest.mark.timeout(120)
@@ -167,22 +163,17 @@ def test_a_stop_signal_to_the_launcher_checkpoints_stops_and_a_rerun_resumes(
     # TensorFlow import (see test_a_killed_rank_is_restarted...).
     restarts = ["--max-restarts", "2"] if controller == "mpi" else []
     via = ["--via", "mpirun"] if controller == "mpi" else []
-    with log.open("w") as sink:  # a file, not a pipe: ranks holding a pipe would hide in wait()
-        launcher = subprocess.Popen(
+    # A file, not a pipe: ranks holding a pipe would hide in wait().
+    with log.open("w") as sink, process_group(
             [*LAUNCH, "--np", "2", "--controller", controller, *via, *restarts,
              "--skip-preflight", "--", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "200",
              "--no-tensorboard", "--run-dir", str(run_dir)],
-            env=clean_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+            env=clean_env(), stdout=sink, stderr=subprocess.STDOUT) as launcher:
         wait_for_first_epoch(run_dir, launcher, log)
         launcher.send_signal(signum)
         launcher.wait(timeout=120)
         ranks_left = ranks_of(run_dir)  # at the moment the launcher is gone
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    output = log.read_text()
+        output = log.read_text()
     assert launcher.returncode == exit_code, output[-3000:]
     assert not ranks_left, f"ranks {ranks_left} still ran after the launcher exited"
     stopped = re.search(rf"stopped by {signal.Signals(signum).name} in epoch (\d+); "
@@ -207,12 +198,10 @@ def test_ranks_get_all_the_time_they_need_to_stop_after_a_stop_signal(tmp_path, 
     launcher dies) sends mpirun a signal it forwards instead, to every rank (here, on one host,
     the ranks also get SIGTERM directly: each notes both)."""
     record = tmp_path / "record.txt"
-    with (tmp_path / "launcher.log").open("w") as sink:
-        launcher = subprocess.Popen(
+    with (tmp_path / "launcher.log").open("w") as sink, process_group(
             [*LAUNCH, "--np", "2", "--via", via, "--skip-preflight",
              str(SCRIPTS / "slow_stop.py"), str(record)],
-            env=clean_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+            env=clean_env(), stdout=sink, stderr=subprocess.STDOUT) as launcher:
         deadline = time.monotonic() + 90
         while not record.exists() or record.read_text().count("started") < 2:
             assert launcher.poll() is None and time.monotonic() < deadline, \
@@ -227,12 +216,8 @@ def test_ranks_get_all_the_time_they_need_to_stop_after_a_stop_signal(tmp_path, 
         else:
             launcher.send_signal(getattr(signal, how))
             launcher.wait(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    output = (tmp_path / "launcher.log").read_text()
-    lines = sorted(record.read_text().splitlines())
+        output = (tmp_path / "launcher.log").read_text()
+        lines = sorted(record.read_text().splitlines())
     assert lines == ["rank=0 got SIGTERM", "rank=0 got SIGUSR2", "rank=1 got SIGTERM",
                      "rank=1 got SIGUSR2", "started rank=0", "started rank=1", "stopped rank=0",
                      "stopped rank=1"], (lines, output[-3000:])

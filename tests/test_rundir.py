@@ -7,6 +7,7 @@ every rank runs these in its own temporary directory.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +29,7 @@ from hvdtrain.errors import UserError
 from hvdtrain.rundir import (LOCK_FILE, RunDir, current_umask, ensure_writable,
                              experiment_changes)
 from hvdtrain.runtime import Devices, Runtime, World
+from processes import process_group
 
 pytestmark = pytest.mark.timeout(300)
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -36,24 +38,17 @@ SCRIPTS = Path(__file__).parent / "scripts"
 @pytest.fixture
 def lock_holder():
     """Start tests/scripts/rundir_lock.py processes; returns (process, first line); kills them."""
-    started: list[subprocess.Popen] = []
+    with contextlib.ExitStack() as started:
+        def start(mode: str, run_dir: Path,
+                  job: str | None = None) -> tuple[subprocess.Popen, str]:
+            process = started.enter_context(process_group(
+                [sys.executable, str(SCRIPTS / "rundir_lock.py"), mode, str(run_dir),
+                 *([job] if job else [])], env=clean_env(), stdout=subprocess.PIPE, text=True))
+            ready, _, _ = select.select([process.stdout], [], [], 60)
+            assert ready, "the lock holder printed nothing in 60 s"
+            return process, process.stdout.readline().strip()
 
-    def start(mode: str, run_dir: Path, job: str | None = None) -> tuple[subprocess.Popen, str]:
-        process = subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "rundir_lock.py"), mode, str(run_dir),
-             *([job] if job else [])], env=clean_env(), stdout=subprocess.PIPE, text=True,
-            start_new_session=True)
-        started.append(process)
-        ready, _, _ = select.select([process.stdout], [], [], 60)
-        assert ready, "the lock holder printed nothing in 60 s"
-        return process, process.stdout.readline().strip()
-
-    yield start
-    for process in started:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        process.stdout.close()
+        yield start
 
 
 def try_lock(run_dir: Path) -> str:
@@ -476,10 +471,8 @@ def test_checkpoint_manager_saves_into_and_restores_from_a_url(url, url_run_dir)
 def test_a_second_job_on_a_busy_run_dir_is_refused_and_a_killed_job_resumes(tmp_path):
     run_dir = tmp_path / "run"
     cnn = [sys.executable, "-m", "hvdtrain.cnn", "--preset", "tiny", "--run-dir", str(run_dir)]
-    first = subprocess.Popen([*cnn, "--epochs", "200"], env=clean_env(SLURM_JOB_ID="4242"),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-    try:
+    with process_group([*cnn, "--epochs", "200"], env=clean_env(SLURM_JOB_ID="4242"),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) as first:
         deadline = time.monotonic() + 240
         while not (run_dir / "checkpoints" / "checkpoint").exists():  # an epoch checkpointed
             if first.poll() is not None or time.monotonic() > deadline:
@@ -500,10 +493,6 @@ def test_a_second_job_on_a_busy_run_dir_is_refused_and_a_killed_job_resumes(tmp_
         epochs_done = len(json.loads((run_dir / "metrics.json").read_text()))
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
 
     # The killed job's lock file stays behind; its lock does not: the rerun resumes.
     rerun = run_job([*cnn, "--epochs", str(epochs_done + 1)], timeout=240,

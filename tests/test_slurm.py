@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from cluster_helpers import SLURM_LOCAL
 from conftest import FAKE_GPU_NODES, REPO, VENV_BIN, clean_env, integration, run_job
 from hostlists import BAD_HOSTLISTS, HOSTLISTS
 
 pytestmark = [integration, pytest.mark.timeout(900)]
-SLURM_LOCAL = REPO / "tests" / "cluster" / "slurm-local.sh"
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from conftest import REPO, clean_env, integration
 from hvdtrain.errors import UserError
 from hvdtrain.tfrecords import DONE_DIR, convert, staging_dir
 from images import make_image_folder
+from processes import live_processes_in_group, process_group
 
 pytestmark = integration
 
@@ -118,19 +119,13 @@ def start():
     """Start a command in a session of its own: signals can go to its whole process group, as a
     terminal's Ctrl-C does, and the group shows which of its processes are still alive. Whatever
     a failed test leaves of the groups is killed."""
-    groups = []
+    with contextlib.ExitStack() as groups:
+        def started(command: list[str]) -> subprocess.Popen:
+            return groups.enter_context(process_group(
+                command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True))
 
-    def started(command: list[str]) -> subprocess.Popen:
-        process = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
-        groups.append(process.pid)
-        return process
-
-    yield started
-    for group in groups:
-        for pid in live_processes_in_group(group):
-            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-                os.kill(pid, signal.SIGKILL)
+        yield started
 
 
 def complete_shards(staging: Path) -> set[str]:
@@ -148,21 +143,6 @@ def wait_for_complete_shards(process: subprocess.Popen, staging: Path, more_than
             pytest.fail(f"no more than {more_than} shard(s) complete in {staging} after "
                         f"{RUN_TIMEOUT} s")
         time.sleep(0.005)
-
-
-def live_processes_in_group(group: int) -> list[int]:
-    """Processes of a process group that have not exited (zombies do not count: PID 1 of a
-    container may never reap them)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # pid (comm) state ppid pgrp ...; comm may hold spaces, so split after its ')'.
-            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, IndexError):
-            continue  # exited while being read
-        if int(pgrp) == group and state != "Z":
-            alive.append(int(stat.parent.name))
-    return alive
 
 
 def wait_until_group_ends(group: int) -> None:

@@ -40,6 +40,7 @@ from hvdtrain.rundir import RunDir, current_umask
 from hvdtrain.runtime.base import Devices, Runtime, World
 from hvdtrain.tracking.mlflow import (EPOCH_KEY, MlflowRun, changed_params, epoch_metrics,
                                       flat_params, is_claimed_by, latest_per_step, server_uri)
+from processes import process_group
 
 LAUNCH = [sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via", "mpirun",
           "--skip-preflight", "--"]
@@ -185,13 +186,11 @@ def running_server(home: Path, port: int) -> Iterator[tuple[str, subprocess.Pope
     """A real `mlflow server` on 127.0.0.1:port (SQLite store and artifacts under ``home``):
     (its URI, its process)."""
     uri = f"http://127.0.0.1:{port}"
-    with (home / "server.log").open("a") as log:
-        server = subprocess.Popen(
+    with (home / "server.log").open("a") as log, process_group(
             [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
              "--backend-store-uri", f"sqlite:///{home}/mlflow.db",
              "--artifacts-destination", str(home / "artifacts"), "--workers", "1"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=clean_env())
-    try:
+            grace_seconds=20, stdout=log, stderr=subprocess.STDOUT, env=clean_env()) as server:
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -204,18 +203,6 @@ def running_server(home: Path, port: int) -> Iterator[tuple[str, subprocess.Pope
                 pytest.fail(f"mlflow server did not start:\n{(home / 'server.log').read_text()}")
             time.sleep(0.5)
         yield uri, server
-    finally:
-        stop(server)
-
-
-def stop(server: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
-    if server.poll() is None:
-        os.killpg(server.pid, signum)
-    try:
-        server.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
 
 
 @pytest.fixture(scope="module")
@@ -354,18 +341,12 @@ def test_a_preempted_and_resumed_job_is_one_mlflow_run(mlflow_server, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "first.log"
     job = [*LAUNCH, "hvdtrain.cnn", "--epochs", "5", "--track", "mlflow", "--tracking-uri",
            mlflow_server, "--run-dir", str(run_dir)]
-    with log.open("w") as sink:
-        launcher = subprocess.Popen(job, env=clean_env(), stdout=sink, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-    try:
+    with log.open("w") as sink, process_group(job, env=clean_env(), stdout=sink,
+                                              stderr=subprocess.STDOUT) as launcher:
         wait_for_first_epoch(run_dir, launcher, log)
         launcher.send_signal(signal.SIGUSR1)  # Slurm's warning before the time limit
         launcher.wait(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    first = log.read_text()
+        first = log.read_text()
     assert launcher.returncode == 75, first[-3000:]
     run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
     client = client_of(mlflow_server)
@@ -464,18 +445,12 @@ def test_a_server_lost_mid_run_costs_one_line_and_the_rerun_fills_the_gap(mlflow
     job = [sys.executable, "-m", "hvdtrain.cnn", "--preset", "tiny", "--track", "mlflow",
            "--tracking-uri", uri, "--experiment", "lost-server", "--run-dir", str(run_dir)]
     try:
-        with log.open("w") as sink:
-            trainer = subprocess.Popen([*job, "--epochs", "12"], env=clean_env(), stdout=sink,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
-        try:
+        with log.open("w") as sink, process_group([*job, "--epochs", "12"], env=clean_env(),
+                                                  stdout=sink, stderr=subprocess.STDOUT) as trainer:
             wait_for_first_epoch(run_dir, trainer, log, timeout=120, poll_seconds=0.05)
             proxy.go_down()
             trainer.wait(timeout=150)
-        finally:
-            if trainer.poll() is None:
-                os.killpg(trainer.pid, signal.SIGKILL)
-                trainer.wait()
-        output = log.read_text()
+            output = log.read_text()
         assert trainer.returncode == 0, output[-3000:]
         lost = [line for line in output.splitlines() if line.startswith("hvdtrain: tracking:")]
         assert len(lost) == 1 and f"MLflow at {uri} " in lost[0] \
@@ -515,25 +490,21 @@ def test_a_silent_server_neither_stops_nor_stalls_training_and_its_password_stay
            "--epochs", str(epochs), "--track", "mlflow", "--tracking-uri",
            f"http://alice:{password}@127.0.0.1:{proxy.port}", "--experiment", "silent-server",
            "--run-dir", str(run_dir)]
-    with log.open("w") as sink:
-        launcher = subprocess.Popen(job, env=clean_env(), stdout=sink, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
     try:
-        wait_for_first_epoch(run_dir, launcher, log, poll_seconds=0.05)
-        proxy.go_silent()
-        deadline = time.monotonic() + 90
-        while (len(metrics_rows(run_dir)) < epochs and launcher.poll() is None
-               and time.monotonic() < deadline):
-            time.sleep(0.1)
-        trained_while_silent = len(metrics_rows(run_dir))
-        proxy.come_back()
-        launcher.wait(timeout=120)
+        with log.open("w") as sink, process_group(job, env=clean_env(), stdout=sink,
+                                                  stderr=subprocess.STDOUT) as launcher:
+            wait_for_first_epoch(run_dir, launcher, log, poll_seconds=0.05)
+            proxy.go_silent()
+            deadline = time.monotonic() + 90
+            while (len(metrics_rows(run_dir)) < epochs and launcher.poll() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.1)
+            trained_while_silent = len(metrics_rows(run_dir))
+            proxy.come_back()
+            launcher.wait(timeout=120)
+            output = log.read_text()
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
         proxy.close()
-    output = log.read_text()
     assert trained_while_silent == epochs, output[-3000:]
     assert launcher.returncode == 0, output[-3000:]
     assert "Traceback" not in output
