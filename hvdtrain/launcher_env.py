@@ -1,10 +1,11 @@
 """Who started a process: the rank and size a launcher announced, before any runtime exists.
 
-The one place that knows the launchers' variables (horovodrun, mpirun, srun), read for three
+The one place that knows the launchers' variables (horovodrun, mpirun, srun), read for four
 things: which rank prints an early error (``errors.reported``) and what ``--backend auto``
 means (``runtime.select_backend``); what a process started from inside a job must not inherit
-(``child_env``: the benchmarks' and the tests' jobs); and which processes on this machine are
-ranks (``processes``: the launcher's supervision, the benchmarks, the tests). Imports nothing
+(``child_env``: the benchmarks' and the tests' jobs); which processes on this machine are ranks
+(``processes``: the launcher's supervision, the benchmarks, the tests); and which scheduler job
+a process belongs to (``job_label``: the run directory's lock, the trackers). Imports nothing
 from hvdtrain, so the launcher and the error handling can use it without loading TensorFlow.
 """
 from __future__ import annotations
@@ -118,3 +119,16 @@ def marked(marker: str, *, prefix: bool = False, this_host_only: bool = False) -
             if (process.env.get(name, "").startswith(value) if prefix
                 else process.env.get(name) == value)
             and (namespace is None or process.uts_namespace == namespace)]
+
+
+def job_label(env: Mapping[str, str]) -> str | None:
+    """Slurm's name for the job this process is part of ('Slurm job 1234', '1234_7' for an array
+    task, ', restart 2' after a requeue), or None outside Slurm. The run directory's lock records
+    it, so that a second job refused there can say which job holds it."""
+    job_id = env.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    restarts = env.get("SLURM_RESTART_COUNT", "0")
+    return f"Slurm job {job_id}" + (f", restart {restarts}" if restarts not in ("", "0") else "")

@@ -32,7 +32,7 @@ from hvdtrain.config import ImageConfig, TrainConfig
 from hvdtrain.data import (ImageDatasets, build_pipelines, choose_data_cache,
                            disk_cache_failures_in_one_line, load_listing)
 from hvdtrain.errors import UserError, as_one_line, stop_status
-from hvdtrain.launch.slurm import job_label
+from hvdtrain.launcher_env import job_label
 from hvdtrain.models.user import is_user_model
 from hvdtrain.plan import TrainingPlan, make_plan, per_worker_batch, resize_notes
 from hvdtrain.preemption import PreemptionCheck, StopRequest, StopSignals, describe_stop

@@ -77,19 +77,6 @@ def _bracket_numbers(ranges: str, nodelist: str) -> list[str]:
     return numbers
 
 
-def job_label(env: Mapping[str, str]) -> str | None:
-    """Slurm's name for the job this process is part of ('Slurm job 1234', '1234_7' for an array
-    task, ', restart 2' after a requeue), or None outside Slurm. The run directory's lock records
-    it, so that a second job refused there can say which job holds it."""
-    job_id = env.get("SLURM_JOB_ID")
-    if not job_id:
-        return None
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    restarts = env.get("SLURM_RESTART_COUNT", "0")
-    return f"Slurm job {job_id}" + (f", restart {restarts}" if restarts not in ("", "0") else "")
-
-
 def expand_tasks_per_node(value: str) -> list[int]:
     """Slurm's compressed counts, e.g. '4(x2),2' -> [4, 4, 2]."""
     counts = []
