@@ -1,4 +1,5 @@
-"""What hvdtrain ships for users to copy and change: the examples (`hvdtrain examples DIR`).
+"""What hvdtrain ships for users to copy and change: the examples (`hvdtrain examples DIR`), and
+the one way such files are written (``write_new_files``; the Slurm templates use it too).
 
 They are package data (hvdtrain/examples/; the repository's examples/ links there), so an
 installed hvdtrain writes the same files a checkout has. Writing into a user's directory never

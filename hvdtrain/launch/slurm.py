@@ -24,6 +24,7 @@ from hvdtrain.cli import usage_name
 from hvdtrain.errors import UserError, reported
 from hvdtrain.flags import FlagHelpFormatter, OneLineParser, field_docs
 from hvdtrain.launch.options import MODULE_NAME, VIAS
+from hvdtrain.shipped import write_new_files
 
 #: The public name, ``python -m hvdtrain.slurm`` (hvdtrain/slurm.py runs ``main``).
 PROGRAM = "hvdtrain.slurm"
@@ -412,20 +413,12 @@ def run(argv: Sequence[str] | None = None) -> int:
 def write_templates(directory: str, python: str) -> list[str]:
     """Every template, run with ``python``, as an executable script in ``directory``; the
     paths written. A file already there is refused (one line) before anything is written."""
-    paths = {name: os.path.join(directory, name) for name in TEMPLATES}
-    existing = [path for path in paths.values() if os.path.lexists(path)]
-    if existing:
-        raise UserError(f"{', '.join(existing)} already exist(s); not overwriting: remove them "
-                        "or choose another directory")
     try:
-        os.makedirs(directory, exist_ok=True)
-        for name, path in paths.items():
-            script = render(dataclasses.replace(TEMPLATES[name], python=python))
-            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755), "w") as file:
-                file.write(script)
-    except (OSError, ValueError) as error:
+        scripts = {name: render(dataclasses.replace(template, python=python)).encode()
+                   for name, template in TEMPLATES.items()}
+    except ValueError as error:
         raise UserError(f"cannot write the templates into {directory}: {error}") from None
-    return list(paths.values())
+    return write_new_files(directory, scripts, "templates", mode=0o755)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
