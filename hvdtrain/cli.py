@@ -15,7 +15,7 @@ import subprocess
 import sys
 from typing import Sequence
 
-from hvdtrain.errors import EXIT_USAGE
+from hvdtrain.errors import EXIT_USAGE, checkout_top
 
 #: command -> (the module it runs, what it does). The first word of the help is the module's.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -54,7 +54,7 @@ def versions() -> str:
     import hvdtrain
 
     line = f"hvdtrain {hvdtrain.__version__}"
-    commit = _checkout_commit(os.path.dirname(os.path.dirname(os.path.abspath(hvdtrain.__file__))))
+    commit = _checkout_commit()
     if commit:
         line += f" (commit {commit})"
     for label, distributions in (("TensorFlow", TENSORFLOW_DISTRIBUTIONS),
@@ -77,8 +77,9 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
-def _checkout_commit(top: str) -> str | None:
-    if not os.path.exists(os.path.join(top, ".git")):
+def _checkout_commit() -> str | None:
+    top = checkout_top()
+    if top is None or not os.path.exists(os.path.join(top, ".git")):
         return None
     try:
         result = subprocess.run(["git", "-C", top, "rev-parse", "--short", "HEAD"],

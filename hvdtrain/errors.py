@@ -33,11 +33,17 @@ RELAYED_STOP = signal.SIGUSR2
 
 
 
+def checkout_top() -> str | None:
+    """The repository this hvdtrain runs from (the directory above the package, when it holds
+    scripts/install.sh), or None for a pip-installed package."""
+    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return top if os.path.isfile(os.path.join(top, "scripts", "install.sh")) else None
+
+
 def rebuild_the_stack() -> str:
     """How to (re)build horovod against this Python's TensorFlow, for a message's remedy: in
     hvdtrain's checkout `make install`; a pip-installed hvdtrain has no install script beside it."""
-    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.isfile(os.path.join(top, "scripts", "install.sh")):
+    if checkout_top():
         return "run `make install`"
     return ("build it from a checkout of hvdtrain's repository against this Python's TensorFlow: "
             "HVDTRAIN_STACK=existing PYTHON=python bash scripts/install.sh (docs/install.md)")
