@@ -292,8 +292,9 @@ fi
 constraints=("-c" "$constraints_file")
 say "installing $tf_requirement, tf_keras, mpi4py and the rest of the pinned stack"
 # mlflow: for --track mlflow, and the tracking server its tests start (a user's own environment
-# needs only the client: pip install mlflow-skinny). mkdocs: `make docs` and tests/test_docs.py; the
-# constraints do not pin it, hence its range.
+# needs only the client: pip install mlflow-skinny). mkdocs: `make docs` and tests/test_docs.py. The
+# constraints pin pymdown-extensions at 12.3: 13.x needs Python >= 3.11.5, and the image's Debian
+# Python (containers/build.sh) is 3.11.2.
 pip install "${constraints[@]}" "$tf_requirement" \
   mpi4py scikit-learn matplotlib pytest pytest-timeout \
   packaging cloudpickle psutil pyyaml cffi mlflow tensorboard \
