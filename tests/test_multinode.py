@@ -791,19 +791,23 @@ def test_the_template_runs_the_ranks_in_the_image(cluster_env, container_image, 
 
 
 @pytest.mark.timeout(300)
-def test_a_directory_the_image_cannot_bind_onto_is_one_line(container_image, tmp_path):
+def test_a_directory_the_image_cannot_bind_onto_is_one_line(cluster_env, container_image,
+                                                            tmp_path):
     """A run directory under a top directory the image lacks: ch-run would fail in every rank
-    ("can't mkdir ... Read-only file system"); the launcher says so once, before anything."""
+    ("can't mkdir ... Read-only file system"); the launcher says so once, before anything. It
+    runs in an allocation (--via srun outside one is refused first, with the other options)."""
     absent = Path(f"/hvdtrain-absent-{os.getpid()}")
     assert not absent.exists()
-    result = subprocess.run(
-        [PYTHON, "-m", "hvdtrain.launch", "--via", "srun", "--container", str(container_image),
-         "hvdtrain.cnn", "--run-dir", str(absent / "run")],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
-        env={**os.environ, "USER": os.environ.get("USER", "root")})
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = (result.stdout + result.stderr).strip().splitlines()
-    assert len(lines) == 1, lines
+    script, log = tmp_path / "job.sh", tmp_path / "slurm.out"
+    script.write_text(
+        f"#!/bin/bash\ncd {REPO}\n"
+        'export USER="${USER:-$(id -un)}"\n'  # ch-run's mount point is named after $USER
+        f"{PYTHON} -m hvdtrain.launch --via srun --container {container_image} hvdtrain.cnn "
+        f"--run-dir {absent / 'run'}\n"
+        'echo "launcher exit $?"\n')
+    job_id = sbatch(cluster_env, log, "-N", "1", "--ntasks-per-node=1", str(script))
+    lines = wait_for_job(cluster_env, job_id, log).strip().splitlines()
+    assert lines[-1] == "launcher exit 2" and len(lines) == 2, lines
     assert (f"has no {absent} to bind this machine's onto" in lines[0]
             and f"containers/build.sh --mount-point {absent}" in lines[0]), lines
     assert not absent.exists()
