@@ -395,6 +395,20 @@ def test_converter_refuses_what_training_refuses(tmp_path, fraction, size, messa
     assert not list(tmp_path.glob("records*"))  # nothing written
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--max-resolution", "big"], "argument --max-resolution: a number of pixels or off, not "
+                                  "'big' (see --help)"),
+    (["--max-resolution", "-3"], "--max-resolution must be at least 1 (or off), got -3"),
+    (["--jpeg-quality", "101"], "--jpeg-quality must be in 1..100, got 101")])
+def test_a_bad_size_limit_is_one_line(tmp_path, flags, message):
+    from hvdtrain.tfrecords import run
+
+    with pytest.raises(UserError) as error:
+        run(["--data-dir", str(tmp_path / "images"), "--out", str(tmp_path / "records"), *flags])
+    assert str(error.value) == message
+    assert not list(tmp_path.glob("records*"))  # nothing written
+
+
 def test_tfrecords_and_run_directory_on_a_url_file_system(tmp_path):
     """gs:// as TPU jobs use it, through TensorFlow's in-memory ram:// file system (no network)."""
     import dataclasses
