@@ -29,7 +29,7 @@ TESTED_TENSORFLOW = ("2.18", "2.19", "2.20", "2.21")
 OLDEST_TENSORFLOW = (2, 16)
 #: What hvdtrain imports besides TensorFlow and horovod (setup.cfg; mpi4py for the horovod backend).
 REQUIREMENTS = {"numpy": "numpy", "sklearn": "scikit-learn", "matplotlib": "matplotlib",
-                "mpi4py": "mpi4py"}
+                "PIL": "pillow", "mpi4py": "mpi4py"}
 PROGRAM = "hvdtrain.stack"
 
 

@@ -1,20 +1,24 @@
 """Write TFRecord shards from an image folder: `python -m hvdtrain.tfrecords --data-dir D --out O`.
 
-Each record holds the file's encoded bytes unchanged under ``image`` (PNG/JPEG/GIF/BMP; decoding
-happens in the training pipeline, after sharding) and its class index under ``label`` (int64);
-``hvdtrain.data.records`` owns the format and reads it.
+Each record holds an encoded image under ``image`` (decoding happens in the training pipeline,
+after sharding) and its class index under ``label`` (int64); ``hvdtrain.data.records`` owns the
+format and reads it. The image is the file's bytes unchanged (PNG/JPEG/GIF/BMP) when its shorter
+side is at most ``--max-resolution`` pixels (default: what training at ``--image-size`` decodes
+to with ``--augment``, 256 for 224; ``off`` keeps every file as it is), else a JPEG of it resized
+once to that shorter side (see MaxResolution).
 The train/validation split is the same one ``--data-dir`` training uses (same seed, same
 fraction), and sample i of a split goes to shard i mod N, so what a shard holds does not depend
 on how many workers wrote it. Output::
 
     O/train-00000-of-00004.tfrecord ...  O/validation-00000-of-00001.tfrecord  O/dataset.json
 
-``dataset.json`` records class names, image size and the record count of every shard, so training
-does not have to count records at start-up.
+``dataset.json`` records class names, image size, the record count of every shard (so training
+does not have to count records at start-up) and the limit images were stored at.
 
 Workers: ``--workers`` processes (default: one per core this process may use, fewer for a small
 folder) each write whole shards. A worker reads a file once, checks its first bytes and skips any
-file that is unreadable or no PNG/JPEG/GIF/BMP image (counted in ``dataset.json``'s "skipped");
+file that is unreadable or no PNG/JPEG/GIF/BMP image, or with a size limit one whose header (or,
+to resize it, whose pixels) Pillow cannot decode (counted in ``dataset.json``'s "skipped");
 with ``--on-bad-image fail`` the first such file stops the conversion and nothing is kept.
 Progress goes to stderr: records done, records/s and the time left, on one line redrawn in place
 on a terminal, as a line every 10 s in a log file (``--quiet``: none).
@@ -32,6 +36,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import hashlib
+import io
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -46,10 +51,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TextIO
 
 from hvdtrain.cli import usage_name
+from hvdtrain.data.augment import CENTER_FRACTION
 from hvdtrain.data.folder import FolderListing, list_image_folder
 from hvdtrain.data.images import image_format_of_bytes
 from hvdtrain.data.listing import DEFAULT_FILE_IMAGE_SIZE
-from hvdtrain.data.records import METADATA, TRAIN, VALIDATION, serialize_example, shard_name
+from hvdtrain.data.records import (METADATA, TRAIN, VALIDATION, serialize_example, shard_name,
+                                   shorter_side_decoded)
 from hvdtrain.errors import UserError, first_line, reported
 from hvdtrain.flags import FlagHelpFormatter, OneLineParser
 from hvdtrain.rundir import current_umask, replace_atomically
@@ -75,6 +82,8 @@ RATE_WINDOW_SECONDS = 30.0
 FILES_PER_WORKER = 5000
 """The default starts a worker per this many files at most: each worker process imports
 TensorFlow (~2.5 s, ~0.45 GB), which a small folder does not pay back."""
+DEFAULT_JPEG_QUALITY = 90
+"""Quality of the JPEGs resized images are stored as (libjpeg's 1-100 scale; FFCV's default)."""
 
 
 class BadImageError(UserError):
@@ -95,6 +104,71 @@ class ShardTask:
 
 
 @dataclass(frozen=True)
+class MaxResolution:
+    """The largest image a shard stores: an image whose shorter side is over ``shorter_side``
+    pixels is stored resized to that shorter side (aspect ratio kept) as a JPEG of
+    ``jpeg_quality``; any other is stored as its file's bytes, unchanged.
+
+    The shorter side, not the longer (FFCV's max_resolution): training resizes an image to a
+    square (or crops a square from it), so it needs ``shorter_side`` pixels along both axes, and a
+    limit on the longer side would leave a 4:3 photo's shorter side at 3/4 of that, upsampled.
+    """
+
+    shorter_side: int
+    jpeg_quality: int
+
+    def __post_init__(self):
+        if self.shorter_side < 1:
+            raise UserError(f"--max-resolution must be at least 1 (or off), got "
+                            f"{self.shorter_side}")
+        if not 1 <= self.jpeg_quality <= 100:
+            raise UserError(f"--jpeg-quality must be in 1..100, got {self.jpeg_quality}")
+
+    def stored(self, encoded: bytes, image_format: str) -> tuple[bytes, bool] | None:
+        """(what a shard stores for a file of ``image_format``, whether it was resized); None
+        when its header or, for one to resize, its pixels do not decode.
+
+        Resized images become JPEGs, RGB or gray as their pixels are, whatever their format: what
+        training decodes (1 or 3 channels) has no alpha, so alpha is dropped the way TensorFlow's
+        decoders drop it, and a JPEG decodes faster and, unlike PNG, can decode just a crop
+        window. EXIF orientation is not applied (TensorFlow does not apply it either), so the
+        pixels keep the orientation training saw in the original.
+        """
+        from PIL import Image
+
+        try:
+            image = Image.open(io.BytesIO(encoded), formats=[image_format])
+            width, height = image.size
+            if min(width, height) <= self.shorter_side:
+                return encoded, False
+            scale = self.shorter_side / min(width, height)
+            size = (max(1, round(width * scale)), max(1, round(height * scale)))
+            # A JPEG decodes already scaled down by 2, 4 or 8 in the DCT (much less work), to
+            # no less than twice the size, so the filter below still makes the last step.
+            image.draft(None, (2 * size[0], 2 * size[1]))
+            pixels = _without_alpha(image).resize(size, Image.Resampling.LANCZOS,
+                                                  reducing_gap=3.0)
+            stored = io.BytesIO()
+            pixels.save(stored, "JPEG", quality=self.jpeg_quality)
+        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError):
+            return None  # what Pillow raises for a damaged file (OSError: cut short)
+        return stored.getvalue(), True
+
+
+def _without_alpha(image):
+    """The image as 8-bit gray ("L") or RGB, what a JPEG stores."""
+    from PIL import Image
+
+    if image.mode in ("I", "I;16"):  # 16-bit gray PNG: keep the high byte, as TensorFlow does
+        import numpy as np
+
+        return Image.fromarray((np.asarray(image) >> 8).clip(0, 255).astype(np.uint8))
+    if image.mode in ("P", "PA"):  # a palette's transparency converts through RGBA (no warning)
+        image = image.convert("RGBA")
+    return image.convert("L" if image.mode in ("1", "L", "LA") else "RGB")
+
+
+@dataclass(frozen=True)
 class ShardDone:
     """A complete shard; also its marker in DONE_DIR, read back by a resumed run."""
 
@@ -104,6 +178,8 @@ class ShardDone:
     """Files not written: unreadable, or no image."""
     first_skipped: str | None
     """The skipped path that sorts first (None when none was skipped)."""
+    resized: int = 0
+    """Records stored resized (see MaxResolution)."""
 
 
 @dataclass(frozen=True)
@@ -126,23 +202,40 @@ def staging_dir(out_dir: str) -> str:
 
 def convert(data_dir: str, out_dir: str, *, shards: int, validation_shards: int,
             validation_fraction: float, seed: int, image_size: int, channels: int = 3,
+            max_resolution: int | None = None, jpeg_quality: int = DEFAULT_JPEG_QUALITY,
             on_bad_image: str = "skip", workers: int | None = None,
             progress: bool = False) -> dict:
     """Write the shards of an image folder (see the module docstring); returns dataset.json's
-    contents. ``progress`` shows the progress line and the resume note on stderr."""
+    contents. ``max_resolution``: the largest shorter side stored, in pixels (None: the default
+    for ``image_size``, 0: every file unchanged). ``progress`` shows the progress line and the
+    resume note on stderr."""
     def to_stderr(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     return write_dataset(data_dir, out_dir, shards=shards, validation_shards=validation_shards,
                          validation_fraction=validation_fraction, seed=seed,
-                         image_size=image_size, channels=channels, on_bad_image=on_bad_image,
-                         workers=workers, progress_stream=sys.stderr if progress else None,
+                         image_size=image_size, channels=channels,
+                         max_resolution=max_resolution, jpeg_quality=jpeg_quality,
+                         on_bad_image=on_bad_image, workers=workers,
+                         progress_stream=sys.stderr if progress else None,
                          notify=to_stderr if progress else lambda line: None).metadata
+
+
+def max_resolution_for(image_size: int, max_resolution: int | None,
+                       jpeg_quality: int) -> MaxResolution | None:
+    """The limit ``max_resolution`` pixels asks for (None: what training at ``image_size``
+    decodes to with --augment, the larger need; 0: none, every file is stored unchanged)."""
+    if max_resolution == 0:
+        return None
+    if max_resolution is None:
+        max_resolution = shorter_side_decoded(image_size, augment=True)
+    return MaxResolution(max_resolution, jpeg_quality)
 
 
 def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards: int,
                   validation_fraction: float, seed: int, image_size: int, channels: int,
-                  on_bad_image: str, workers: int | None, progress_stream: TextIO | None,
+                  max_resolution: int | None, jpeg_quality: int, on_bad_image: str,
+                  workers: int | None, progress_stream: TextIO | None,
                   notify: Callable[[str], None]) -> Conversion:
     """``convert`` with the details the command line reports. ``notify`` gets the line saying a
     run resumes; ``progress_stream`` the progress line (None: no progress)."""
@@ -152,6 +245,7 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
         raise UserError(f"--validation-fraction must be in [0, 1), got {validation_fraction}")
     if image_size < 1:
         raise UserError(f"--image-size must be at least 1, got {image_size}")
+    limit = max_resolution_for(image_size, max_resolution, jpeg_quality)
     # The output checks are cheap, the listing is not: a mistyped --out fails first.
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; name a new directory")
@@ -168,6 +262,9 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
             "samples": sum(len(task.paths) for task in tasks), "shards": shards,
             "validation_shards": validation_shards, "validation_fraction": validation_fraction,
             "seed": seed, "image_size": image_size, "channels": channels,
+            # null (off) in both: a plan written before the limit existed stored originals too.
+            "max_resolution": limit.shorter_side if limit else None,
+            "jpeg_quality": limit.jpeg_quality if limit else None,
             "files_sha256": _fingerprint(tasks, data_dir)}
     resumed = _open_staging(staging, plan, tasks, out_dir)
     if resumed:
@@ -180,7 +277,7 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
         earlier_bad = sorted(done.first_skipped for done in resumed.values() if done.skipped)
         if on_bad_image == "fail" and earlier_bad:
             raise BadImageError(_not_an_image(earlier_bad[0]))
-        written = _write_shards(to_write, staging, on_bad_image, workers, progress)
+        written = _write_shards(to_write, staging, limit, on_bad_image, workers, progress)
     except BadImageError:
         # The data has to change before a rerun, which would not match this plan anyway.
         shutil.rmtree(staging, ignore_errors=True)
@@ -192,6 +289,9 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
                 "image_size": image_size, "channels": channels, "seed": seed,
                 "validation_fraction": validation_fraction,
                 "counts": {task.name: complete[task.name].records for task in tasks},
+                "max_resolution": {**dataclasses.asdict(limit),
+                                   "resized": sum(done.resized for done in complete.values())
+                                   } if limit else None,
                 "skipped": list(listing.notes) + _skipped_notes(complete.values(), data_dir)}
     _finish(staging, out_dir, metadata)
     return Conversion(metadata, resumed_shards=len(resumed),
@@ -259,7 +359,7 @@ def _open_staging(staging: str, plan: dict, tasks: list[ShardTask],
 def _difference(key: str, then: object, now: object) -> str:
     if key == "files_sha256":
         return "the folder's files or labels changed"
-    return f"{key} {then} then, {now} now"
+    return f"{key} {'off' if then is None else then} then, {'off' if now is None else now} now"
 
 
 def _create_staging(staging: str, plan: dict, out_dir: str) -> None:
@@ -313,8 +413,8 @@ def _finish(staging: str, out_dir: str, metadata: dict) -> None:
 
 
 # --- writing shards ------------------------------------------------------------------------------
-def _write_shards(tasks: list[ShardTask], staging: str, on_bad_image: str, workers: int | None,
-                  progress: Progress) -> list[ShardDone]:
+def _write_shards(tasks: list[ShardTask], staging: str, max_resolution: MaxResolution | None,
+                  on_bad_image: str, workers: int | None, progress: Progress) -> list[ShardDone]:
     if not tasks:
         return []
     count = _worker_count(workers, tasks)
@@ -323,9 +423,9 @@ def _write_shards(tasks: list[ShardTask], staging: str, on_bad_image: str, worke
         def add(files: int) -> None:
             progress.set(progress.done + files)
 
-        return [write_shard(task, staging, on_bad_image=on_bad_image, report=add)
-                for task in tasks]
-    return _write_in_workers(tasks, staging, on_bad_image, count, progress)
+        return [write_shard(task, staging, max_resolution=max_resolution,
+                            on_bad_image=on_bad_image, report=add) for task in tasks]
+    return _write_in_workers(tasks, staging, max_resolution, on_bad_image, count, progress)
 
 
 def _worker_count(requested: int | None, tasks: list[ShardTask]) -> int:
@@ -341,6 +441,7 @@ class WorkerLink:
     """What a worker process shares with the converter that started it."""
 
     staging: str
+    max_resolution: MaxResolution | None
     on_bad_image: str
     processed: Synchronized
     """Files all workers have processed (written or skipped)."""
@@ -376,16 +477,18 @@ def _exit_with_converter() -> None:
 
 def _write_shard_in_worker(task: ShardTask) -> ShardDone:
     link = _worker_link
-    return write_shard(task, link.staging, on_bad_image=link.on_bad_image, report=link.report)
+    return write_shard(task, link.staging, max_resolution=link.max_resolution,
+                       on_bad_image=link.on_bad_image, report=link.report)
 
 
-def _write_in_workers(tasks: list[ShardTask], staging: str, on_bad_image: str, workers: int,
+def _write_in_workers(tasks: list[ShardTask], staging: str,
+                      max_resolution: MaxResolution | None, on_bad_image: str, workers: int,
                       progress: Progress) -> list[ShardDone]:
     # spawn: TensorFlow is not fork-safe, and this process never imports it.
     context = multiprocessing.get_context("spawn")
     processed = context.Value("q", 0)
     stop = context.Event()
-    link = WorkerLink(staging, on_bad_image, processed, stop)
+    link = WorkerLink(staging, max_resolution, on_bad_image, processed, stop)
     already_done = progress.done
     written = []
     with _CtrlC() as ctrl_c:
@@ -435,30 +538,32 @@ class _CtrlC:
         self.pressed = True
 
 
-def write_shard(task: ShardTask, staging: str, *, on_bad_image: str,
-                report: Callable[[int], None]) -> ShardDone:
+def write_shard(task: ShardTask, staging: str, *, max_resolution: MaxResolution | None,
+                on_bad_image: str, report: Callable[[int], None]) -> ShardDone:
     """Write one shard under a temporary name, rename it, then mark it complete in DONE_DIR.
 
     ``report`` gets the number of files processed since its last call, every REPORT_SECONDS and
     at the end. A file that is unreadable or no image is skipped, or raises BadImageError with
-    ``on_bad_image`` "fail".
+    ``on_bad_image`` "fail". ``max_resolution``: the largest image stored (None: every file
+    unchanged).
     """
     import tensorflow as tf
 
     final = os.path.join(staging, task.name)
-    records = skipped = 0
+    records = skipped = resized = 0
     first_skipped = None
     report(0)  # a worker told to stop does not start another shard
     unreported, reported_at = 0, time.monotonic()
 
     def write_records(temporary: str) -> None:
-        nonlocal records, skipped, first_skipped, unreported, reported_at
+        nonlocal records, skipped, resized, first_skipped, unreported, reported_at
         with tf.io.TFRecordWriter(temporary) as writer:
             for path, label in zip(task.paths, task.labels):
-                encoded = _read_image(path)
-                if encoded is not None:
-                    writer.write(serialize_example(encoded, label))
+                stored = _stored_image(path, max_resolution)
+                if stored is not None:
+                    writer.write(serialize_example(stored[0], label))
                     records += 1
+                    resized += stored[1]
                 elif on_bad_image == "fail":
                     raise BadImageError(_not_an_image(path))
                 else:
@@ -472,7 +577,7 @@ def write_shard(task: ShardTask, staging: str, *, on_bad_image: str,
     try:
         # A .tmp name: a resumed conversion removes those of the interrupted one.
         replace_atomically(final, write_records, suffix=".tmp")
-        done = ShardDone(task.name, records, skipped, first_skipped)
+        done = ShardDone(task.name, records, skipped, first_skipped, resized)
         _write_json(os.path.join(staging, DONE_DIR, task.name + ".json"), dataclasses.asdict(done))
     except (OSError, tf.errors.OpError) as error:
         # A full disk, a lost mount: the complete shards stay, a rerun writes the rest.
@@ -482,14 +587,21 @@ def write_shard(task: ShardTask, staging: str, *, on_bad_image: str,
     return done
 
 
-def _read_image(path: str) -> bytes | None:
-    """The file's bytes when it is an image; None when unreadable or anything else."""
+def _stored_image(path: str, max_resolution: MaxResolution | None) -> tuple[bytes, bool] | None:
+    """(what a shard stores for the file, whether it was resized); None when the file is
+    unreadable or no image (with a limit: also when its header, or the pixels of one to resize,
+    do not decode)."""
     try:
         with open(path, "rb") as file:
             encoded = file.read()
     except OSError:
         return None
-    return encoded if image_format_of_bytes(encoded) else None
+    image_format = image_format_of_bytes(encoded)
+    if image_format is None:
+        return None
+    if max_resolution is None:
+        return encoded, False
+    return max_resolution.stored(encoded, image_format)
 
 
 # --- progress ------------------------------------------------------------------------------------
@@ -560,8 +672,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         description="Convert an image folder (one sub-folder per class) into TFRecord shards for "
                     "--tfrecords: the same train/validation split as --data-dir training, written "
                     "in parallel into OUT.partial and renamed to OUT when complete (rerun the same "
-                    "command after an interruption to finish it). Unreadable files are skipped "
-                    "and counted in OUT/dataset.json. docs/data.md has the rest.")
+                    "command after an interruption to finish it). Images larger than training at "
+                    "--image-size needs are stored resized (--max-resolution). Unreadable files "
+                    "are skipped and counted in OUT/dataset.json. docs/data.md has the rest.")
     parser.add_argument("--data-dir", required=True, help="image folder, one sub-folder per class")
     parser.add_argument("--out", required=True,
                         help="new directory for the shards (written in OUT.partial until done)")
@@ -573,9 +686,21 @@ def run(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--validation-fraction", type=float, default=0.2, help="(default 0.2)")
     parser.add_argument("--seed", type=int, default=42, help="split seed (default 42)")
     parser.add_argument("--image-size", type=int, default=DEFAULT_FILE_IMAGE_SIZE,
-                        help="size training resizes to, recorded in dataset.json (default 64)")
+                        help="size training resizes to, recorded in dataset.json; sets the "
+                             "default --max-resolution (default 64)")
     parser.add_argument("--channels", type=int, choices=(1, 3), default=3,
                         help="channels training decodes to, recorded in dataset.json (default 3)")
+    parser.add_argument("--max-resolution", type=_pixels_or_off, default=None, metavar="PIXELS",
+                        help="largest shorter side stored: an image with a larger one is "
+                             "stored resized to it (aspect ratio kept) as a JPEG, any other as "
+                             "its file, byte for byte; off (or 0) keeps every file (default: "
+                             "what training at --image-size decodes to with --augment, "
+                             f"--image-size / {CENTER_FRACTION}: "
+                             f"{shorter_side_decoded(224, augment=True)} for 224, "
+                             f"{shorter_side_decoded(64, augment=True)} for 64)")
+    parser.add_argument("--jpeg-quality", type=int, default=DEFAULT_JPEG_QUALITY,
+                        help="quality (1-100) of the JPEGs resized images are stored as "
+                             f"(default {DEFAULT_JPEG_QUALITY})")
     parser.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip",
                         help="a file that is unreadable or no PNG/JPEG/GIF/BMP image: skip and "
                              "count it, or stop (and keep nothing) (default skip)")
@@ -593,8 +718,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         conversion = write_dataset(
             args.data_dir, args.out, shards=args.shards, validation_shards=args.validation_shards,
             validation_fraction=args.validation_fraction, seed=args.seed,
-            image_size=args.image_size, channels=args.channels, on_bad_image=args.on_bad_image,
-            workers=args.workers, progress_stream=None if args.quiet else sys.stderr,
+            image_size=args.image_size, channels=args.channels,
+            max_resolution=args.max_resolution, jpeg_quality=args.jpeg_quality,
+            on_bad_image=args.on_bad_image, workers=args.workers,
+            progress_stream=None if args.quiet else sys.stderr,
             notify=lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         staging = staging_dir(args.out)
@@ -605,12 +732,27 @@ def run(argv: Sequence[str] | None = None) -> int:
     counts = conversion.metadata["counts"]
     for note in conversion.metadata["skipped"]:
         print(note)
+    limit = conversion.metadata["max_resolution"]
+    if limit:
+        print(f"{limit['resized']} of {sum(counts.values())} images had a shorter side over "
+              f"{limit['shorter_side']} pixels and were stored resized to it (JPEG quality "
+              f"{limit['jpeg_quality']}; --max-resolution off keeps the files)")
     resumed = (f"; {conversion.resumed_shards} shard(s) came from the interrupted run"
                if conversion.resumed_shards else "")
     print(f"wrote {sum(counts.values())} records in {len(counts)} shards to {args.out} in "
           f"{conversion.seconds:.1f} s ({conversion.records_written / conversion.seconds:.0f} "
           f"records/s{resumed})")
     return 0
+
+
+def _pixels_or_off(text: str) -> int:
+    """--max-resolution: a number of pixels, or 0 for 'off'."""
+    if text == "off":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of pixels or off, not {text!r}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -312,6 +312,21 @@ def test_tfrecords_round_trip_and_file_sharding(tmp_path):
     assert images.shape == (4, 16, 16, 3)
 
 
+def test_shards_stored_smaller_than_training_decodes_to_warn_in_one_line(tmp_path):
+    """--max-resolution 16 (files of 24-40 pixels): enough for --image-size 16, not for its
+    --augment, which decodes to 18 (16 / 0.875) and crops from that."""
+    root = make_image_folder(tmp_path / "images", classes=2, per_class=4)
+    records = str(tmp_path / "records")
+    convert(str(root), records, shards=1, validation_shards=1, validation_fraction=0.25, seed=0,
+            image_size=16, max_resolution=16)
+    assert list_data(ImageConfig(tfrecords=records, image_size=16)).notes == ()
+    assert list_data(ImageConfig(tfrecords=records, image_size=16, augment=True)).notes == (
+        f"warning: {records} stores images at a shorter side of at most 16 pixels, fewer than "
+        "the 18 that --image-size 16 with --augment decodes to, so they are upsampled; convert "
+        "with --image-size 16 for the full detail",)
+    assert list_data(ImageConfig(tfrecords=records, image_size=12, augment=True)).notes == ()
+
+
 @pytest.mark.parametrize("content", ["[]", '"counts"', "3"])
 def test_a_dataset_json_that_is_no_object_is_one_line(tmp_path, content):
     root = make_image_folder(tmp_path / "images", classes=2, per_class=4)
@@ -377,6 +392,20 @@ def test_converter_refuses_what_training_refuses(tmp_path, fraction, size, messa
     with pytest.raises(UserError, match=re.escape(message)):
         convert(str(root), str(tmp_path / "records"), shards=1, validation_shards=1,
                 validation_fraction=fraction, seed=0, image_size=size)
+    assert not list(tmp_path.glob("records*"))  # nothing written
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-resolution", "big"], "argument --max-resolution: a number of pixels or off, not "
+                                  "'big' (see --help)"),
+    (["--max-resolution", "-3"], "--max-resolution must be at least 1 (or off), got -3"),
+    (["--jpeg-quality", "101"], "--jpeg-quality must be in 1..100, got 101")])
+def test_a_bad_size_limit_is_one_line(tmp_path, flags, message):
+    from hvdtrain.tfrecords import run
+
+    with pytest.raises(UserError) as error:
+        run(["--data-dir", str(tmp_path / "images"), "--out", str(tmp_path / "records"), *flags])
+    assert str(error.value) == message
     assert not list(tmp_path.glob("records*"))  # nothing written
 
 

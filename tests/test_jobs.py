@@ -115,11 +115,16 @@ def test_image_folder_then_tfrecords(tmp_path):
     assert rows[0]["first_step_seconds"] > 0 and "first_step_seconds" not in rows[1]
     assert all(100 < row["resident_mb"] < 8000 for row in rows), rows  # a TF process's size
 
+    # Stored at a shorter side of 16 (the files have 24-40): what training at 16 decodes to,
+    # but not --augment's 18 (below), which warns.
     run_job([sys.executable, "-m", "hvdtrain.tfrecords", "--data-dir", str(images), "--out",
-             str(tmp_path / "records"), "--shards", "4", "--image-size", "16"], timeout=120)
+             str(tmp_path / "records"), "--shards", "4", "--image-size", "16",
+             "--max-resolution", "16"], timeout=120)
     result = horovodrun(2, "hvdtrain.cnn", "--tfrecords", str(tmp_path / "records"),
                         "--run-dir", str(tmp_path / "tfr"), *common)
     assert "144 training records in 4 shard(s), 1 validation shard(s)" in result.stdout
+    too_small = "stores images at a shorter side of at most 16 pixels"
+    assert too_small not in result.stdout
     tfrecord_accuracy = final_metrics(tmp_path / "tfr")["val_accuracy"]
     # Three easy digit classes: both routes learn them (chance is 33%).
     assert folder_accuracy >= 0.8 and tfrecord_accuracy >= 0.8, (folder_accuracy,
@@ -130,6 +135,10 @@ def test_image_folder_then_tfrecords(tmp_path):
                            "--run-dir", str(tmp_path / "augmented"), "--augment",
                            *common[:4], "--epochs", "12", *common[6:])
     assert "cache: memory (auto: 171.1 kB decoded" in augmented.stdout, augmented.stdout[-3000:]
+    # Once, from rank 0 (rank 0 lists the data and prints the banner).
+    assert re.findall(rf"^\[1,(\d)\]<stdout>:warning: .*{too_small}, fewer than the 18 that "
+                      "--image-size 16 with --augment decodes to", augmented.stdout,
+                      re.MULTILINE) == ["0"], augmented.stdout[-3000:]
     augmented_accuracy = final_metrics(tmp_path / "augmented")["val_accuracy"]
     assert augmented_accuracy >= 0.6, augmented_accuracy
 

@@ -6,6 +6,7 @@ mpirun, where every rank would start them at once on the same cores).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -65,7 +66,9 @@ def records_of(out: Path) -> list[tuple[int, bytes]]:
 
 
 def test_two_workers_write_the_shards_one_writes(images, tmp_path):
-    common = dict(shards=4, validation_shards=2, validation_fraction=0.2, seed=3, image_size=16)
+    # --image-size 40: its default --max-resolution (46) is over every file's size (24 to 40),
+    # so each is stored as it is.
+    common = dict(shards=4, validation_shards=2, validation_fraction=0.2, seed=3, image_size=40)
     one = convert(str(images), str(tmp_path / "one"), workers=1, **common)
     two = convert(str(images), str(tmp_path / "two"), workers=2, **common)
     assert one == two and sum(one["counts"].values()) == 120 and one["skipped"] == []
@@ -102,6 +105,76 @@ def test_a_file_that_is_no_image_is_skipped_or_fails(images, tmp_path):
         convert(str(folder), str(tmp_path / "failed"), on_bad_image="fail", workers=2, **common)
     assert not (tmp_path / "failed").exists()
     assert not Path(staging_dir(str(tmp_path / "failed"))).exists()
+
+
+def test_images_over_max_resolution_are_stored_resized_the_rest_unchanged(tmp_path):
+    """A shorter side over the limit: a JPEG of that shorter side, aspect ratio kept, RGB or
+    gray, alpha dropped as TensorFlow drops it; at or under it: the file's bytes."""
+    import numpy as np
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    pictures = {  # name: (picture, what is stored: format, mode, size, pixel)
+        "a/wide.jpg": (Image.new("RGB", (200, 150), (20, 140, 220)),
+                       ("JPEG", "RGB", (85, 64), (20, 140, 220))),
+        # Transparent: TensorFlow decodes its colour, which is what is stored.
+        "a/tall.png": (Image.new("RGBA", (90, 240), (200, 30, 60, 0)),
+                       ("JPEG", "RGB", (64, 171), (200, 30, 60))),
+        "a/deep.png": (Image.fromarray(np.full((96, 128), 0x8040, np.uint16)),
+                       ("JPEG", "L", (85, 64), 128)),
+        "b/palette.gif": (palette_image((150, 100), (240, 200, 0)),
+                          ("JPEG", "RGB", (96, 64), (240, 200, 0))),
+        "b/small.jpg": (Image.new("RGB", (60, 40), (90, 90, 90)), None),
+        "b/limit.png": (Image.new("L", (64, 300), 7), None),
+    }
+    for name, (picture, _) in pictures.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        picture.save(folder / name)
+    # Over the limit, with a good header but cut short: its pixels do not decode.
+    whole = folder / "a" / "wide.jpg"
+    (folder / "a" / "cut.jpg").write_bytes(whole.read_bytes()[:len(whole.read_bytes()) // 2])
+    common = dict(shards=1, validation_shards=1, validation_fraction=0.0, seed=0, workers=1)
+    metadata = convert(str(folder), str(tmp_path / "limited"), image_size=16, max_resolution=64,
+                       jpeg_quality=85, **common)
+    assert metadata["max_resolution"] == {"shorter_side": 64, "jpeg_quality": 85, "resized": 4}
+    written = json.loads((tmp_path / "limited" / "dataset.json").read_text())
+    assert written["max_resolution"] == metadata["max_resolution"]
+    assert written["skipped"] == [f"skipped 1 file(s) in {folder} that are not readable "
+                                  f"PNG/JPEG/GIF/BMP images (first: {folder / 'a' / 'cut.jpg'})"]
+    # Records are in the split's seeded order: each is matched to its file by label and content.
+    stored = records_of(tmp_path / "limited")
+    assert len(stored) == 6
+    for name, (_, resized) in pictures.items():
+        label = "ab".index(name[0])
+        original = (folder / name).read_bytes()
+        if resized is None:
+            assert (label, original) in stored, name
+            continue
+        matches = []
+        for record_label, encoded in stored:
+            image = Image.open(io.BytesIO(encoded))
+            if record_label == label and (image.format, image.mode, image.size) == resized[:3]:
+                matches.append(np.asarray(image).astype(int))
+        assert len(matches) == 1, (name, len(matches))
+        assert np.abs(matches[0] - np.array(resized[3])).max() <= 2, name
+    # The default: what training at --image-size decodes to with --augment (48 / 0.875 = 55),
+    # under limit.png's 64 too.
+    default = convert(str(folder), str(tmp_path / "default"), image_size=48, **common)
+    assert default["max_resolution"] == {"shorter_side": 55, "jpeg_quality": 90, "resized": 5}
+    # off: every file as it is (the cut one too: nothing decodes it).
+    off = convert(str(folder), str(tmp_path / "off"), image_size=48, max_resolution=0, **common)
+    assert off["max_resolution"] is None and off["skipped"] == []
+    assert sorted(records_of(tmp_path / "off")) == sorted(
+        ("ab".index(path.parent.name), path.read_bytes()) for path in folder.glob("*/*"))
+
+
+def palette_image(size: tuple[int, int], colour: tuple[int, int, int]):
+    """A one-colour palette ("P") image, as a GIF stores it."""
+    from PIL import Image
+
+    image = Image.new("P", size, 0)
+    image.putpalette(list(colour) + [0] * 765)
+    return image
 
 
 def converter(folder: Path, out: Path, *args: str) -> list[str]:
@@ -181,13 +254,17 @@ def test_interrupted_runs_resume_to_the_shards_of_a_clean_run(many_images, tmp_p
     process.communicate(timeout=RUN_TIMEOUT)
     wait_until_group_ends(process.pid)
 
-    # Other arguments are refused, in one line naming the staging directory.
-    refused = run(converter(many_images, out, "--seed", "7"))
-    assert refused.returncode == 2
-    assert refused.stderr.splitlines() == [
-        f"hvdtrain.tfrecords: error: {staging} holds an unfinished conversion of other data or "
-        f"arguments (seed 42 then, 7 now): rerun with the original arguments to resume it, or "
-        f"delete {staging} to start over"]
+    # Other arguments are refused, in one line naming the staging directory: another seed, or
+    # another size limit (the default for --image-size 64 is 73, the shards stored at that).
+    for flags, difference in ((["--seed", "7"], "seed 42 then, 7 now"),
+                              (["--max-resolution", "off"], "max_resolution 73 then, off now; "
+                                                            "jpeg_quality 90 then, off now")):
+        refused = run(converter(many_images, out, *flags))
+        assert refused.returncode == 2
+        assert refused.stderr.splitlines() == [
+            f"hvdtrain.tfrecords: error: {staging} holds an unfinished conversion of other data "
+            f"or arguments ({difference}): rerun with the original arguments to resume it, or "
+            f"delete {staging} to start over"]
 
     # The same command resumes: the complete shards stay as they are (same files), the rest are
     # written, and the result is byte for byte the clean run's.

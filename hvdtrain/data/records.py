@@ -4,11 +4,15 @@ The format, in one place::
 
     <dir>/train-00000-of-00004.tfrecord ...  <dir>/validation-00000-of-00001.tfrecord
     <dir>/dataset.json    {"class_names": [...], "image_size": N, "channels": C,
-                           "counts": {shard file name: records}, ...}
+                           "counts": {shard file name: records},
+                           "max_resolution": {"shorter_side": S, "jpeg_quality": Q,
+                                              "resized": R} or null, ...}
 
-Each record is a ``tf.train.Example`` with ``image`` (the file's encoded PNG/JPEG/GIF/BMP bytes,
-unchanged) and ``label`` (int64 class index). ``dataset.json`` is optional for reading: without
-it records are counted and labels read at start-up. A glob of shards from elsewhere works too.
+Each record is a ``tf.train.Example`` with ``image`` (encoded PNG/JPEG/GIF/BMP bytes: the file's,
+unchanged, or with ``max_resolution`` a JPEG of it resized to a shorter side of S pixels when its
+shorter side was larger) and ``label`` (int64 class index). ``dataset.json`` is optional for
+reading: without it records are counted and labels read at start-up. A glob of shards from
+elsewhere works too.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from hvdtrain.data.augment import stored_shape
 from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, HeldOutRecords, Listing, Split,
                                    held_out_counts)
 from hvdtrain.data.shares import samples_for_rank
@@ -38,6 +43,13 @@ decoding, so the first step does not wait for thousands of decodes."""
 
 def shard_name(split_prefix: str, shard: int, count: int) -> str:
     return f"{split_prefix}-{shard:05d}-of-{count:05d}.tfrecord"
+
+
+def shorter_side_decoded(image_size: int, *, augment: bool) -> int:
+    """Pixels on the shorter side that training at ``image_size`` decodes an image to: with
+    ``augment`` the stored size its crops are cut from, else the image size itself. Shards that
+    store fewer are upsampled."""
+    return stored_shape((image_size, image_size, 1))[0] if augment else image_size
 
 
 def serialize_example(encoded_image: bytes, label: int) -> bytes:
@@ -174,13 +186,14 @@ def _records_of(split: Split, paths, first_index) -> tf.data.Dataset:
 
 
 def list_tfrecords(location: str, *, image_size: int | None, channels: int | None = None,
-                   validation_fraction: float = 0.0, seed: int = 0) -> TFRecordListing:
+                   validation_fraction: float = 0.0, seed: int = 0,
+                   augment: bool = False) -> TFRecordListing:
     """TFRecord shards: a directory written by ``hvdtrain.tfrecords`` or a glob of shards.
 
     Without ``validation-*`` shards, ``validation_fraction`` of the data is held out: whole
     shards when that fraction of the shards is at least one, else records (``HeldOutRecords``).
     Read through tf.io.gfile, so ``gs://`` (and any file system TensorFlow knows) works as well
-    as a local path.
+    as a local path. ``augment``: training crops (the note on shards too small for that).
     """
     import tensorflow as tf
 
@@ -234,7 +247,23 @@ def list_tfrecords(location: str, *, image_size: int | None, channels: int | Non
         image_shape=(int(size), int(size), channels),
         train=train,
         validation=validation,
+        notes=_resolution_notes(location, metadata, int(size), augment),
     )
+
+
+def _resolution_notes(location: str, metadata: dict, image_size: int,
+                      augment: bool) -> tuple[str, ...]:
+    """A warning when the converter's --max-resolution stored fewer pixels than training decodes
+    to (shards converted for a smaller --image-size)."""
+    limit = metadata.get("max_resolution")
+    stored = limit.get("shorter_side") if isinstance(limit, dict) else None
+    needed = shorter_side_decoded(image_size, augment=augment)
+    if not isinstance(stored, int) or stored >= needed:
+        return ()
+    training = f"--image-size {image_size}" + (" with --augment" if augment else "")
+    return (f"warning: {location} stores images at a shorter side of at most {stored} pixels, "
+            f"fewer than the {needed} that {training} decodes to, so they are upsampled; "
+            f"convert with --image-size {image_size} for the full detail",)
 
 
 def hold_out(shards: Split, fraction: float, seed: int) -> tuple[Split, Split, str]:

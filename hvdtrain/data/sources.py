@@ -25,7 +25,8 @@ def list_data(config: ImageConfig) -> Listing:
     if config.tfrecords:
         return list_tfrecords(config.tfrecords, image_size=config.image_size,
                               channels=config.channels,
-                              validation_fraction=config.validation_fraction, seed=config.seed)
+                              validation_fraction=config.validation_fraction, seed=config.seed,
+                              augment=config.augment)
     arrays = load_embedded(config.data, image_size=config.image_size,
                            synthetic_samples=config.synthetic_samples, seed=config.seed)
     return embedded_listing(arrays, config.validation_fraction, config.seed)
