@@ -18,6 +18,17 @@ twice at 224x224 in batches of 32, and its second pass is timed whole:
 
 Interleaved rounds, medians (benchmarks/harness.py). Targets (issue 27): hvdtrain at least 0.9x
 the ceiling and 1.3x keras.
+
+Then each decoding step's cost per image (issue 48), ``before`` (the ops hvdtrain ran until JPEGs
+decoded at a DCT scale) against ``after`` (hvdtrain's own functions), on those photos and on
+``LARGE_FILES`` large ones (2000x1500, the same photographs enlarged), each (step, version) a
+process pinned to one core, interleaved rounds, written to decode-steps.json and .md. The cost
+is the process's CPU time per image (every thread's): unlike wall time it holds when other jobs
+share the core; wall time is stored beside it.
+
+    crop        a training crop with --cache off: window sampled, decoded, resized to 224x224
+    stored      the store's decode (its first pass): whole image at the stored 256x256
+    validation  the stored decode and validation's central 224x224
 """
 from __future__ import annotations
 
@@ -41,11 +52,18 @@ VARIANTS = ("ceiling", "keras", "hvdtrain", "hvdtrain-store", "keras-run", "hvdt
 TARGETS = {("hvdtrain", "ceiling"): 0.9, ("hvdtrain", "keras"): 1.3}
 #: Ratios reported without a target of their own.
 ALSO = (("hvdtrain-store", "keras"), ("hvdtrain-run", "keras-run"))
+STEPS = ("crop", "stored", "validation")
+STEP_VERSIONS = ("before", "after")
+LARGE_FILES = 60
+QUICK_LARGE_FILES = 12
+LARGE_SIZE = (1500, 2000)
+"""Height, width of the large photographs (a 3-megapixel camera's)."""
 
 
-def make_photos(root: Path, count: int) -> None:
-    """``count`` 500x375 JPEGs at quality 90 in 10 class folders, each a different random crop
-    of one of scikit-learn's two sample photographs (427x640)."""
+def make_photos(root: Path, count: int, size: tuple[int, int] = (375, 500)) -> None:
+    """``count`` JPEGs of ``size`` (height, width; 500x375 unless told) at quality 90 in 10
+    class folders, each a different random crop of one of scikit-learn's two sample photographs
+    (427x640)."""
     import numpy as np
     from PIL import Image
     from sklearn.datasets import load_sample_images
@@ -60,7 +78,7 @@ def make_photos(root: Path, count: int) -> None:
         top = int(rng.integers(0, height - crop_height + 1))
         left = int(rng.integers(0, width - crop_width + 1))
         image = Image.fromarray(photo[top:top + crop_height, left:left + crop_width])
-        image = image.resize((500, 375), Image.BILINEAR)
+        image = image.resize(size[::-1], Image.BILINEAR)
         if rng.random() < 0.5:
             image = image.transpose(Image.FLIP_LEFT_RIGHT)
         folder = root / f"class{index % 10}"
@@ -128,6 +146,121 @@ def measure(variant: str, root: str) -> float:
     return samples / (time.perf_counter() - started)
 
 
+def step_cost(step: str, version: str, root: str) -> dict[str, float]:
+    """CPU and wall milliseconds per image of ``step`` (``STEPS``) done the ``version`` way over
+    the JPEGs in ``root``, read into memory first: the second of two passes, timed whole."""
+    import tensorflow as tf
+
+    from hvdtrain.data.augment import _crop_window, decode_random_crop, stored_shape
+    from hvdtrain.data.images import decode_image, decode_pixels, resized_to
+
+    output = (IMAGE_SIZE, IMAGE_SIZE, 3)
+    stored = stored_shape(output)
+    if version == "before":
+        def crop(encoded, seeds):
+            begin, size = _crop_window(tf.io.extract_jpeg_shape(encoded), seeds)
+            window = tf.stack([begin[0], begin[1], size[0], size[1]])
+            return resized_to(tf.io.decode_and_crop_jpeg(encoded, window, channels=3),
+                              output[:2])
+
+        def decode_stored(encoded):
+            return resized_to(decode_pixels(encoded, 3), stored[:2])
+    else:
+        def crop(encoded, seeds):
+            return decode_random_crop(encoded, seeds, output)
+
+        def decode_stored(encoded):
+            return decode_image(encoded, stored)
+    work = {"crop": crop, "stored": lambda encoded, _: decode_stored(encoded),
+            "validation": lambda encoded, _: tf.image.resize_with_crop_or_pad(
+                decode_stored(encoded), IMAGE_SIZE, IMAGE_SIZE)}[step]
+    encoded = [Path(path).read_bytes() for path in sorted(
+        tf.io.gfile.glob(os.path.join(root, "*", "*.jpg")))]
+    dataset = (tf.data.Dataset.zip(tf.data.Dataset.from_tensor_slices(encoded),
+                                   tf.data.Dataset.random(seed=0).batch(2))
+               .map(work, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE))
+    for _ in dataset:  # warm-up: tracing
+        pass
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for _ in dataset:
+        pass
+    return {"cpu": 1000 * (time.process_time() - cpu_started) / len(encoded),
+            "wall": 1000 * (time.perf_counter() - started) / len(encoded)}
+
+
+def run_steps(s, out: Path, log: Callable[[str], None], *, quick: bool = False) -> dict:
+    """Every step's cost per image, before and after, on both folders: decode-steps.json/.md."""
+    import tempfile
+
+    from benchmarks.harness import interleave
+    from benchmarks.report import machine
+    from benchmarks.suite import BenchmarkFailed, _run
+
+    core = max(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-decode-steps-") as scratch:
+        folders = {"500x375": (QUICK_FILES, (375, 500)),
+                   f"{LARGE_SIZE[1]}x{LARGE_SIZE[0]}": (QUICK_LARGE_FILES if quick else LARGE_FILES,
+                                                        LARGE_SIZE)}
+        for name, (files, size) in folders.items():
+            log(f"decode steps: writing {files} JPEGs of {name}")
+            make_photos(Path(scratch) / name, files, size)
+
+        def one(step: str, version: str) -> Callable[[], dict]:
+            def measured() -> dict:
+                costs = {}
+                for name in folders:
+                    _, output = _run([sys.executable, "-m", "benchmarks.decode", "--step", step,
+                                      "--version", version, "--data", str(Path(scratch) / name),
+                                      "--core", str(core)], s.timeout,
+                                     what=f"decode step {step} {version} {name}")
+                    try:
+                        cost = json.loads(output.strip().splitlines()[-1])
+                        costs[f"{name} cpu"], costs[f"{name} wall"] = cost["cpu"], cost["wall"]
+                    except (IndexError, ValueError, KeyError):
+                        raise BenchmarkFailed(f"decode step {step} {version} printed no result: "
+                                              f"{output[-500:]}") from None
+                return costs
+            return measured
+
+        rounds = interleave({f"{step} {version}": one(step, version)
+                             for step in STEPS for version in STEP_VERSIONS},
+                            repeats=s.repeats, warmup=s.warmup, log=log)
+    result = {"image_size": IMAGE_SIZE, "core": core,
+              "files": {name: files for name, (files, _) in folders.items()},
+              **{f"{clock}_ms_per_image": {variant: {name: [row[f"{name} {clock}"] for row in rows]
+                                                      for name in folders}
+                                            for variant, rows in rounds.items()}
+                 for clock in ("cpu", "wall")},
+              "machine": machine()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode-steps.json").write_text(json.dumps(result, indent=1))
+    (out / "decode-steps.md").write_text(steps_markdown(result) + "\n")
+    return result
+
+
+def steps_markdown(result: dict) -> str:
+    from benchmarks.report import measured_on
+
+    costs, walls = result["cpu_ms_per_image"], result["wall_ms_per_image"]
+    folders = list(result["files"])
+    lines = ["| step, photo size | before: CPU ms/image per round | median | after: per round | "
+             "median | before / after: of medians, median of rounds | wall ms, medians: before, "
+             "after | measured on |", "|---|---|---:|---|---:|---:|---:|---|"]
+    for step in STEPS:
+        for name in folders:
+            before, after = costs[f"{step} before"][name], costs[f"{step} after"][name]
+            paired = statistics.median(b / a for b, a in zip(before, after))
+            wall = [statistics.median(walls[f"{step} {version}"][name])
+                    for version in STEP_VERSIONS]
+            lines.append(
+                f"| {step}, {name} | {', '.join(f'{v:.2f}' for v in before)} | "
+                f"{statistics.median(before):.2f} | {', '.join(f'{v:.2f}' for v in after)} | "
+                f"{statistics.median(after):.2f} | "
+                f"{statistics.median(before) / statistics.median(after):.2f}, {paired:.2f} | "
+                f"{wall[0]:.2f}, {wall[1]:.2f} | {measured_on(result['machine'])} (one used) |")
+    return "\n".join(lines)
+
+
 def run(s, out: Path, log: Callable[[str], None], *, quick: bool = False) -> dict:
     import tempfile
 
@@ -163,6 +296,7 @@ def run(s, out: Path, log: Callable[[str], None], *, quick: bool = False) -> dic
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode.json").write_text(json.dumps(result, indent=1))
     (out / "decode.md").write_text(markdown(result) + "\n")
+    run_steps(s, out, log, quick=quick)
     return result
 
 
@@ -190,7 +324,10 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measure", choices=VARIANTS, required=True)
+    measured = parser.add_mutually_exclusive_group(required=True)
+    measured.add_argument("--measure", choices=VARIANTS)
+    measured.add_argument("--step", choices=STEPS)
+    parser.add_argument("--version", choices=STEP_VERSIONS, help="with --step")
     parser.add_argument("--data", required=True)
     parser.add_argument("--core", type=int, required=True)
     args = parser.parse_args(argv)
@@ -198,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import hvdtrain  # noqa: F401  (selects Keras 2 for the keras variant, as a user's job would)
 
-    print(json.dumps({"samples_per_sec": measure(args.measure, args.data)}))
+    if args.step:
+        print(json.dumps(step_cost(args.step, args.version, args.data)))
+    else:
+        print(json.dumps({"samples_per_sec": measure(args.measure, args.data)}))
     return 0
 
 

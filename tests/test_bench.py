@@ -237,3 +237,6 @@ def test_the_decode_suites_variants_measure_a_pass(tmp_path, monkeypatch):
     assert len(list((tmp_path / "photos").rglob("*.jpg"))) == 64
     for variant in decode.VARIANTS:
         assert decode.measure(variant, str(tmp_path / "photos")) > 0, variant
+    for step in decode.STEPS:
+        for version in decode.STEP_VERSIONS:
+            assert decode.step_cost(step, version, str(tmp_path / "photos"))["cpu"] > 0

@@ -34,7 +34,8 @@ def regenerate(stored: Path) -> str:
         comparisons = [Comparison.from_dict(c) for c in data["comparisons"]]
         return report.markdown(comparisons, data.get("speedup_vs_workers"), data["machine"])
     makers = {"data.json": datascale.markdown, "network.json": network.markdown,
-              "threads.json": threads.markdown, "decode.json": decode.markdown}
+              "threads.json": threads.markdown, "decode.json": decode.markdown,
+              "decode-steps.json": decode.steps_markdown}
     return makers[stored.name](data) + "\n"
 
 

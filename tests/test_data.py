@@ -732,6 +732,74 @@ def test_augmentation_crops_anew_every_epoch_and_rank_and_validation_never_chang
     assert all(np.array_equal(image, center) for batch in validation for image in batch)
 
 
+@pytest.mark.parametrize("window, output, ratio", [
+    ((448, 448), (224, 224), 2), ((447, 900), (224, 224), 1), ((900, 447), (224, 224), 1),
+    ((1500, 2000), (256, 256), 4), ((2047, 2048), (256, 256), 4), ((2048, 2048), (256, 256), 8),
+    ((5000, 5000), (224, 224), 8), ((375, 500), (256, 256), 1), ((375, 500), (73, 73), 4)])
+def test_a_jpeg_decodes_at_the_smallest_scale_that_keeps_the_output_size(window, output, ratio):
+    from hvdtrain.data.images import DCT_RATIOS, dct_ratio_index
+
+    assert DCT_RATIOS[int(dct_ratio_index(*window, *output))] == ratio
+
+
+def _photo_jpeg(height: int, width: int) -> bytes:
+    """One of scikit-learn's sample photographs resized to ``height`` x ``width``, as a JPEG."""
+    import tensorflow as tf
+    from sklearn.datasets import load_sample_images
+
+    photo = tf.image.resize(load_sample_images().images[0], [height, width], antialias=True)
+    return tf.io.encode_jpeg(tf.cast(tf.round(photo), tf.uint8), quality=90).numpy()
+
+
+def test_a_large_jpeg_decodes_scaled_down_close_to_a_whole_decode_and_png_as_before():
+    """The store's decode (and validation's) and a training crop of a 4x-larger JPEG decode at a
+    DCT scale: exactly the scaled decode resized, within a few levels of decoding whole and
+    resizing, the same every time; a PNG decodes whole as before. (Closer to an antialiased
+    resize than a bilinear resize of the whole decode is: that one aliases.)"""
+    import tensorflow as tf
+
+    from hvdtrain.data.augment import _crop_window, decode_random_crop
+    from hvdtrain.data.images import decode_image
+
+    encoded = _photo_jpeg(320, 480)
+    whole = tf.io.decode_jpeg(encoded, channels=3)
+
+    def resized(pixels, size, antialias=False):
+        pixels = tf.image.resize(pixels, size, antialias=antialias)
+        return tf.cast(tf.clip_by_value(tf.round(pixels), 0, 255), tf.uint8).numpy()
+
+    def mean_abs_difference(first, second) -> float:
+        return float(np.abs(first.astype(int) - second.astype(int)).mean())
+
+    stored = decode_image(encoded, (73, 73, 3)).numpy()  # 320/73: 1/4 scale
+    assert np.array_equal(stored, resized(tf.io.decode_jpeg(encoded, channels=3, ratio=4),
+                                          [73, 73]))
+    assert np.array_equal(stored, decode_image(encoded, (73, 73, 3)).numpy())
+    assert mean_abs_difference(stored, resized(whole, [73, 73], antialias=True)) < 4
+
+    seeds = tf.constant([3, 4], tf.int64)
+    crop = decode_random_crop(encoded, seeds, (32, 32, 3)).numpy()
+    begin, size = (tensor.numpy() for tensor in _crop_window(tf.shape(whole), seeds))
+    unscaled = tf.slice(whole, begin, size)
+    flipped = bool(tf.image.stateless_random_flip_left_right(  # the flip augment.py draws
+        tf.ones([1, 2, 1]) * [[[0.0], [1.0]]], seed=tf.reverse(seeds, [0]))[0, 0, 0] == 1)
+    unscaled = tf.image.flip_left_right(unscaled) if flipped else unscaled
+    ratio = 2 ** int(np.log2(min(size[0] // 32, size[1] // 32, 8)))
+    assert ratio > 1 and crop.shape == (32, 32, 3)
+    top, left = begin[:2] // ratio
+    bottom, right = -(-(begin[:2] + size[:2]) // ratio)
+    scaled = tf.io.decode_and_crop_jpeg(encoded, [top, left, bottom - top, right - left],
+                                        channels=3, ratio=ratio)
+    scaled = tf.image.flip_left_right(scaled) if flipped else scaled
+    assert np.array_equal(crop, resized(scaled, [32, 32]))
+    antialiased = resized(unscaled, [32, 32], antialias=True)
+    assert mean_abs_difference(crop, antialiased) < min(
+        8, mean_abs_difference(resized(unscaled, [32, 32]), antialiased))
+
+    png = tf.io.encode_png(whole).numpy()
+    assert np.array_equal(decode_image(png, (73, 73, 3)).numpy(), resized(whole, [73, 73]))
+
+
 def test_a_disk_cache_failure_is_found_in_tensorflows_words_whatever_its_directory():
     from hvdtrain.data.store import disk_cache_failure
 

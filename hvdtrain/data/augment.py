@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hvdtrain.data.images import decode_pixels
+from hvdtrain.data.images import decode_jpeg_window, decode_pixels, is_jpeg, resized_to
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -58,23 +58,22 @@ def augmented(train: tf.data.Dataset, image_shape: tuple[int, int, int], *,
 
 def decode_random_crop(encoded, seeds, image_shape: tuple[int, int, int]):
     """Encoded image bytes -> a random-resized crop of ``image_shape``, flipped at random. A
-    JPEG decodes only the crop's window; other formats decode whole, then crop."""
+    JPEG decodes only the crop's window, scaled down where it is at least twice the output
+    (``decode_jpeg_window``); other formats decode whole, then crop."""
     import tensorflow as tf
 
     channels = image_shape[2]
 
     def jpeg_window():
         begin, size = _crop_window(tf.io.extract_jpeg_shape(encoded), seeds)
-        window = tf.stack([begin[0], begin[1], size[0], size[1]])
-        return tf.io.decode_and_crop_jpeg(encoded, window, channels=channels)
+        return decode_jpeg_window(encoded, begin[:2], size[:2], image_shape[:2], channels)
 
     def whole_then_crop():
         image = decode_pixels(encoded, channels)
         begin, size = _crop_window(tf.shape(image), seeds)
         return tf.slice(image, begin, size)
 
-    is_jpeg = tf.strings.substr(encoded, 0, 3) == b"\xff\xd8\xff"
-    crop = tf.cond(is_jpeg, jpeg_window, whole_then_crop)
+    crop = tf.cond(is_jpeg(encoded), jpeg_window, whole_then_crop)
     return _resized_and_flipped(crop, image_shape, seeds)
 
 
@@ -92,8 +91,7 @@ def _crop_window(shape, seeds):
 def _resized_and_flipped(crop, image_shape: tuple[int, int, int], seeds):
     import tensorflow as tf
 
-    resized = tf.image.resize(crop, image_shape[:2])
-    resized = tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
+    resized = resized_to(crop, image_shape[:2])
     flip_seed = tf.stack([seeds[1], seeds[0]])  # not the crop's own seed
     return tf.image.stateless_random_flip_left_right(resized, seed=flip_seed)
 

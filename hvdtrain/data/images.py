@@ -1,4 +1,11 @@
-"""The image formats hvdtrain reads (what ``tf.io.decode_image`` decodes), and decoding them."""
+"""The image formats hvdtrain reads (what ``tf.io.decode_image`` decodes), and decoding them.
+
+A JPEG larger than what it is decoded for is decoded smaller (libjpeg's DCT scaling, TensorFlow's
+``ratio``): at 1/2, 1/4 or 1/8 of its size, the largest that still has at least the output's
+pixels in both sides, then resized to the output as before. That decodes 4-64x fewer pixels;
+the pixels differ from decoding whole and resizing by what the scaled inverse DCT averages
+(docs/benchmarks.md section 10 gives the difference measured on photographs).
+"""
 from __future__ import annotations
 
 # File signatures of the formats tf.io.decode_image reads.
@@ -47,9 +54,70 @@ def decode_pixels(encoded, channels: int):
 
 
 def decode_image(encoded, image_shape: tuple[int, int, int]):
-    """PNG/JPEG/GIF/BMP bytes -> uint8 pixels of ``image_shape`` (resized, rounded)."""
+    """PNG/JPEG/GIF/BMP bytes -> uint8 pixels of ``image_shape`` (resized, rounded). A JPEG at
+    least twice as large decodes scaled down (``decode_jpeg_window``)."""
     import tensorflow as tf
 
     height, width, channels = image_shape
-    image = tf.image.resize(decode_pixels(encoded, channels), [height, width])
-    return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
+
+    def jpeg_scaled():
+        whole = tf.io.extract_jpeg_shape(encoded)
+        return decode_jpeg_window(encoded, tf.zeros([2], tf.int32), whole[:2], (height, width),
+                                  channels)
+
+    pixels = tf.cond(is_jpeg(encoded), jpeg_scaled, lambda: decode_pixels(encoded, channels))
+    return resized_to(pixels, (height, width))
+
+
+def resized_to(pixels, size: tuple[int, int]):
+    """Pixels resized (bilinear) to ``size``, rounded back to uint8."""
+    import tensorflow as tf
+
+    resized = tf.image.resize(pixels, size)
+    return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
+
+
+def is_jpeg(encoded):
+    """True (a bool tensor) where the encoded bytes are a JPEG."""
+    import tensorflow as tf
+
+    return tf.strings.substr(encoded, 0, 3) == b"\xff\xd8\xff"
+
+
+DCT_RATIOS = (1, 2, 4, 8)
+"""The scales a JPEG decodes at (``ratio``: 1/1, 1/2, 1/4, 1/8 of its size)."""
+
+
+def dct_ratio_index(window_height, window_width, output_height, output_width):
+    """Index in ``DCT_RATIOS`` of the largest ratio at which a window of this size still decodes
+    to at least the output's size in both sides (0: decode at full size). Tensors or ints."""
+    import tensorflow as tf
+
+    fits = [tf.logical_and(window_height >= ratio * output_height,
+                           window_width >= ratio * output_width) for ratio in DCT_RATIOS[1:]]
+    return tf.add_n([tf.cast(ratio_fits, tf.int32) for ratio_fits in fits])
+
+
+def decode_jpeg_window(encoded, begin, size, output_size: tuple[int, int], channels: int):
+    """The window ``begin`` (top, left), ``size`` (height, width) of a JPEG, in its own pixels,
+    decoded at the smallest DCT scale that keeps it at least ``output_size``: uint8 pixels of
+    about ``size / ratio``, for the caller to resize.
+
+    ``ratio`` is an attribute of the op, not a tensor, so each ratio is a branch. TensorFlow takes
+    the crop window of a scaled decode in the scaled image's pixels (and checks it against the
+    scaled size): the window's edges are scaled down, outward, to whole pixels."""
+    import tensorflow as tf
+
+    begin, size = tf.cast(begin, tf.int32), tf.cast(size, tf.int32)
+    end = begin + size
+
+    def at_ratio(ratio):
+        def decode():
+            scaled_begin = begin // ratio
+            scaled_end = -(-end // ratio)  # rounded up: never inside the window
+            window = tf.concat([scaled_begin, scaled_end - scaled_begin], axis=0)
+            return tf.io.decode_and_crop_jpeg(encoded, window, channels=channels, ratio=ratio)
+        return decode
+
+    index = dct_ratio_index(size[0], size[1], *output_size)
+    return tf.switch_case(index, [at_ratio(ratio) for ratio in DCT_RATIOS])
