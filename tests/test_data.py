@@ -800,6 +800,41 @@ def test_a_large_jpeg_decodes_scaled_down_close_to_a_whole_decode_and_png_as_bef
     assert np.array_equal(decode_image(png, (73, 73, 3)).numpy(), resized(whole, [73, 73]))
 
 
+def test_the_store_keeps_the_central_square_at_the_aspect_ratio_and_resamples_no_exact_one():
+    """--augment stores an image's central square (the image resized to the stored shorter side,
+    its center cut out: no stretching), a JPEG decoding only that square (scaled down when at
+    least twice the output), a PNG the same pixels as the JPEG's own decode; a square of exactly
+    the stored size, what shards converted for it hold, comes back unresampled."""
+    import tensorflow as tf
+
+    from hvdtrain.data.images import decode_center_square
+
+    def resized(pixels, size):
+        pixels = tf.image.resize(pixels, size)
+        return tf.cast(tf.clip_by_value(tf.round(pixels), 0, 255), tf.uint8).numpy()
+
+    encoded = _photo_jpeg(375, 500)  # a 4:3 photo: its central square is columns 62..436
+    whole = tf.io.decode_jpeg(encoded, channels=3).numpy()
+    square = decode_center_square(encoded, (73, 73, 3)).numpy()  # 375/73: 1/4 scale
+    scaled = tf.io.decode_and_crop_jpeg(encoded, [0, 15, 94, 95], channels=3, ratio=4)
+    assert np.array_equal(square, resized(scaled, [73, 73]))
+    png = tf.io.encode_png(whole).numpy()
+    assert np.array_equal(decode_center_square(png, (64, 64, 3)).numpy(),
+                          resized(whole[:, 62:437], [64, 64]))
+    assert np.array_equal(decode_center_square(png, (375, 375, 3)).numpy(), whole[:, 62:437])
+    tall = tf.io.encode_png(whole.transpose(1, 0, 2)).numpy()  # 500x375: rows 62..436
+    assert np.array_equal(decode_center_square(tall, (375, 375, 3)).numpy(),
+                          whole.transpose(1, 0, 2)[62:437])
+    converted = tf.io.encode_jpeg(resized(whole, [256, 341]), quality=90).numpy()
+    exact = decode_center_square(converted, (256, 256, 3)).numpy()
+    assert np.array_equal(exact, tf.io.decode_and_crop_jpeg(converted, [0, 42, 256, 256],
+                                                             channels=3).numpy())
+    # The window's decode differs from slicing a whole decode only where libjpeg upsamples
+    # colour at the window's edge.
+    sliced = tf.io.decode_jpeg(converted, channels=3).numpy()[:, 42:298]
+    assert np.abs(exact.astype(int) - sliced.astype(int)).mean() < 0.5
+
+
 def test_a_disk_cache_failure_is_found_in_tensorflows_words_whatever_its_directory():
     from hvdtrain.data.store import disk_cache_failure
 

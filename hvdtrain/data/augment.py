@@ -2,11 +2,15 @@
 validation (the Inception / Goyal et al. recipe horovod's ImageNet example uses).
 
 Augmenting comes after the store, so that every epoch crops anew: images are decoded and stored
-at ``image_size / CENTER_FRACTION`` (73 pixels for 64, 256 for 224), and each training sample is
-cut from that at 8-100% of its area with an aspect ratio of 3/4 to 4/3, resized to the training
-size and flipped half of the time. Validation takes the central ``CENTER_FRACTION`` of the same
-stored image, every time the same pixels. Without a store (``--cache off``) every pass decodes
-anyway, so the crop is cut while decoding: a JPEG decodes only its window
+as the central square of ``image_size / CENTER_FRACTION`` (73 pixels for 64, 256 for 224): each
+image resized to that shorter side, aspect ratio kept, and its center cut out
+(``images.decode_center_square``; a JPEG decodes only that square, and shards converted for this
+size are stored at exactly it, so the store's first pass resamples nothing). Each training sample
+is cut from the stored square at 8-100% of its area with an aspect ratio of 3/4 to 4/3, resized
+to the training size and flipped half of the time. Validation takes the central
+``CENTER_FRACTION`` of the same stored square, every time the same pixels (ImageNet's "resize
+256, center crop 224"). Without a store (``--cache off``) every pass decodes anyway, so the crop
+is cut while decoding, from the whole image: a JPEG decodes only its window
 (``decode_and_crop_jpeg``), cheaper than decoding it whole. The randomness is stateless, drawn
 from a seed stream of its own per rank and per pass (``tf.data.Dataset.random``), so ranks never
 crop alike and a run is reproducible.

@@ -76,10 +76,11 @@ class EmbeddedListing(Listing):
         return positions.map(lambda position: (
             position, (tf.gather(rows, position), tf.gather(labels, position))))
 
-    def decoder(self, image_shape: tuple[int, int, int]) -> Callable:
+    def decoder(self, image_shape: tuple[int, int, int], *,
+                center_square: bool = False) -> Callable:
         import tensorflow as tf
 
-        # The arrays were resized to image_shape when loaded (load_embedded).
+        # The arrays were resized to image_shape (a square) when loaded (load_embedded).
         images = tf.constant(self.images)
         return lambda row, label: (tf.gather(images, row), label)
 

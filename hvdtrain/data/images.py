@@ -69,12 +69,46 @@ def decode_image(encoded, image_shape: tuple[int, int, int]):
     return resized_to(pixels, (height, width))
 
 
-def resized_to(pixels, size: tuple[int, int]):
-    """Pixels resized (bilinear) to ``size``, rounded back to uint8."""
+def decode_center_square(encoded, image_shape: tuple[int, int, int]):
+    """PNG/JPEG/GIF/BMP bytes -> uint8 pixels of the square ``image_shape``: the image's central
+    square (as wide as its shorter side) resized to it, which is resizing the image to that
+    shorter side and cutting out the center, with the aspect ratio kept (ImageNet's
+    "resize 256, center crop"). A JPEG decodes only that square, scaled down where it is at least
+    twice the output (``decode_jpeg_window``); shards converted for this size
+    (``--max-resolution``) hold a square of exactly the output, which is then not resampled."""
     import tensorflow as tf
 
-    resized = tf.image.resize(pixels, size)
-    return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
+    height, width, channels = image_shape
+
+    def central_square(shape):
+        side = tf.minimum(shape[0], shape[1])
+        return (shape[:2] - side) // 2, tf.stack([side, side])
+
+    def jpeg_square():
+        begin, size = central_square(tf.io.extract_jpeg_shape(encoded))
+        return decode_jpeg_window(encoded, begin, size, (height, width), channels)
+
+    def square_of_whole():
+        pixels = decode_pixels(encoded, channels)
+        begin, size = central_square(tf.shape(pixels))
+        return pixels[begin[0]:begin[0] + size[0], begin[1]:begin[1] + size[1]]
+
+    pixels = tf.cond(is_jpeg(encoded), jpeg_square, square_of_whole)
+    return resized_to(pixels, (height, width))
+
+
+def resized_to(pixels, size: tuple[int, int]):
+    """Pixels resized (bilinear) to ``size``, rounded back to uint8; pixels already of that size
+    are returned as they are (what resizing them would give, for no work)."""
+    import tensorflow as tf
+
+    def resampled():
+        resized = tf.image.resize(pixels, size)
+        return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
+
+    same_size = tf.reduce_all(tf.shape(pixels)[:2] == tf.constant(size))
+    resized = tf.cond(same_size, lambda: tf.identity(pixels), resampled)
+    return tf.ensure_shape(resized, [*size, pixels.shape[-1]])
 
 
 def is_jpeg(encoded):

@@ -116,12 +116,13 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
 
     if augment and listing.in_memory:
         raise ValueError("augmentation needs images read from files")
-    # With augmentation, images are stored with a margin the crops choose from.
+    # With augmentation, images are stored with a margin the crops choose from: the central
+    # square, aspect ratio kept (augment.py).
     shape = stored_shape(listing.image_shape) if augment else listing.image_shape
 
     by_file = tfrecord_sharding == "file"  # only TFRecords can be shared out by file
     listing.check_sharding(world, batch_size, seed=seed, by_file=by_file)
-    decode = listing.decoder(shape)
+    decode = listing.decoder(shape, center_square=augment)
     failures, state, stores = [], [], []
     cache_dir = process_cache_dir(cache)
 
