@@ -175,19 +175,14 @@ class RunDir:
         if _holds(path):
             return None
         try:
-            # O_NOFOLLOW: a .lock linked to another file (planted by anyone who can write to the
-            # directory) would get that file truncated and overwritten with the holder's name.
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+            # A .lock linked to another file (planted by anyone who can write to the directory)
+            # would get that file truncated and overwritten with the holder's name.
+            descriptor, _ = open_plain_file(path, os.O_RDWR | os.O_CREAT)
+        except NotAPlainFile as error:
+            return _not_our_lock(path, error.what)
         except OSError as error:
-            if error.errno == errno.ELOOP:
-                return _not_our_lock(path, "a symbolic link")
             self.lock_note = f"no run-dir lock: cannot open {path}: {error.strerror or error}"
             return None
-        found = os.fstat(descriptor)
-        if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:  # a hard link is a link too
-            os.close(descriptor)
-            return _not_our_lock(path, "not a plain file" if not stat.S_ISREG(found.st_mode)
-                                 else "a hard link to another file")
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -343,6 +338,36 @@ def replace_atomically(path: str, content: bytes | Callable[[str], Any], suffix:
 
 def _as_writer(content: bytes | Callable[[str], Any]) -> Callable[[str], Any]:
     return content if callable(content) else lambda tmp: Path(tmp).write_bytes(content)
+
+
+class NotAPlainFile(OSError):
+    """What ``open_plain_file`` found at a path instead of a plain file of one link."""
+
+    SYMBOLIC_LINK = "a symbolic link"
+
+    def __init__(self, path: str, what: str):
+        super().__init__(f"{path} is {what}")
+        self.what = what
+
+
+def open_plain_file(path: str, flags: int, mode: int = 0o666) -> tuple[int, os.stat_result]:
+    """``(descriptor, its stat)`` of ``path`` opened with ``flags``, never through a link:
+    ``NotAPlainFile`` when ``path`` is a symbolic link (``O_NOFOLLOW``), a hard link to another
+    file, or no plain file at all (a FIFO, a device, a directory); other failures are the
+    ``OSError`` of ``open``. Whoever can write to a directory can plant a link in it, which would
+    have a job write to (or truncate) whatever file the link names."""
+    try:
+        descriptor = os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise NotAPlainFile(path, NotAPlainFile.SYMBOLIC_LINK) from None
+        raise
+    found = os.fstat(descriptor)
+    if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
+        os.close(descriptor)
+        raise NotAPlainFile(path, "not a plain file" if not stat.S_ISREG(found.st_mode)
+                            else "a hard link to another file")
+    return descriptor, found
 
 
 def _not_our_lock(path: str, what: str) -> str:

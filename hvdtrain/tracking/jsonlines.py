@@ -24,14 +24,12 @@ training goes on.
 from __future__ import annotations
 
 import datetime
-import errno
 import json
 import os
-import stat
 from typing import Any, Mapping
 
 from hvdtrain.errors import UserError
-from hvdtrain.rundir import RunDir, is_url
+from hvdtrain.rundir import NotAPlainFile, RunDir, is_url, open_plain_file
 from hvdtrain.tracking import jsonl_path
 
 
@@ -57,25 +55,22 @@ def open_for_append(path: str) -> int:
     if is_url(path):
         raise UserError(f"{shown}: the JSON-lines tracker appends to a local file, not a URL")
     try:
-        # O_NOFOLLOW: a link planted at PATH would have this job append to whatever it names.
         # O_NONBLOCK: a FIFO planted there is refused at once, not waited on for a reader.
-        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-                             | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
+        descriptor, found = open_plain_file(
+            path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC)
+    except NotAPlainFile as error:
+        if error.what == NotAPlainFile.SYMBOLIC_LINK:
             raise UserError(f"{shown}: {path} is a symbolic link, which hvdtrain never follows "
                             "(whoever can write to its directory may have planted it): name "
                             "the file itself") from None
+        raise UserError(f"{shown}: {path} is {error.what}, which this job does not append to: "
+                        "name a file of your own") from None
+    except OSError as error:
         raise UserError(f"{shown}: cannot append to {path}: {error.strerror or error}") from None
-    found = os.fstat(descriptor)
-    problem = (("not a plain file" if not stat.S_ISREG(found.st_mode) else None)
-               or ("a hard link to another file" if found.st_nlink != 1 else None)
-               or (f"owned by another user (uid {found.st_uid})"
-                   if found.st_uid != os.getuid() else None))
-    if problem:
+    if found.st_uid != os.getuid():
         os.close(descriptor)
-        raise UserError(f"{shown}: {path} is {problem}, which this job does not append to: "
-                        "name a file of your own")
+        raise UserError(f"{shown}: {path} is owned by another user (uid {found.st_uid}), which "
+                        "this job does not append to: name a file of your own")
     return descriptor
 
 
