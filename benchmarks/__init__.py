@@ -19,6 +19,8 @@ runs it, and reach horovod only through hvdtrain's runtime.
                 the first step and to the end of a 5-step epoch, memory per rank, steady samples/s
     decode      ImageNet-like JPEGs on one core: hvdtrain's augmented pipeline against a bare
                 decode_jpeg loop (the ceiling) and keras.utils.image_dataset_from_directory
+    resized     validation accuracy trained from shards converted at --max-resolution's default,
+                against training from the original photos (same seeds, the same pixels judged)
     matmul      the article's `w @ x + b` device timing on the backend's device
 
 Variants are separate processes, interleaved, repeated (--repeats, default 5), first epochs and a
@@ -50,9 +52,9 @@ def _matmul(args) -> int:
 
 
 SUITES = ("scaling", "overhead", "tax", "keras3", "allreduce", "mwms", "input", "workers", "threads",
-          "network", "data", "decode")
+          "network", "data", "decode", "resized")
 #: Suites that write their own .json and .md (their tables are not rows of results.md).
-SELF_WRITING = ("threads", "network", "data", "decode")
+SELF_WRITING = ("threads", "network", "data", "decode", "resized")
 
 
 def _runners(quick: bool) -> dict:
@@ -96,11 +98,18 @@ def _runners(quick: bool) -> dict:
         print(pipelines.markdown(pipelines.run(settings, out, log, quick=quick)))
         return {}
 
+    def resized(settings, workdir, out, log):
+        from benchmarks import resized as accuracy
+
+        print(accuracy.markdown(accuracy.run(settings, out, log, quick=quick)))
+        return {}
+
     runners = {"scaling": rows(suite.weak_scaling), "overhead": rows(suite.horovod_overhead),
                "tax": rows(suite.framework_tax), "keras3": rows(suite.keras_3_path),
                "allreduce": allreduce, "mwms": rows(suite.against_tf_distribute),
                "input": rows(suite.input_pipeline), "workers": workers, "threads": threads,
-               "network": network, "data": data, "decode": decode}
+               "network": network, "data": data, "decode": decode,
+               "resized": resized}
     assert tuple(runners) == SUITES
     return runners
 
