@@ -146,8 +146,9 @@ class MaxResolution:
             # A JPEG decodes already scaled down by 2, 4 or 8 in the DCT (much less work), to
             # no less than twice the size, so the filter below still makes the last step.
             image.draft(None, (2 * size[0], 2 * size[1]))
-            pixels = _without_alpha(image).resize(size, Image.Resampling.LANCZOS,
-                                                  reducing_gap=3.0)
+            # Pillow's bilinear filter widens with the scale (antialiased, torchvision's default
+            # for Resize): 2.0 ms a 500x375 photo on one core where Lanczos took 3.7.
+            pixels = _without_alpha(image).resize(size, Image.Resampling.BILINEAR)
             stored = io.BytesIO()
             pixels.save(stored, "JPEG", quality=self.jpeg_quality)
         except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError):
@@ -165,7 +166,8 @@ def _without_alpha(image):
         return Image.fromarray((np.asarray(image) >> 8).clip(0, 255).astype(np.uint8))
     if image.mode in ("P", "PA"):  # a palette's transparency converts through RGBA (no warning)
         image = image.convert("RGBA")
-    return image.convert("L" if image.mode in ("1", "L", "LA") else "RGB")
+    stored_mode = "L" if image.mode in ("1", "L", "LA") else "RGB"
+    return image if image.mode == stored_mode else image.convert(stored_mode)
 
 
 @dataclass(frozen=True)

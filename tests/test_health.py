@@ -17,6 +17,7 @@ from conftest import REPO, clean_env, integration
 from hvdtrain.launcher_env import marked
 from hvdtrain.health import (AllreduceTiming, RankReport, allreduce_findings, device_findings,
                              disagreeing, nccl_hints, rate_text, slow_links, time_allreduce)
+from processes import process_group
 
 GBIT, MBIT = 1e9, 1e6
 
@@ -114,24 +115,24 @@ def test_a_stop_signal_or_a_killed_launcher_during_the_check_leaves_nothing_runn
         tag = f"HVDTRAIN_TEST_TAG={os.getpid()}.{stop}"  # on the launcher and all it starts
         env = clean_env(PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', REPO)}",
                         **dict([tag.split("=")]))
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via", "mpirun",
-             "--skip-preflight", "--health-check-only", "hvdtrain.cnn"], cwd=REPO, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            wait_for(lambda: sum(p.rank is not None for p in tagged(tag)) == 2, 30,
-                     "the check's 2 ranks did not start")
-            launcher.send_signal(stop)
-            output, _ = launcher.communicate(timeout=20)
-            wait_for(lambda: not tagged(tag), 20,
-                     f"processes of the check outlived the launcher ({stop.name})")
-        finally:
-            for process in [launcher, *tagged(tag)]:
-                try:
-                    os.kill(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            launcher.wait()
+        with process_group(
+                [sys.executable, "-m", "hvdtrain.launch", "--np", "2", "--via", "mpirun",
+                 "--skip-preflight", "--health-check-only", "hvdtrain.cnn"], cwd=REPO, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as launcher:
+            try:
+                wait_for(lambda: sum(p.rank is not None for p in tagged(tag)) == 2, 30,
+                         "the check's 2 ranks did not start")
+                launcher.send_signal(stop)
+                output, _ = launcher.communicate(timeout=20)
+                wait_for(lambda: not tagged(tag), 20,
+                         f"processes of the check outlived the launcher ({stop.name})")
+            finally:
+                # What left the launcher's group (its own session) is found by the tag.
+                for process in tagged(tag):
+                    try:
+                        os.kill(process.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
         if stop == signal.SIGINT:
             assert launcher.returncode == 130, output
             assert output.splitlines()[-1] == ("hvdtrain.launch: the health check stopped on "

@@ -627,7 +627,6 @@ def test_the_health_check_names_a_slow_node_and_a_rank_computing_other_numbers(c
 
 
 # --- in a container image (containers/build.sh), with Charliecloud ------------------------------
-CONTAINER_ENV = {"PMIX_MCA_gds": "hash", "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
 
 
 @pytest.fixture(scope="module", autouse=True)
