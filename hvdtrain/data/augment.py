@@ -38,6 +38,12 @@ def stored_shape(image_shape: tuple[int, int, int]) -> tuple[int, int, int]:
     return (round(height / CENTER_FRACTION), round(width / CENTER_FRACTION), channels)
 
 
+def decoded_shape(image_shape: tuple[int, int, int], *, augment: bool) -> tuple[int, int, int]:
+    """The shape training at ``image_shape`` decodes (and stores) images at: with ``augment``
+    the larger square its crops are cut from, else ``image_shape`` itself."""
+    return stored_shape(image_shape) if augment else image_shape
+
+
 def seed_stream(seed: int) -> tf.data.Dataset:
     """Two seeds per sample; a new stream each pass (each time the dataset is iterated again)."""
     import tensorflow as tf

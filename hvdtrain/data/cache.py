@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from hvdtrain.data.augment import stored_shape
+from hvdtrain.data.augment import decoded_shape
 from hvdtrain.data.shares import samples_for_rank
 from hvdtrain.errors import RankError, UserError
 from hvdtrain.jobmemory import job_memory_limit
@@ -77,7 +77,7 @@ def decoded_bytes_per_rank(listing: Listing, world: World, validation_samples: i
                            augment: bool = False) -> int:
     """What caching this rank's training share and its validation samples holds, decoded (with
     augmentation: at the larger size the crops are cut from)."""
-    height, width, channels = stored_shape(listing.image_shape) if augment else listing.image_shape
+    height, width, channels = decoded_shape(listing.image_shape, augment=augment)
     training = samples_for_rank(listing.train.num_samples, world)
     return (training + validation_samples) * height * width * channels
 

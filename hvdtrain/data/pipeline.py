@@ -17,8 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from hvdtrain.data.augment import (augmented, center_cropped, decode_random_crop, seed_stream,
-                                   stored_shape)
+from hvdtrain.data.augment import (augmented, center_cropped, decode_random_crop, decoded_shape,
+                                   seed_stream)
 from hvdtrain.data.cache import CacheChoice, process_cache_dir
 from hvdtrain.data.listing import Listing, Split
 from hvdtrain.data.store import SampleStore, stored_passes
@@ -118,7 +118,7 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         raise ValueError("augmentation needs images read from files")
     # With augmentation, images are stored with a margin the crops choose from: the central
     # square, aspect ratio kept (augment.py).
-    shape = stored_shape(listing.image_shape) if augment else listing.image_shape
+    shape = decoded_shape(listing.image_shape, augment=augment)
 
     by_file = tfrecord_sharding == "file"  # only TFRecords can be shared out by file
     listing.check_sharding(world, batch_size, seed=seed, by_file=by_file)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from hvdtrain.data.augment import stored_shape
+from hvdtrain.data.augment import decoded_shape
 from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, HeldOutRecords, Listing, Split,
                                    held_out_counts)
 from hvdtrain.data.shares import samples_for_rank
@@ -46,10 +46,9 @@ def shard_name(split_prefix: str, shard: int, count: int) -> str:
 
 
 def shorter_side_decoded(image_size: int, *, augment: bool) -> int:
-    """Pixels on the shorter side that training at ``image_size`` decodes an image to: with
-    ``augment`` the stored size its crops are cut from, else the image size itself. Shards that
-    store fewer are upsampled."""
-    return stored_shape((image_size, image_size, 1))[0] if augment else image_size
+    """Pixels on the shorter side that training at ``image_size`` decodes an image to
+    (``augment.decoded_shape``); shards that store fewer are upsampled."""
+    return decoded_shape((image_size, image_size, 1), augment=augment)[0]
 
 
 def serialize_example(encoded_image: bytes, label: int) -> bytes:
