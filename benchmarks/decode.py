@@ -65,7 +65,6 @@ def make_photos(root: Path, count: int, size: tuple[int, int] = (375, 500)) -> N
     class folders, each a different random crop of one of scikit-learn's two sample photographs
     (427x640)."""
     import numpy as np
-    from PIL import Image
     from sklearn.datasets import load_sample_images
 
     photos = load_sample_images().images
@@ -77,13 +76,20 @@ def make_photos(root: Path, count: int, size: tuple[int, int] = (375, 500)) -> N
         crop_width = min(width, crop_height * 4 // 3)
         top = int(rng.integers(0, height - crop_height + 1))
         left = int(rng.integers(0, width - crop_width + 1))
-        image = Image.fromarray(photo[top:top + crop_height, left:left + crop_width])
-        image = image.resize(size[::-1], Image.BILINEAR)
-        if rng.random() < 0.5:
-            image = image.transpose(Image.FLIP_LEFT_RIGHT)
-        folder = root / f"class{index % 10}"
-        folder.mkdir(parents=True, exist_ok=True)
-        image.save(folder / f"{index:05d}.jpg", quality=90)
+        save_photo(photo[top:top + crop_height, left:left + crop_width], size, rng,
+                   root / f"class{index % 10}" / f"{index:05d}.jpg")
+
+
+def save_photo(pixels, size: tuple[int, int], rng, path: Path) -> None:
+    """``pixels`` resized to ``size`` (height, width), flipped left-right at random, as a JPEG
+    of quality 90 at ``path`` (its folder created)."""
+    from PIL import Image
+
+    image = Image.fromarray(pixels).resize(size[::-1], Image.BILINEAR)
+    if rng.random() < 0.5:
+        image = image.transpose(Image.FLIP_LEFT_RIGHT)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, quality=90)
 
 
 def measure(variant: str, root: str) -> float:

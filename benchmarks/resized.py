@@ -45,8 +45,9 @@ def make_region_photos(root: Path, count: int) -> None:
     """``count`` JPEGs of PHOTO_SIZE in 10 class folders: class k is a 320x240 region of one
     of the two sample photographs (427x640), each file a different crop around it."""
     import numpy as np
-    from PIL import Image
     from sklearn.datasets import load_sample_images
+
+    from benchmarks.decode import save_photo
 
     photos = load_sample_images().images
     regions = [(photo, top, left) for photo in range(2)
@@ -59,13 +60,8 @@ def make_region_photos(root: Path, count: int) -> None:
         height, width = int(240 * scale), int(320 * scale)
         top = int(np.clip(top + rng.integers(-30, 31), 0, 427 - height))
         left = int(np.clip(left + rng.integers(-40, 41), 0, 640 - width))
-        image = Image.fromarray(photos[photo][top:top + height, left:left + width])
-        image = image.resize(PHOTO_SIZE[::-1], Image.BILINEAR)
-        if rng.random() < 0.5:
-            image = image.transpose(Image.FLIP_LEFT_RIGHT)
-        folder = root / f"region{label}"
-        folder.mkdir(parents=True, exist_ok=True)
-        image.save(folder / f"{index:04d}.jpg", quality=90)
+        save_photo(photos[photo][top:top + height, left:left + width], PHOTO_SIZE, rng,
+                   root / f"region{label}" / f"{index:04d}.jpg")
 
 
 def validation_pixels(photos: str, seed: int):
