@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -235,8 +236,12 @@ def test_the_decode_suites_variants_measure_a_pass(tmp_path, monkeypatch):
     monkeypatch.setattr(decode, "BATCH", 8)
     decode.make_photos(tmp_path / "photos", 64)
     assert len(list((tmp_path / "photos").rglob("*.jpg"))) == 64
+    conversion = decode.convert_folder(tmp_path / "photos", tmp_path / "shards",
+                                       max(os.sched_getaffinity(0)), timeout=300)
+    assert conversion["records"] == 64 and conversion["max_resolution"]["resized"] == 64
     for variant in decode.VARIANTS:
-        assert decode.measure(variant, str(tmp_path / "photos")) > 0, variant
+        assert decode.measure(variant, str(tmp_path / "photos"), str(tmp_path / "shards")) > 0, \
+            variant
     for step in decode.STEPS:
         for version in decode.STEP_VERSIONS:
             assert decode.step_cost(step, version, str(tmp_path / "photos"))["cpu"] > 0
