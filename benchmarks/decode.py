@@ -27,7 +27,8 @@ is the process's CPU time per image (every thread's): unlike wall time it holds 
 share the core; wall time is stored beside it.
 
     crop        a training crop with --cache off: window sampled, decoded, resized to 224x224
-    stored      the store's decode (its first pass): whole image at the stored 256x256
+    stored      the store's decode (its first pass): before, the whole image stretched to
+                256x256; after, its central square (aspect kept, DCT-scaled where it applies)
     validation  the stored decode and validation's central 224x224
 """
 from __future__ import annotations
@@ -183,7 +184,7 @@ def step_cost(step: str, version: str, root: str) -> dict[str, float]:
     import tensorflow as tf
 
     from hvdtrain.data.augment import _crop_window, decode_random_crop, stored_shape
-    from hvdtrain.data.images import decode_image, decode_pixels, resized_to
+    from hvdtrain.data.images import decode_center_square, decode_pixels, resized_to
 
     output = (IMAGE_SIZE, IMAGE_SIZE, 3)
     stored = stored_shape(output)
@@ -201,7 +202,7 @@ def step_cost(step: str, version: str, root: str) -> dict[str, float]:
             return decode_random_crop(encoded, seeds, output)
 
         def decode_stored(encoded):
-            return decode_image(encoded, stored)
+            return decode_center_square(encoded, stored)
     work = {"crop": crop, "stored": lambda encoded, _: decode_stored(encoded),
             "validation": lambda encoded, _: tf.image.resize_with_crop_or_pad(
                 decode_stored(encoded), IMAGE_SIZE, IMAGE_SIZE)}[step]
