@@ -8,6 +8,8 @@ the pixels differ from decoding whole and resizing by what the scaled inverse DC
 """
 from __future__ import annotations
 
+from typing import Callable
+
 # File signatures of the formats tf.io.decode_image reads.
 _IMAGE_SIGNATURES = {
     b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF87a": "GIF", b"GIF89a": "GIF",
@@ -58,15 +60,8 @@ def decode_image(encoded, image_shape: tuple[int, int, int]):
     least twice as large decodes scaled down (``decode_jpeg_window``)."""
     import tensorflow as tf
 
-    height, width, channels = image_shape
-
-    def jpeg_scaled():
-        whole = tf.io.extract_jpeg_shape(encoded)
-        return decode_jpeg_window(encoded, tf.zeros([2], tf.int32), whole[:2], (height, width),
-                                  channels)
-
-    pixels = tf.cond(is_jpeg(encoded), jpeg_scaled, lambda: decode_pixels(encoded, channels))
-    return resized_to(pixels, (height, width))
+    return _decode_region(encoded, image_shape,
+                          lambda shape: (tf.zeros([2], tf.int32), shape[:2]))
 
 
 def decode_center_square(encoded, image_shape: tuple[int, int, int]):
@@ -78,22 +73,31 @@ def decode_center_square(encoded, image_shape: tuple[int, int, int]):
     (``--max-resolution``) hold a square of exactly the output, which is then not resampled."""
     import tensorflow as tf
 
-    height, width, channels = image_shape
-
     def central_square(shape):
         side = tf.minimum(shape[0], shape[1])
         return (shape[:2] - side) // 2, tf.stack([side, side])
 
-    def jpeg_square():
-        begin, size = central_square(tf.io.extract_jpeg_shape(encoded))
+    return _decode_region(encoded, image_shape, central_square)
+
+
+def _decode_region(encoded, image_shape: tuple[int, int, int], region: Callable):
+    """The part ``region`` (image shape -> (begin, size), both (height, width)) names of the
+    encoded image, resized to ``image_shape``: a JPEG decodes only that window, DCT-scaled where
+    it applies (``decode_jpeg_window``); other formats decode whole and are cut."""
+    import tensorflow as tf
+
+    height, width, channels = image_shape
+
+    def jpeg_window():
+        begin, size = region(tf.io.extract_jpeg_shape(encoded))
         return decode_jpeg_window(encoded, begin, size, (height, width), channels)
 
-    def square_of_whole():
+    def cut_from_whole():
         pixels = decode_pixels(encoded, channels)
-        begin, size = central_square(tf.shape(pixels))
-        return pixels[begin[0]:begin[0] + size[0], begin[1]:begin[1] + size[1]]
+        begin, size = region(tf.shape(pixels))
+        return tf.slice(pixels, tf.concat([begin, [0]], 0), tf.concat([size, [-1]], 0))
 
-    pixels = tf.cond(is_jpeg(encoded), jpeg_square, square_of_whole)
+    pixels = tf.cond(is_jpeg(encoded), jpeg_window, cut_from_whole)
     return resized_to(pixels, (height, width))
 
 
