@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hvdtrain.data.images import decode_jpeg_window, decode_pixels, is_jpeg, resized_to
+from hvdtrain.data.images import decode_jpeg_window, decode_pixels, is_jpeg, resampled_to
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -99,11 +99,15 @@ def _crop_window(shape, seeds):
 
 
 def _resized_and_flipped(crop, image_shape: tuple[int, int, int], seeds):
+    """The crop resized to ``image_shape`` and mirrored left-right half of the time: the draw of
+    ``tf.image.stateless_random_flip_left_right``, without its branch (reversing along no axis is
+    the unflipped image)."""
     import tensorflow as tf
 
-    resized = resized_to(crop, image_shape[:2])
+    resized = resampled_to(crop, image_shape[:2])  # a random crop: hardly ever already the size
     flip_seed = tf.stack([seeds[1], seeds[0]])  # not the crop's own seed
-    return tf.image.stateless_random_flip_left_right(resized, seed=flip_seed)
+    flip = tf.random.stateless_uniform([], seed=flip_seed) < 0.5
+    return tf.reverse(resized, axis=tf.range(1, 1 + tf.cast(flip, tf.int32)))
 
 
 def center_cropped(validation: tf.data.Dataset,

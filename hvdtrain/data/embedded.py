@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
 
+from hvdtrain.data.images import resampled_to
 from hvdtrain.data.listing import Listing, Split, positions_each_pass, split_indices
 from hvdtrain.data.shares import rank_share
 from hvdtrain.errors import UserError
@@ -38,7 +39,7 @@ def load_embedded(name: str, *, image_size: int | None = None, synthetic_samples
         images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)[..., None]
         labels = digits.target.astype(np.int64)
         if image_size and image_size != images.shape[1]:
-            images = _resize_uint8(images, image_size)
+            images = resampled_to(images, (image_size, image_size)).numpy()
         return EmbeddedArrays("digits", images, labels, tuple(str(d) for d in range(10)))
     if name == "synthetic":
         size = image_size or 8
@@ -47,13 +48,6 @@ def load_embedded(name: str, *, image_size: int | None = None, synthetic_samples
         labels = rng.integers(0, 10, size=synthetic_samples).astype(np.int64)
         return EmbeddedArrays("synthetic", images, labels, tuple(str(d) for d in range(10)))
     raise UserError(f"unknown embedded data set {name!r} (digits or synthetic)")
-
-
-def _resize_uint8(images: np.ndarray, size: int) -> np.ndarray:
-    import tensorflow as tf
-
-    resized = tf.image.resize(images, [size, size])
-    return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8).numpy()
 
 
 @dataclass(frozen=True)

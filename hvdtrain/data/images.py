@@ -102,17 +102,23 @@ def _decode_region(encoded, image_shape: tuple[int, int, int], region: Callable)
 
 
 def resized_to(pixels, size: tuple[int, int]):
-    """Pixels resized (bilinear) to ``size``, rounded back to uint8; pixels already of that size
-    are returned as they are (what resizing them would give, for no work)."""
+    """Pixels resized to ``size`` (``resampled_to``); pixels already of that size are returned as
+    they are (what resampling them would give, for no work). For the store's decode, where
+    shards converted for the training size hold exactly that size."""
     import tensorflow as tf
 
-    def resampled():
-        resized = tf.image.resize(pixels, size)
-        return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
-
     same_size = tf.reduce_all(tf.shape(pixels)[:2] == tf.constant(size))
-    resized = tf.cond(same_size, lambda: tf.identity(pixels), resampled)
+    resized = tf.cond(same_size, lambda: tf.identity(pixels), lambda: resampled_to(pixels, size))
     return tf.ensure_shape(resized, [*size, pixels.shape[-1]])
+
+
+def resampled_to(pixels, size: tuple[int, int]):
+    """uint8 pixels resized (bilinear) to ``size`` and rounded back to uint8. Not clipped: each
+    output pixel is a weighted mean of input pixels (weights >= 0, summing to 1), so it stays
+    within 0..255."""
+    import tensorflow as tf
+
+    return tf.cast(tf.round(tf.image.resize(pixels, size)), tf.uint8)
 
 
 def is_jpeg(encoded):
@@ -157,5 +163,9 @@ def decode_jpeg_window(encoded, begin, size, output_size: tuple[int, int], chann
             return tf.io.decode_and_crop_jpeg(encoded, window, channels=channels, ratio=ratio)
         return decode
 
+    # Two branches first, so a window under twice the output (every crop of a 500x375 photo for
+    # 224) pays one cheap conditional; the four-way switch cost 13-16% there (docs/benchmarks.md
+    # section 10's step table).
     index = dct_ratio_index(size[0], size[1], *output_size)
-    return tf.switch_case(index, [at_ratio(ratio) for ratio in DCT_RATIOS])
+    scaled = [at_ratio(ratio) for ratio in DCT_RATIOS[1:]]
+    return tf.cond(index > 0, lambda: tf.switch_case(index - 1, scaled), at_ratio(1))
