@@ -2,9 +2,12 @@
 
 Files: ``FILES`` ImageNet-like JPEGs (500x375, quality 90, in 10 class folders) cut from the two
 photographs scikit-learn ships in its wheel (random crops of half to all of the photo, resized,
-flipped at random): real photographic content, no download. Every variant is a process pinned
-to one core before TensorFlow starts (so its thread pools are sized for one), reads every file
-twice at 224x224 in batches of 32, and its second pass is timed whole:
+flipped at random): real photographic content, no download. The folder is converted once, as a
+user would, by ``hvdtrain convert --image-size 224`` with its defaults (a shorter side of at most
+256 stored, JPEG quality 90), one worker pinned to one core: its wall time and records/s are
+stored. Every variant is a process pinned to one core before TensorFlow starts (so its thread
+pools are sized for one); all but the e2e ones read every file twice at 224x224 in batches of
+32, and the second pass is timed whole:
 
     ceiling         a bare tf.data loop: read_file, decode_jpeg, resize (parallel map), batch
     keras           keras.utils.image_dataset_from_directory (the seed article's loader)
@@ -15,18 +18,33 @@ twice at 224x224 in batches of 32, and its second pass is timed whole:
     keras-run, hvdtrain-run
                     keras, and hvdtrain with the memory store, over RUN_PASSES passes timed
                     whole with no warm-up (tracing, and the store's first pass, included)
+    ceiling-stored  the ceiling's loop over the converted shards' JPEGs (TFRecordDataset, parse,
+                    decode_jpeg, resize): the ceiling of what hvdtrain reads from them
+    hvdtrain-shards, hvdtrain-shards-run
+                    hvdtrain and hvdtrain-run over the converted shards
+    keras-large, hvdtrain-shards-large
+                    keras over ``LARGE_PASS_FILES`` large photographs (2000x1500, the same
+                    photographs enlarged), and hvdtrain-shards over that folder converted the
+                    same way (its conversion stored too): how the gain grows with the source
+    e2e-keras, e2e-hvdtrain
+                    the end a user sees, timed whole from before TensorFlow's import: from
+                    ``E2E_FILES`` photos to the end of ``E2E_EPOCHS`` epochs of ``small_model``
+                    (model.fit, batch 32), fed by keras' loader over the folder, or by ``hvdtrain
+                    convert`` (a process of its own, as a user runs it; its time is stored too)
+                    and hvdtrain's pipeline over the shards (--augment, memory store)
 
-Interleaved rounds, medians (benchmarks/harness.py). Targets (issue 27): hvdtrain at least 0.9x
-the ceiling and 1.3x keras.
+Interleaved rounds, medians (benchmarks/harness.py). Targets: ``TARGETS``; ``ALSO`` are shown
+without one.
 
 Then each decoding step's cost per image (issue 48), ``before`` (the ops hvdtrain ran until JPEGs
-decoded at a DCT scale) against ``after`` (hvdtrain's own functions), on those photos and on
+decoded at a DCT scale, stop 52's, written out in ``step_cost``) against ``after`` (hvdtrain's own functions), on those photos and on
 ``LARGE_FILES`` large ones (2000x1500, the same photographs enlarged), each (step, version) a
 process pinned to one core, interleaved rounds, written to decode-steps.json and .md. The cost
 is the process's CPU time per image (every thread's): unlike wall time it holds when other jobs
 share the core; wall time is stored beside it.
 
-    crop        a training crop with --cache off: window sampled, decoded, resized to 224x224
+    crop        a training crop with --cache off: window sampled, decoded, resized to 224x224,
+                flipped half of the time
     stored      the store's decode (its first pass): before, the whole image stretched to
                 256x256; after, its central square (aspect kept, DCT-scaled where it applies)
     validation  the stored decode and validation's central 224x224
@@ -50,14 +68,25 @@ BATCH = 32
 RUN_PASSES = 3
 """Passes of the ``-run`` variants: a short training run, timed whole from its first batch."""
 VARIANTS = ("ceiling", "keras", "hvdtrain", "hvdtrain-store", "keras-run", "hvdtrain-run",
-            "ceiling-stored", "hvdtrain-shards", "hvdtrain-shards-run")
+            "ceiling-stored", "hvdtrain-shards", "hvdtrain-shards-run", "keras-large",
+            "hvdtrain-shards-large", "e2e-keras", "e2e-hvdtrain")
+E2E_VARIANTS = ("e2e-keras", "e2e-hvdtrain")
+"""The variants timed in seconds (a whole training run), not samples/s of a pass."""
 #: Issue 27's first (a decoding pass against the decoder's ceiling) and issue 48's three (shards
 #: converted for the training size against Keras' loader over the original folder).
 TARGETS = {("hvdtrain", "ceiling"): 0.9, ("hvdtrain-shards", "keras"): 1.5,
            ("hvdtrain-shards-run", "keras-run"): 1.3, ("hvdtrain-shards", "ceiling-stored"): 0.9}
 #: Ratios reported without a target of their own (issue 27's 1.3x Keras on full-size decoding
-#: among them: issue 48 found it the wrong target, a decoding pass is Keras' own loop).
-ALSO = (("hvdtrain", "keras"), ("hvdtrain-store", "keras"), ("hvdtrain-run", "keras-run"))
+#: among them: issue 48 found it the wrong target, a decoding pass is Keras' own loop). The e2e
+#: one is of seconds, Keras' over hvdtrain's: hvdtrain's speedup, as the others.
+ALSO = (("hvdtrain", "keras"), ("hvdtrain-store", "keras"), ("hvdtrain-run", "keras-run"),
+        ("hvdtrain-shards-large", "keras-large"), ("e2e-keras", "e2e-hvdtrain"))
+LARGE_PASS_FILES = 300
+QUICK_LARGE_PASS_FILES = 24
+E2E_FILES = 1000
+"""Photos of the e2e variants: fewer than ``FILES``, as 10 epochs take longer than a pass."""
+QUICK_E2E_FILES = 64
+E2E_EPOCHS = 10
 STEPS = ("crop", "stored", "validation")
 STEP_VERSIONS = ("before", "after")
 LARGE_FILES = 60
@@ -100,8 +129,9 @@ def save_photo(pixels, size: tuple[int, int], rng, path: Path) -> None:
 
 def measure(variant: str, root: str, shards: str | None = None) -> float:
     """Samples/s of ``variant``'s second pass over the folder (a ``-shards`` or ``-stored``
-    variant: over ``shards``, the folder converted by ``convert_folder``), timed whole (of its
-    first RUN_PASSES passes for a ``-run`` variant).
+    variant: over ``shards``, the folder converted by ``convert_folder``; a ``-large`` variant's
+    folder holds the large photographs), timed whole (of its first RUN_PASSES passes for a
+    ``-run`` variant).
 
     The first pass warms up (tracing, the page cache; for hvdtrain-store it fills the store).
     The second is timed from the start of its first batch to its last, so every variant's clock
@@ -157,7 +187,7 @@ def measure(variant: str, root: str, shards: str | None = None) -> float:
         else:
             listing = list_image_folder(root, image_size=IMAGE_SIZE, validation_fraction=0.0,
                                         seed=0, on_bad_image="skip")
-        cache = "off" if variant in ("hvdtrain", "hvdtrain-shards") else "memory"
+        cache = "memory" if variant.endswith(("-store", "-run")) else "off"
         pipelines = build_pipelines(listing, World(), batch_size=BATCH, validation_batch_size=BATCH,
                                     validation_steps=0, seed=0, augment=True,
                                     cache=CacheChoice(cache, "benchmark"))
@@ -178,25 +208,100 @@ def measure(variant: str, root: str, shards: str | None = None) -> float:
     return samples / (time.perf_counter() - started)
 
 
+def small_model(classes: int):
+    """The e2e variants' model: the image averaged down to 56x56, two strided convolutions
+    (about 1 M multiply-adds per image, against ResNet-50's 4 G) and a linear classifier: cheap
+    next to decoding a photo, so the input's cost shows in a training run rather than hiding
+    under the model's."""
+    import keras
+
+    return keras.Sequential([
+        keras.Input((IMAGE_SIZE, IMAGE_SIZE, 3)),
+        keras.layers.Rescaling(1 / 255),  # pixels of 0-255 from both (keras' float, ours uint8)
+        keras.layers.AveragePooling2D(4),
+        keras.layers.Conv2D(16, 3, strides=2, activation="relu"),
+        keras.layers.Conv2D(32, 3, strides=2, activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(classes),
+    ])
+
+
+def end_to_end(variant: str, root: str) -> dict[str, float]:
+    """Seconds from before TensorFlow's import to the end of E2E_EPOCHS epochs of
+    ``small_model`` trained from the photos in ``root``, and for e2e-hvdtrain the seconds of
+    ``hvdtrain convert`` among them (its own process, on this process's core, as a user runs
+    it before training)."""
+    import tempfile
+
+    started, converting = time.perf_counter(), {}
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-e2e-") as scratch:
+        if variant == "e2e-hvdtrain":
+            converting["conversion_seconds"] = convert_folder(
+                Path(root), Path(scratch) / "shards", max(os.sched_getaffinity(0)),
+                timeout=None)["seconds"]
+        import keras
+
+        keras.utils.set_random_seed(0)  # the same initial weights for both
+        if variant == "e2e-keras":
+            dataset = keras.utils.image_dataset_from_directory(
+                root, image_size=(IMAGE_SIZE, IMAGE_SIZE), batch_size=BATCH, seed=0)
+            classes, fit = len(dataset.class_names), {}
+        else:
+            from hvdtrain.data import build_pipelines
+            from hvdtrain.data.cache import CacheChoice
+            from hvdtrain.data.records import list_tfrecords
+            from hvdtrain.runtime.base import World
+
+            listing = list_tfrecords(str(Path(scratch) / "shards"), image_size=IMAGE_SIZE,
+                                     validation_fraction=0.0, augment=True)
+            # Held while training: the pipeline's state lives as long as this object.
+            pipelines = build_pipelines(listing, World(), batch_size=BATCH,
+                                        validation_batch_size=BATCH, validation_steps=0, seed=0,
+                                        augment=True, cache=CacheChoice("memory", "benchmark"))
+            dataset = pipelines.train
+            classes = len(listing.class_names)
+            fit = {"steps_per_epoch": listing.train.num_samples // BATCH}  # the dataset repeats
+        model = small_model(classes)
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(dataset, epochs=E2E_EPOCHS, verbose=0, **fit)
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, **converting}
+
+
 def step_cost(step: str, version: str, root: str) -> dict[str, float]:
     """CPU and wall milliseconds per image of ``step`` (``STEPS``) done the ``version`` way over
     the JPEGs in ``root``, read into memory first: the second of two passes, timed whole."""
     import tensorflow as tf
 
     from hvdtrain.data.augment import _crop_window, decode_random_crop, stored_shape
-    from hvdtrain.data.images import decode_center_square, decode_pixels, resized_to
+    from hvdtrain.data.images import decode_center_square, decode_pixels
 
     output = (IMAGE_SIZE, IMAGE_SIZE, 3)
     stored = stored_shape(output)
-    if version == "before":
+    if version == "before":  # hvdtrain's ops as of stop 52 (2d3123f), written out unchanged
+        def rounded(pixels, size):
+            resized = tf.image.resize(pixels, size)
+            return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
+
         def crop(encoded, seeds):
-            begin, size = _crop_window(tf.io.extract_jpeg_shape(encoded), seeds)
-            window = tf.stack([begin[0], begin[1], size[0], size[1]])
-            return resized_to(tf.io.decode_and_crop_jpeg(encoded, window, channels=3),
-                              output[:2])
+            def jpeg_window():
+                begin, size = _crop_window(tf.io.extract_jpeg_shape(encoded), seeds)
+                window = tf.stack([begin[0], begin[1], size[0], size[1]])
+                return tf.io.decode_and_crop_jpeg(encoded, window, channels=3)
+
+            def whole_then_crop():
+                image = decode_pixels(encoded, 3)
+                begin, size = _crop_window(tf.shape(image), seeds)
+                return tf.slice(image, begin, size)
+
+            is_jpeg = tf.strings.substr(encoded, 0, 3) == b"\xff\xd8\xff"
+            resized = rounded(tf.cond(is_jpeg, jpeg_window, whole_then_crop), output[:2])
+            return tf.image.stateless_random_flip_left_right(
+                resized, seed=tf.stack([seeds[1], seeds[0]]))
 
         def decode_stored(encoded):
-            return resized_to(decode_pixels(encoded, 3), stored[:2])
+            return rounded(decode_pixels(encoded, 3), stored[:2])
     else:
         def crop(encoded, seeds):
             return decode_random_crop(encoded, seeds, output)
@@ -303,18 +408,38 @@ def run(s, out: Path, log: Callable[[str], None], *, quick: bool = False) -> dic
     core = max(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-decode-") as scratch:
         root, shards = Path(scratch) / "photos", Path(scratch) / "shards"
+        large, large_shards = Path(scratch) / "large-photos", Path(scratch) / "large-shards"
+        e2e = Path(scratch) / "e2e-photos"
         files = QUICK_FILES if quick else FILES
-        log(f"decode: writing {files} JPEGs of 500x375 in {root}")
-        make_photos(root, files)
-        conversion = convert_folder(root, shards, core, s.timeout)
-        log(f"decode: converted in {conversion['seconds']:.1f} s "
-            f"({conversion['records_per_sec']:.0f} records/s on one core)")
+        large_files = QUICK_LARGE_PASS_FILES if quick else LARGE_PASS_FILES
+        e2e_files = QUICK_E2E_FILES if quick else E2E_FILES
+
+        def written_and_converted(folder: Path, converted: Path, count: int,
+                                  size: tuple[int, int]) -> dict:
+            log(f"decode: writing {count} JPEGs of {size[1]}x{size[0]} in {folder}")
+            make_photos(folder, count, size)
+            conversion = convert_folder(folder, converted, core, s.timeout)
+            log(f"decode: converted in {conversion['seconds']:.1f} s "
+                f"({conversion['records_per_sec']:.0f} records/s on one core)")
+            return conversion
+
+        conversion = written_and_converted(root, shards, files, (375, 500))
+        large_conversion = written_and_converted(large, large_shards, large_files, LARGE_SIZE)
+        log(f"decode: writing {e2e_files} JPEGs of 500x375 in {e2e}")
+        make_photos(e2e, e2e_files)
 
         def one(variant: str) -> Callable[[], dict]:
+            if variant in E2E_VARIANTS:
+                data = ["--data", str(e2e)]
+            elif variant.endswith("-large"):
+                data = ["--data", str(large), "--shards", str(large_shards)]
+            else:
+                data = ["--data", str(root), "--shards", str(shards)]
+
             def measured() -> dict:
                 _, output = _run([sys.executable, "-m", "benchmarks.decode", "--measure",
-                                  variant, "--data", str(root), "--shards", str(shards),
-                                  "--core", str(core)], s.timeout, what=f"decode {variant}")
+                                  variant, *data, "--core", str(core)], s.timeout,
+                                 what=f"decode {variant}")
                 try:
                     return json.loads(output.strip().splitlines()[-1])
                 except (IndexError, ValueError):
@@ -326,7 +451,15 @@ def run(s, out: Path, log: Callable[[str], None], *, quick: bool = False) -> dic
                             repeats=s.repeats, warmup=s.warmup, log=log)
     result = {"files": files, "image_size": IMAGE_SIZE, "core": core, "conversion": conversion,
               "samples_per_sec": {variant: [row["samples_per_sec"] for row in rows]
-                                  for variant, rows in rounds.items()},
+                                  for variant, rows in rounds.items()
+                                  if variant not in E2E_VARIANTS},
+              "large_files": large_files, "large_size": LARGE_SIZE,
+              "large_conversion": large_conversion,
+              "e2e_files": e2e_files, "e2e_epochs": E2E_EPOCHS,
+              "seconds": {variant: [row["seconds"] for row in rounds[variant]]
+                          for variant in E2E_VARIANTS},
+              "e2e_conversion_seconds": [row["conversion_seconds"]
+                                         for row in rounds["e2e-hvdtrain"]],
               "machine": machine()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode.json").write_text(json.dumps(result, indent=1))
@@ -335,10 +468,10 @@ def run(s, out: Path, log: Callable[[str], None], *, quick: bool = False) -> dic
     return result
 
 
-def convert_folder(root: Path, shards: Path, core: int, timeout: float) -> dict:
+def convert_folder(root: Path, shards: Path, core: int, timeout: float | None) -> dict:
     """``hvdtrain convert`` of the folder for --image-size 224 with its defaults (a shorter side
     of at most 256 stored), one worker pinned to ``core``: its wall time, records/s and what
-    dataset.json says it stored."""
+    dataset.json says it stored. ``timeout``: seconds (None: the caller's own covers it)."""
     from benchmarks.suite import _run
 
     seconds, _ = _run(["taskset", "-c", str(core), sys.executable, "-m", "hvdtrain", "convert",
@@ -352,36 +485,58 @@ def convert_folder(root: Path, shards: Path, core: int, timeout: float) -> dict:
 
 
 def markdown(result: dict) -> str:
+    """decode.md of ``result``; a result stored before a variant existed shows no row of it."""
     from benchmarks.harness import ratio
     from benchmarks.report import measured_on
 
-    rates = result["samples_per_sec"]
+    rates, seconds = result["samples_per_sec"], result.get("seconds", {})
+    measured = {**rates, **seconds}
     where = f"{measured_on(result['machine'])} (one used)"
     lines = ["| variant | samples/s per round, one core | median | measured on |",
              "|---|---|---:|---|"]
     for variant, values in rates.items():
         lines.append(f"| {variant} | {', '.join(f'{v:.0f}' for v in values)} | "
                      f"{statistics.median(values):.0f} | {where} |")
+    if seconds:
+        lines += ["", f"| end to end: {result['e2e_files']:,} photos of 500x375 to the end of "
+                      f"{result['e2e_epochs']} epochs | seconds per round, one core | median | "
+                      "of which converting, per round | measured on |", "|---|---|---:|---|---|"]
+        for variant, values in seconds.items():
+            converting = result["e2e_conversion_seconds"] if variant == "e2e-hvdtrain" else []
+            lines.append(f"| {variant} | {', '.join(f'{v:.1f}' for v in values)} | "
+                         f"{statistics.median(values):.1f} | "
+                         f"{', '.join(f'{v:.1f}' for v in converting) or '-'} | {where} |")
     lines += ["", "| ratio | of medians | median of rounds | target |", "|---|---:|---:|---|"]
     for (numerator, denominator) in (*TARGETS, *ALSO):
-        result_ratio = ratio(numerator, rates[numerator], denominator, rates[denominator])
+        if numerator not in measured or denominator not in measured:
+            continue
+        result_ratio = ratio(numerator, measured[numerator], denominator, measured[denominator])
         target = TARGETS.get((numerator, denominator))
         verdict = "-" if target is None else (
             f">= {target:g}: {'met' if result_ratio.of_medians >= target else 'missed'}")
-        lines.append(f"| {numerator} / {denominator} | {result_ratio.of_medians:.2f} | "
+        unit = " (seconds)" if numerator in seconds else ""
+        lines.append(f"| {numerator} / {denominator}{unit} | {result_ratio.of_medians:.2f} | "
                      f"{result_ratio.paired_median:.2f} | {verdict} |")
-    conversion = result.get("conversion")
-    if conversion:
-        stored = conversion["max_resolution"]
-        lines += ["", f"Converting the folder (`hvdtrain convert --image-size {IMAGE_SIZE}`, "
-                      f"one worker, one core): {conversion['records']} records in "
-                      f"{conversion['seconds']:.1f} s, {conversion['records_per_sec']:.0f} "
-                      f"records/s; {stored['resized']} stored resized to a shorter side of "
-                      f"{stored['shorter_side']} (JPEG quality {stored['jpeg_quality']})."]
+    if "conversion" in result:
+        lines += ["", converting_line("the folder", result["conversion"])]
+    if "large_conversion" in result:
+        height, width = result["large_size"]
+        lines.append(converting_line(f"the {result['large_files']} photos of {width}x{height} "
+                                     "(keras-large, hvdtrain-shards-large)",
+                                     result["large_conversion"]))
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def converting_line(what: str, conversion: dict) -> str:
+    stored = conversion["max_resolution"]
+    return (f"Converting {what} (`hvdtrain convert --image-size {IMAGE_SIZE}`, one worker, one "
+            f"core): {conversion['records']} records in {conversion['seconds']:.1f} s, "
+            f"{conversion['records_per_sec']:.0f} records/s; {stored['resized']} stored resized to "
+            f"a shorter side of {stored['shorter_side']} (JPEG quality {stored['jpeg_quality']}).")
+
+
+def arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The command line of a measured process (what ``run`` and ``run_steps`` start)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     measured = parser.add_mutually_exclusive_group(required=True)
     measured.add_argument("--measure", choices=VARIANTS)
@@ -390,15 +545,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True)
     parser.add_argument("--shards", help="the folder converted (with --measure)")
     parser.add_argument("--core", type=int, required=True)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def measurement(args: argparse.Namespace) -> dict:
+    """What the measured process of ``args`` prints (as JSON)."""
+    if args.step:
+        return step_cost(args.step, args.version, args.data)
+    if args.measure in E2E_VARIANTS:
+        return end_to_end(args.measure, args.data)
+    return {"samples_per_sec": measure(args.measure, args.data, args.shards)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
     os.sched_setaffinity(0, {args.core})  # before TensorFlow sizes its thread pools
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import hvdtrain  # noqa: F401  (selects Keras 2 for the keras variant, as a user's job would)
 
-    if args.step:
-        print(json.dumps(step_cost(args.step, args.version, args.data)))
-    else:
-        print(json.dumps({"samples_per_sec": measure(args.measure, args.data, args.shards)}))
+    print(json.dumps(measurement(args)))
     return 0
 
 

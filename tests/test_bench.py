@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -230,18 +229,43 @@ def test_the_data_suites_verdicts_follow_its_numbers():
 
 
 def test_the_decode_suites_variants_measure_a_pass(tmp_path, monkeypatch):
-    # The suite's own measurement of each variant, in this process, on a few of its photos.
-    from benchmarks import decode
+    # The suite's own run on a few photos, each command it starts (a variant's pinned process,
+    # hvdtrain convert) run in this process instead: a process each would cost seconds.
+    from benchmarks import decode, suite
+    from hvdtrain import cli
 
-    monkeypatch.setattr(decode, "BATCH", 8)
-    decode.make_photos(tmp_path / "photos", 64)
-    assert len(list((tmp_path / "photos").rglob("*.jpg"))) == 64
-    conversion = decode.convert_folder(tmp_path / "photos", tmp_path / "shards",
-                                       max(os.sched_getaffinity(0)), timeout=300)
-    assert conversion["records"] == 64 and conversion["max_resolution"]["resized"] == 64
-    for variant in decode.VARIANTS:
-        assert decode.measure(variant, str(tmp_path / "photos"), str(tmp_path / "shards")) > 0, \
-            variant
+    for name, value in (("BATCH", 8), ("QUICK_FILES", 64), ("QUICK_LARGE_PASS_FILES", 8),
+                        ("QUICK_E2E_FILES", 16), ("E2E_EPOCHS", 2)):
+        monkeypatch.setattr(decode, name, value)
+
+    def run_here(argv, timeout, *, what=None, env=None):
+        started = time.perf_counter()
+        if argv[1:3] == ["-m", "benchmarks.decode"]:
+            output = json.dumps(decode.measurement(decode.arguments(argv[3:])))
+        else:
+            assert argv[:2] == ["taskset", "-c"] and argv[3:7] == [sys.executable, "-m",
+                                                                   "hvdtrain", "convert"], argv
+            with pytest.raises(SystemExit) as exited:
+                cli.main(argv[6:])
+            assert exited.value.code == 0
+            output = ""
+        return time.perf_counter() - started, output
+
+    monkeypatch.setattr(suite, "_run", run_here)
+    monkeypatch.setattr(decode, "run_steps", lambda *args, **kwargs: None)  # below
+    out = tmp_path / "out"
+    result = decode.run(suite.QUICK, out, lambda line: None, quick=True)
+    measured = {**result["samples_per_sec"], **result["seconds"]}
+    assert list(measured) == list(decode.VARIANTS)
+    assert all(len(values) == 1 and values[0] > 0 for values in measured.values()), measured
+    for conversion, files in ((result["conversion"], 64), (result["large_conversion"], 8)):
+        assert conversion["records"] == conversion["max_resolution"]["resized"] == files
+    assert 0 < result["e2e_conversion_seconds"][0] < result["seconds"]["e2e-hvdtrain"][0]
+    table = (out / "decode.md").read_text()
+    assert decode.markdown(json.loads((out / "decode.json").read_text())) + "\n" == table
+    assert "| hvdtrain-shards / keras |" in table
+    assert "| e2e-keras / e2e-hvdtrain (seconds) |" in table
+    decode.make_photos(tmp_path / "photos", 16)
     for step in decode.STEPS:
         for version in decode.STEP_VERSIONS:
             assert decode.step_cost(step, version, str(tmp_path / "photos"))["cpu"] > 0
