@@ -164,8 +164,8 @@ def decode_jpeg_window(encoded, begin, size, output_size: tuple[int, int], chann
         return decode
 
     # Two branches first, so a window under twice the output (every crop of a 500x375 photo for
-    # 224) pays one cheap conditional; the four-way switch cost 13-16% there (docs/benchmarks.md
-    # section 10's step table).
+    # 224) pays one conditional, not a four-way switch (docs/benchmarks.md section 10's step
+    # table has what the choice of scale costs there).
     index = dct_ratio_index(size[0], size[1], *output_size)
     scaled = [at_ratio(ratio) for ratio in DCT_RATIOS[1:]]
     return tf.cond(index > 0, lambda: tf.switch_case(index - 1, scaled), at_ratio(1))
