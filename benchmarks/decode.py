@@ -37,11 +37,12 @@ Interleaved rounds, medians (benchmarks/harness.py). Targets: ``TARGETS``; ``ALS
 without one.
 
 Then each decoding step's cost per image (issue 48), ``before`` (the ops hvdtrain ran until JPEGs
-decoded at a DCT scale, stop 52's, written out in ``step_cost``) against ``after`` (hvdtrain's own functions), on those photos and on
-``LARGE_FILES`` large ones (2000x1500, the same photographs enlarged), each (step, version) a
-process pinned to one core, interleaved rounds, written to decode-steps.json and .md. The cost
-is the process's CPU time per image (every thread's): unlike wall time it holds when other jobs
-share the core; wall time is stored beside it.
+decoded at a DCT scale, stop 52's, written out in ``step_cost``) against ``after`` (hvdtrain's
+own functions), on those photos and on ``LARGE_FILES`` large ones (2000x1500, the same
+photographs enlarged), each (step, version) a process pinned to one core, interleaved rounds,
+written to decode-steps.json and .md. The cost is the process's CPU time per image (every
+thread's): unlike wall time it holds when other jobs share the core; wall time is stored beside
+it.
 
     crop        a training crop with --cache off: window sampled, decoded, resized to 224x224,
                 flipped half of the time
@@ -275,7 +276,7 @@ def step_cost(step: str, version: str, root: str) -> dict[str, float]:
     import tensorflow as tf
 
     from hvdtrain.data.augment import _crop_window, decode_random_crop, stored_shape
-    from hvdtrain.data.images import decode_center_square, decode_pixels
+    from hvdtrain.data.images import decode_center_square, decode_pixels, is_jpeg
 
     output = (IMAGE_SIZE, IMAGE_SIZE, 3)
     stored = stored_shape(output)
@@ -295,8 +296,8 @@ def step_cost(step: str, version: str, root: str) -> dict[str, float]:
                 begin, size = _crop_window(tf.shape(image), seeds)
                 return tf.slice(image, begin, size)
 
-            is_jpeg = tf.strings.substr(encoded, 0, 3) == b"\xff\xd8\xff"
-            resized = rounded(tf.cond(is_jpeg, jpeg_window, whole_then_crop), output[:2])
+            resized = rounded(tf.cond(is_jpeg(encoded), jpeg_window, whole_then_crop),
+                              output[:2])
             return tf.image.stateless_random_flip_left_right(
                 resized, seed=tf.stack([seeds[1], seeds[0]]))
 
