@@ -179,7 +179,11 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                              split_name="validation", by_file=False)
         if augment:
             validation = center_cropped(validation, listing.image_shape)
+        # Exactly validation_steps batches (the take() and the blanks above), said to Keras:
+        # Keras 3 counts a dataset of unknown length by running out of it, and warns on every
+        # rank that the "input ran out of data".
         validation = (validation.batch(validation_batch_size, drop_remainder=True)
+                      .apply(tf.data.experimental.assert_cardinality(validation_steps))
                       .prefetch(tf.data.AUTOTUNE))
     options = tf.data.Options()
     if threads:
