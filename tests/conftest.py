@@ -2,6 +2,11 @@
 
 `pytest tests/` runs every tier in one process: pure logic, collective tests as a world of one,
 and integration tests that start their own horovodrun/mpirun/Slurm jobs.
+`pytest tests/ -m "not integration"` (`make test-fast`) leaves the integration tier out: what is
+left runs in a few minutes, for the inner loop. A test is `integration` when it starts a child
+process that imports TensorFlow, an MPI or horovodrun job, a Slurm daemon, network namespaces or
+an MLflow server, or otherwise takes more than a few seconds; a test that reaches a job-starting
+helper (`JOB_STARTERS`) without the marker stops the run at collection.
 `mpirun -np 2 pytest tests/` runs the same files in two processes: the collective tests (those
 that take the `runtime` fixture) then run across 2 real ranks; every other test skips there with
 one line: an integration test would start every job twice, competing for the same 2 cores, and a
@@ -16,12 +21,15 @@ on one rank fails the test on all ranks together instead of leaving the others w
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import shutil
 import subprocess
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,9 +43,9 @@ REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 LAUNCHED_RANKS = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
 
-integration = pytest.mark.skipif(
-    LAUNCHED_RANKS > 1, reason="integration tests start their own jobs; they run in the "
-                               "single-process pass (pytest tests/)")
+#: The integration tier (setup.cfg registers the marker): on a module (`pytestmark`) or a test.
+#: Under mpirun these tests skip (pytest_collection_modifyitems).
+integration = pytest.mark.integration
 # Decided from the launcher's environment, the same on every rank: no rank enters a collective
 # that the others skipped.
 multi_rank = pytest.mark.skipif(
@@ -45,14 +53,24 @@ multi_rank = pytest.mark.skipif(
 
 
 def pytest_collection_modifyitems(config, items):
+    unmarked = [item.nodeid for item in items
+                if not item.get_closest_marker("integration") and reaches_a_job_starter(item)]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests start jobs but are not marked integration (conftest.integration):\n  "
+            + "\n  ".join(unmarked))
     # Decided from the collected items, the same on every rank: no rank waits in a collective
     # for a test the others skipped.
     if LAUNCHED_RANKS < 2:
         return
+    started_alone = pytest.mark.skip(reason="integration tests start their own jobs; they run "
+                                            "in the single-process pass (pytest tests/)")
     single_pass = pytest.mark.skip(reason="takes no part in a collective: runs in the "
                                           "single-process pass (pytest tests/)")
     for item in items:
-        if "runtime" not in getattr(item, "fixturenames", ()):
+        if item.get_closest_marker("integration"):
+            item.add_marker(started_alone)
+        elif "runtime" not in getattr(item, "fixturenames", ()):
             item.add_marker(single_pass)
 
 
@@ -199,3 +217,59 @@ def one_error(result: subprocess.CompletedProcess, program: str = "hvdtrain.cnn"
     assert len(errors) == 1, result.stdout[-4000:]
     assert "Traceback" not in result.stdout, result.stdout[-4000:]
     return errors[0]
+
+
+#: What starts a job of ranks or a training job (and every function of tests/cluster_helpers.py,
+#: which reaches the namespace cluster): a test that refers to one of them, in its own code, in a
+#: function or class of tests/ it refers to, or in a fixture it takes, is an integration test.
+#: A command a test runs itself (run_job, subprocess) is not looked into: whether it starts
+#: TensorFlow is for the test's author to say (and --durations to show).
+JOB_STARTERS = (horovodrun, mpirun_job, mpirun_ranks, wait_for_first_epoch)
+_refers: dict[types.CodeType, bool] = {}
+
+
+def reaches_a_job_starter(item: pytest.Item) -> bool:
+    """Whether the test's function, or a fixture it takes, refers to one of JOB_STARTERS."""
+    fixtures = getattr(item, "_fixtureinfo", None)
+    functions = [getattr(item, "function", None)] + [
+        definition.func for definitions in (fixtures.name2fixturedefs.values() if fixtures else ())
+        for definition in definitions]
+    return any(refers_to_a_job_starter(function) for function in functions if function)
+
+
+def refers_to_a_job_starter(function: Callable) -> bool:
+    """Whether ``function``'s code uses the name of one of JOB_STARTERS, or of a function or
+    class of tests/ that does (its module's names, as the code reads them)."""
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return False
+    if code not in _refers:
+        _refers[code] = False  # meanwhile, for a function that calls itself
+        _refers[code] = any(_is_or_reaches_a_job_starter(function.__globals__.get(name))
+                            for name in set(_names_in(code)))
+    return _refers[code]
+
+
+def _names_in(code: types.CodeType):
+    """The global and attribute names a function's code uses, its nested functions' included."""
+    yield from code.co_names
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _names_in(constant)
+
+
+def _is_or_reaches_a_job_starter(thing: Any) -> bool:
+    if any(thing is starter for starter in JOB_STARTERS):
+        return True
+    if inspect.isclass(thing):
+        return any(_is_or_reaches_a_job_starter(member) for member in vars(thing).values()
+                   if inspect.isfunction(member))
+    if not inspect.isfunction(thing) or not _in_tests(thing.__code__.co_filename):
+        return False
+    return thing.__module__ == "cluster_helpers" or refers_to_a_job_starter(thing)
+
+
+@functools.cache
+def _in_tests(file_name: str) -> bool:
+    return Path(file_name).resolve().parent == REPO / "tests"
