@@ -172,6 +172,9 @@ PY
         2> >(grep -v "^WARNING: Location '.*' is ignored" >&2) \
       || die "pip could not install the horovod it built into $python's environment"
   fi
+  # One build check as horovodrun makes it: a horovod built here (patch 0004) records its answers,
+  # which spares every later horovodrun start a TensorFlow import; any other horovod just answers.
+  "$python" -c 'from horovod.common.util import mpi_built; mpi_built()' >/dev/null 2>&1 || true
   exec "$python" -m hvdtrain.stack
 fi
 
@@ -328,6 +331,8 @@ PYTHONWARNINGS=$quiet_editable pip install --no-deps --no-build-isolation -e "$r
 
 [[ -z $(installed_version "$other_tf_distribution") ]] \
   || die "$other_tf_distribution is installed beside $tf_distribution in $venv; remove the venv and run again"
+# The first check also writes horovod's build record beside its TensorFlow extension (patch 0004):
+# every later horovodrun start, and the launcher's probe, read it instead of importing TensorFlow.
 check_build=$("$venv/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $check_build"
 features=(TensorFlow MPI Gloo)
 if [[ $flavor == gpu ]]; then
@@ -337,6 +342,9 @@ for feature in "${features[@]}"; do
   grep -Eq "\[X\] $feature\b" <<<"$check_build" \
     || die "horovod was built without $feature (horovodrun --check-build):"$'\n'"$check_build"
 done
+"$venv/bin/python" -c 'import sys; from horovod.common.util import recorded_build_checks
+sys.exit(recorded_build_checks("tensorflow") is None)' \
+  || die "horovodrun --check-build wrote no build record beside horovod's TensorFlow extension (is $venv writable?)"
 "$venv/bin/python" -c 'import hvdtrain' || die "import hvdtrain failed in $venv"
 # What was installed, for `make` (the file's age) and for tests (its contents).
 printf 'flavor=%s\ntensorflow=%s==%s\nhorovod=%s\n' \
