@@ -67,7 +67,8 @@ def gather() -> Stack:
     if tensorflow and horovod:
         keras = {"HVDTRAIN_KERAS": "2" if tf_keras else "3", "TF_CPP_MIN_LOG_LEVEL": "3"}
         answer, stderr = ask(sys.executable, ["build"], timeout=300, env={**os.environ, **keras})
-        built = answer or {"error": (stderr.strip().splitlines() or ["no answer"])[-1]}
+        built = (answer or {}).get("build") or {
+            "error": (stderr.strip().splitlines() or ["no answer"])[-1]}
     return Stack(python=sys.version_info[:2], tensorflow=tensorflow, tf_keras=tf_keras,
                  keras=installed_version("keras"), horovod=horovod, horovod_error=built.get("error"),
                  mpi=built.get("mpi", False), gloo=built.get("gloo", False),

@@ -14,8 +14,7 @@ from hvdtrain.launch.health_check import health_options, run_health_check
 from hvdtrain.launch.network import local_host_names, network_interfaces
 from hvdtrain.launch.options import check_options, is_script_path, parse_options, run_dir_of
 from hvdtrain.launch.paths import build_launch, describe, job_hosts
-from hvdtrain.launch.preflight import (check_module, count_gpus_without_tensorflow, preflight,
-                                       probe_build)
+from hvdtrain.launch.preflight import count_gpus_without_tensorflow, preflight, probe
 from hvdtrain.launch.slurm import Allocation
 from hvdtrain.launch.supervise import (ATTEMPT_VARIABLE, SignalForwarder, StoppedBeforeLaunch,
                                        kill_children, rank_zero_host, run_attempts)
@@ -30,17 +29,18 @@ def run(argv: Sequence[str] | None = None) -> int:
         options, batch_run_dir = sbatch.batch_options(options, os.environ)
         os.environ["HVDTRAIN_RUN_DIR"] = batch_run_dir  # where a script of your own finds it
     allocation = Allocation.from_env(os.environ)
-    # Every mistake in the options, before the ~3 s probe and anything else starts.
+    # Every mistake in the options, before the probe and anything else starts.
     check_options(options, allocation.hosts if allocation else None)
     # With --container the probes run in the image (Charliecloud), or not at all (pyxis: each
     # would be a job step importing the image; the ranks report a broken image themselves).
     options, probe_on = container.prepare(options)
     probes = not options.container or probe_on is not None
     python = options.container_python if options.container else options.python
-    if probes and not is_script_path(options.program):
-        check_module(python, options.program, on=probe_on)
     running_as_root = os.geteuid() == 0
-    build = None if options.skip_preflight or not probes else probe_build(python, on=probe_on)
+    build = None
+    if probes:  # one child of the ranks' Python answers both
+        build = probe(python, None if is_script_path(options.program) else options.program,
+                      build=not options.skip_preflight, on=probe_on)
     if build is not None:
         problems = preflight(build, allocation, options.np, options,
                              running_as_root=running_as_root, env=os.environ)

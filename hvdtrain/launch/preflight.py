@@ -3,7 +3,7 @@
 A mistake found here costs seconds instead of a launch (or one per ``--max-restarts``): a
 module the ranks' Python cannot find, a horovod built without what the launch path needs, more
 ranks than tasks or GPUs, OpenMPI's refusal to run as root. The facts come from the ranks' own
-interpreter (``hvdtrain.launch.probe``), the rules are pure (``preflight``).
+interpreter (``hvdtrain.launch.probe``, asked once), the rules are pure (``preflight``).
 """
 from __future__ import annotations
 
@@ -34,35 +34,42 @@ class Build:
     """TensorFlow was built with CUDA (tensorflow[and-cuda]), not tensorflow-cpu."""
     error: str | None = None
     """Why the horovod TensorFlow extension did not load (e.g. built against another TF)."""
+    asked: str = "tensorflow"
+    """Where the answer came from: "record" (horovod's build record, TensorFlow without GPU
+    support: nothing imported) or "tensorflow" (imported)."""
 
 
-def check_module(python: str, module: str, on: Sequence[str] | None = None) -> None:
-    """Refuse a module the ranks' ``python -m`` would not find: a mistyped name fails the same
-    way on every attempt. A check that cannot finish in time, or a Python without hvdtrain,
-    lets the ranks find out."""
+def probe(python: str, module: str | None, *, build: bool,
+          on: Sequence[str] | None = None) -> Build | None:
+    """Ask the ranks' interpreter, once, everything the launcher checks before the start (``on``:
+    what runs it in the ranks' container); each start of it costs a second, and an import of
+    TensorFlow several, before any rank runs.
+
+    ``module``: refuse a module the ranks' ``python -m`` would not find (a mistyped name fails
+    the same way on every attempt); None for a script. ``build``: what horovod was built with
+    and the GPUs this node has (None without it). Asked about the module alone, a check that
+    cannot finish in time, or a Python without hvdtrain, lets the ranks find out."""
+    questions = (["build"] if build else []) + (["module", module] if module else [])
+    if not questions:
+        return None
     try:
-        answer, _ = ask(python, ["module", module], timeout=60, on=on or ())
+        answers, stderr = ask(python, questions, timeout=300 if build else 60, on=on or (),
+                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     except subprocess.TimeoutExpired:
-        return
+        if not build:
+            return None
+        raise UserError(f"{python} did not answer the horovod build check in 300 s") from None
     except OSError as error:
         raise UserError(f"could not run {python}: {error.strerror or error}") from None
-    if answer is not None and answer["missing"]:
-        raise UserError(f"no module named {module!r} in the ranks' Python ({python}): check the "
-                        "name, or pass a script path")
-
-
-def probe_build(python: str, on: Sequence[str] | None = None) -> Build:
-    """Ask the ranks' interpreter what horovod was built with, and how many GPUs this node has
-    (``on``: what runs it in the ranks' container)."""
-    try:
-        answer, stderr = ask(python, ["build"], timeout=300, on=on or (),
-                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise UserError(f"could not run {python} to check the horovod build: {error}") from None
-    if answer is None:
+    if answers is None:
+        if not build:
+            return None
         tail = (stderr.strip().splitlines() or ["no output"])[-1]
         raise UserError(f"{python} cannot import hvdtrain/horovod: {tail}")
-    return Build(**answer)
+    if module and answers["module"]["missing"]:
+        raise UserError(f"no module named {module!r} in the ranks' Python ({python}): check the "
+                        "name, or pass a script path")
+    return Build(**answers["build"]) if build else None
 
 
 def count_gpus_without_tensorflow() -> int:
