@@ -21,6 +21,9 @@ runs it, and reach horovod only through hvdtrain's runtime.
                 decode_jpeg loop (the ceiling) and keras.utils.image_dataset_from_directory
     resized     validation accuracy trained from shards converted at --max-resolution's default,
                 against training from the original photos (same seeds, the same pixels judged)
+    startup     seconds outside the epochs: horovodrun -np 2 true against mpirun, a tiny job
+                through horovodrun and the launcher, a job's fixed costs against a hand-written
+                horovod Keras recipe on the same folder
     matmul      the article's `w @ x + b` device timing on the backend's device
 
 Variants are separate processes, interleaved, repeated (--repeats, default 5), first epochs and a
@@ -52,9 +55,9 @@ def _matmul(args) -> int:
 
 
 SUITES = ("scaling", "overhead", "tax", "keras3", "allreduce", "mwms", "input", "workers", "threads",
-          "network", "data", "decode", "resized")
+          "network", "data", "decode", "resized", "startup")
 #: Suites that write their own .json and .md (their tables are not rows of results.md).
-SELF_WRITING = ("threads", "network", "data", "decode", "resized")
+SELF_WRITING = ("threads", "network", "data", "decode", "resized", "startup")
 
 
 def _runners(quick: bool) -> dict:
@@ -104,12 +107,18 @@ def _runners(quick: bool) -> dict:
         print(accuracy.markdown(accuracy.run(settings, out, log, quick=quick)))
         return {}
 
+    def startup(settings, workdir, out, log):
+        from benchmarks import startup as fixed_costs
+
+        print(fixed_costs.markdown(fixed_costs.run(settings, out, log, quick=quick)))
+        return {}
+
     runners = {"scaling": rows(suite.weak_scaling), "overhead": rows(suite.horovod_overhead),
                "tax": rows(suite.framework_tax), "keras3": rows(suite.keras_3_path),
                "allreduce": allreduce, "mwms": rows(suite.against_tf_distribute),
                "input": rows(suite.input_pipeline), "workers": workers, "threads": threads,
                "network": network, "data": data, "decode": decode,
-               "resized": resized}
+               "resized": resized, "startup": startup}
     assert tuple(runners) == SUITES
     return runners
 

@@ -26,7 +26,7 @@ DOCS = ["README.md", *sorted(str(page.relative_to(REPO)) for page in (REPO / "do
 
 def regenerate(stored: Path) -> str:
     """The markdown that the suite which wrote ``stored`` makes of it."""
-    from benchmarks import datascale, decode, network, report, resized, threads
+    from benchmarks import datascale, decode, network, report, resized, startup, threads
     from benchmarks.harness import Comparison
 
     data = json.loads(stored.read_text())
@@ -35,7 +35,8 @@ def regenerate(stored: Path) -> str:
         return report.markdown(comparisons, data.get("speedup_vs_workers"), data["machine"])
     makers = {"data.json": datascale.markdown, "network.json": network.markdown,
               "threads.json": threads.markdown, "decode.json": decode.markdown,
-              "decode-steps.json": decode.steps_markdown, "resized.json": resized.markdown}
+              "decode-steps.json": decode.steps_markdown, "resized.json": resized.markdown,
+              "startup.json": startup.markdown}
     return makers[stored.name](data) + "\n"
 
 
