@@ -80,6 +80,7 @@ def test_the_check_on_this_venvs_real_stack():
                                     "horovod 0.28.1 (MPI + Gloo"), result.stdout
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_install_sh_existing_installs_hvdtrain_alone_and_names_what_the_stack_lacks(tmp_path):
     """A Python with no TensorFlow, horovod or numpy (a new venv of this interpreter's base):
@@ -112,6 +113,7 @@ def test_an_unknown_stack_mode_is_one_line():
     assert result.stderr == "install: HVDTRAIN_STACK must be pinned or existing, got 'ngc'\n"
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_install_sh_existing_builds_horovod_against_a_stack_that_has_tensorflow_alone(tmp_path):
     """A Python whose environment has this venv's TensorFlow, Keras and the rest, but no horovod
