@@ -21,6 +21,7 @@ def python(code: str) -> subprocess.CompletedProcess:
                           timeout=120, env=env)
 
 
+@integration
 def test_import_is_cheap_and_redirects_keras_to_tf_keras():
     result = python(
         "import sys, hvdtrain\n"
@@ -34,6 +35,7 @@ def test_import_is_cheap_and_redirects_keras_to_tf_keras():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
+@integration
 def test_importing_tensorflow_first_is_refused_with_a_reason():
     result = python("import tensorflow\nimport hvdtrain")
     assert result.returncode != 0
