@@ -150,6 +150,7 @@ def installed(distribution: str) -> bool:
         return False
 
 
+@pytest.mark.integration
 def test_cpu_install_has_one_tensorflow_and_no_cuda_noise():
     if not STAMP.exists():
         pytest.skip(f"{sys.prefix} was not made by scripts/install.sh")
@@ -171,6 +172,7 @@ def test_cpu_install_has_one_tensorflow_and_no_cuda_noise():
     assert not noise, "\n".join(noise)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("extra", ["mlflow", "cpu"])
 def test_installing_an_extra_never_brings_another_tensorflow(tmp_path, extra):
     # tf_keras, or any requirement naming `tensorflow`, made pip install plain tensorflow over
