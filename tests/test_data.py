@@ -171,6 +171,7 @@ def test_a_class_folder_that_is_not_utf8_is_one_line(tmp_path):
                           on_bad_image="skip")
 
 
+@pytest.mark.integration
 def test_a_class_folder_that_cannot_be_listed_is_one_line(tmp_path):
     """A class folder this user may not read, for training and the converter. Root reads any
     folder, so the commands run as root of a user namespace: the folder's owner is not mapped
@@ -409,6 +410,7 @@ def test_a_bad_size_limit_is_one_line(tmp_path, flags, message):
     assert not list(tmp_path.glob("records*"))  # nothing written
 
 
+@pytest.mark.integration
 def test_tfrecords_and_run_directory_on_a_url_file_system(tmp_path):
     """gs:// as TPU jobs use it, through TensorFlow's in-memory ram:// file system (no network)."""
     import dataclasses
@@ -685,6 +687,7 @@ def test_two_iterators_at_once_never_mark_a_good_sample_failed(tmp_path):
     assert failed == sorted(bad)
 
 
+@pytest.mark.integration
 def test_augmentation_crops_anew_every_epoch_and_rank_and_validation_never_changes(tmp_path):
     """Every image of this folder is the same picture: what differs between samples, passes and
     ranks is the augmentation alone."""
