@@ -631,6 +631,7 @@ def test_another_host_is_reached_over_ssh_outside_slurm_and_an_srun_step_inside(
         "--input=all", PY, "-m", "hvdtrain.netcheck"]
 
 
+@integration
 def test_a_launch_that_starts_no_rank_on_rank_0s_host_ends_at_the_startup_deadline():
     """Real processes: a command that never forks a rank (as mpirun waiting for a node's daemon)
     is ended once the deadline passes; one whose rank started is waited for to its own end."""
