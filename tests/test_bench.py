@@ -228,6 +228,7 @@ def test_the_data_suites_verdicts_follow_its_numbers():
     assert "| disk | 800 | 900 | 990 | 990 |" in table
 
 
+@integration
 def test_the_decode_suites_variants_measure_a_pass(tmp_path, monkeypatch):
     # The suite's own run on a few photos, each command it starts (a variant's pinned process,
     # hvdtrain convert) run in this process instead: a process each would cost seconds.
