@@ -98,6 +98,7 @@ def test_a_container_needs_srun():
                                     container="/work/img.sqfs"), None)
 
 
+@integration
 def test_an_oci_archive_of_a_small_root_reads_back_with_its_digests(tmp_path):
     """containers/oci_archive.py writes what skopeo accepts: skopeo copy checks the digest of
     every blob and the manifest; the layer holds the root's files, links and modes."""
