@@ -33,7 +33,8 @@ import tempfile
 import time
 
 STARTED = time.monotonic()
-"""When this process imported hvdtrain (before TensorFlow): the clock of "time to the first step"."""
+"""When this process imported hvdtrain (before TensorFlow): a job's first milestone
+(``timeline.py``), after the interpreter's own start-up."""
 
 __version__ = "0.1.0"
 

@@ -21,6 +21,7 @@ from hvdtrain.errors import RankError, UserError, no_step_report, report_once
 from hvdtrain.plots import curves_title, plot_curves
 from hvdtrain.preemption import StopRequest
 from hvdtrain.rundir import RunDir
+from hvdtrain.timeline import Timeline
 from hvdtrain.tracking import Tracker
 
 
@@ -216,24 +217,25 @@ def resident_megabytes() -> float | None:
 
 class Progress(keras.callbacks.Callback):
     """Rank 0's progress inside an epoch: a line every ``interval_seconds`` (step, samples/s,
-    loss, time left in the epoch), and the time from process start to the first step.
+    loss, time left in the epoch), and the job's timeline at the first step and the training's
+    end.
 
     Under a launcher Keras prints one line per epoch, so an ImageNet epoch would show nothing for
     an hour. Plain lines, no carriage returns: they stay readable in a Slurm log and under
-    horovodrun's per-rank prefixes. Only the first step of this process is timed, and its
-    ``first_step_seconds`` joins the first epoch's metrics (after the ranks' metric averaging,
-    so it is rank 0's own).
+    horovodrun's per-rank prefixes. Only the first step of this run is timed, and its
+    ``first_step_seconds`` (from the timeline's origin: the process's start, for its first job)
+    joins the first epoch's metrics (after the ranks' metric averaging, so it is rank 0's own).
     """
 
     def __init__(self, global_batch_size: int, steps_per_epoch: int, epochs: int,
-                 interval_seconds: float, started: float, print_line=print):
+                 interval_seconds: float, timeline: Timeline, print_line=print):
         super().__init__()
         self._supports_tf_logs = True  # the loss is read (a device sync) only when printing
         self.global_batch_size = global_batch_size
         self.steps_per_epoch = steps_per_epoch
         self.epochs = epochs
         self.interval_seconds = interval_seconds
-        self.started = started
+        self.timeline = timeline
         self.print_line = print_line
         self.first_step_seconds: float | None = None
         self._recorded = False
@@ -246,7 +248,8 @@ class Progress(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         now = time.monotonic()
         if self.first_step_seconds is None:
-            self.first_step_seconds = now - self.started
+            self.timeline.mark("first_step_done")
+            self.first_step_seconds = self.timeline.seconds("first_step_done")
             self.print_line(f"first step done {self.first_step_seconds:.1f} s after start")
             # The rate of this epoch leaves out start-up (tracing, filling buffers).
             self.epoch_start = self.last_line = now
@@ -273,6 +276,11 @@ class Progress(keras.callbacks.Callback):
         if self.first_step_seconds is not None and not self._recorded and logs is not None:
             logs["first_step_seconds"] = self.first_step_seconds
             self._recorded = True
+
+    def on_train_end(self, logs=None):
+        # Before the train-end work of the callbacks after this one (MetricsLog's final curves,
+        # TensorBoard's close), which the timeline counts after training.
+        self.timeline.mark("training_done")
 
 
 def format_duration(seconds: float) -> str:

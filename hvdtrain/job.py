@@ -15,8 +15,10 @@ from hvdtrain.cli import started_as_command, usage_name
 from hvdtrain.config import ImageConfig, TrainConfig, parse_config
 from hvdtrain.data import disk_cache_failures_in_one_line
 from hvdtrain.errors import UserError, reported
+from hvdtrain.rundir import TIMELINE_FILE
 from hvdtrain.scratch import use_rank_scratch
 from hvdtrain.task import Task
+from hvdtrain.timeline import Timeline
 
 TaskOrFactory = Task | Callable[[TrainConfig], Task]
 Presets = Mapping[str, Callable[[], TrainConfig]]
@@ -47,6 +49,7 @@ def run(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | N
     """``main`` without the exit: returns the job's exit status, raises ``UserError`` for bad
     input (for running a job from your own code or a test)."""
     program = name or _program_name()
+    timeline = Timeline.start()  # where the job's time outside its epochs goes
     if presets is None:
         reads_images = isinstance(task, Task) and task.datasets is None
         config_class = ImageConfig if reads_images else TrainConfig
@@ -56,19 +59,24 @@ def run(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | N
                           description=_description(program))
     from hvdtrain import train  # TensorFlow: once a job runs, not for --help or a bad flag
 
+    timeline.mark("imported")
     job_task = task if isinstance(task, Task) else task(config)
     if not isinstance(job_task, Task):
         raise UserError(f"the job must be an hvdtrain.Task (or a function of the config "
                         f"returning one), got {type(job_task).__name__}")
     # 2. compute: horovod ranks, a tf.distribute strategy, or one process
     runtime = train.start_runtime(config)
+    timeline.mark("runtime_started")
     # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)
-    result = train.run(program, config, runtime, job_task)
+    result = train.run(program, config, runtime, job_task, timeline)
     # 4. what the job makes of a finished run, then the summary
     if after is not None and result.exit_code == 0:
         with disk_cache_failures_in_one_line():  # it may read the data (the autoencoder does)
             after(result, runtime)
+    timeline.mark("finished")
+    result.run_dir.write_json(TIMELINE_FILE, timeline.to_dict())  # rank 0's
     runtime.print0(train.summary(result))
+    runtime.print0(timeline.describe())
     return result.exit_code
 
 

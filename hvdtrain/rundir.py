@@ -6,6 +6,7 @@ Layout of ``<run_dir>``::
                        what the directory trains (``other_experiment``)
     checkpoints/       tf.train.CheckpointManager files (ckpt-N.index/.data, checkpoint)
     metrics.csv/.json  one row per completed epoch (loss, accuracy, samples/s, seconds, ...)
+    timeline.json      where the last run's time outside its epochs went (``timeline.Timeline``)
     curves.png         training curves, redrawn after every epoch
     tensorboard/       TensorBoard event files
     model.keras        the final model, without optimizer state
@@ -46,6 +47,7 @@ from hvdtrain.errors import UserError, first_line
 MODEL_FILE = "model.keras"
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.json"
+TIMELINE_FILE = "timeline.json"
 FINGERPRINT = "fingerprint"
 """config.json's record of what the run directory trains (``experiment_changes``)."""
 

@@ -21,7 +21,7 @@ from typing import Callable
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
-from hvdtrain import KERAS, STARTED, __version__, ranklog, tracking
+from hvdtrain import KERAS, __version__, ranklog, tracking
 from hvdtrain.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
                                 MetricsLog, Progress, StallWatchdog, TensorBoardLog,
                                 Throughput, TrackEpochs,
@@ -40,6 +40,7 @@ from hvdtrain.rundir import (CONFIG_FILE, FINGERPRINT, MODEL_FILE, RunDir, ensur
                              is_url)
 from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
 from hvdtrain.task import Datasets, Shard, Task
+from hvdtrain.timeline import Timeline
 from hvdtrain.tracking import Tracker
 
 #: What rank 0 exports for a model that cannot be rebuilt from its config (``export``).
@@ -58,6 +59,8 @@ class TrainingResult:
     """Per-epoch metrics of every completed epoch, including those of earlier runs."""
     exit_code: int
     """0, or EXIT_PREEMPTED/143 when a signal stopped the run after a checkpoint."""
+    timeline: Timeline
+    """The milestones the run reached (rank 0's are the job's: the others reach no step)."""
 
 
 def start_runtime(config: TrainConfig) -> Runtime:
@@ -93,22 +96,28 @@ def keras_name() -> str:
     return f"Keras {keras.__version__}" + (" (tf_keras)" if KERAS == "2" else "")
 
 
-def run(program: str, config: TrainConfig, runtime: Runtime, task: Task) -> TrainingResult:
-    """Data -> plan -> banner -> fit: a whole job once the runtime is up."""
+def run(program: str, config: TrainConfig, runtime: Runtime, task: Task,
+        timeline: Timeline | None = None) -> TrainingResult:
+    """Data -> plan -> banner -> fit: a whole job once the runtime is up. ``timeline``: the
+    job's, with its milestones so far (default: one that starts now)."""
+    timeline = timeline or Timeline.start()
     check_keras(config)
     tracking.check(config, runtime)  # before the data is read and the run directory made
     request = StopRequest()
     with StopSignals(runtime.world.rank, request):  # a stop signal is recorded, never fatal
         if task.datasets is None:
-            plan, datasets, notes = image_data(config, runtime)
+            plan, datasets, notes = image_data(config, runtime, timeline)
         else:
             plan, datasets, notes = task_data(config, runtime, task)
+            timeline.mark("data_listed")
         summary_lines = banner(program, runtime, datasets, notes, plan, config)
         runtime.print0(summary_lines)
-        return fit(program, config, runtime, plan, datasets, task, request, summary_lines)
+        timeline.mark("pipelines_built")
+        return fit(program, config, runtime, plan, datasets, task, request, timeline,
+                   summary_lines)
 
 
-def image_data(config: TrainConfig, runtime: Runtime
+def image_data(config: TrainConfig, runtime: Runtime, timeline: Timeline
                ) -> tuple[TrainingPlan, ImageDatasets, tuple[str, ...]]:
     """The image data the flags name: rank 0 lists and checks it, everyone plans and shards."""
     if not isinstance(config, ImageConfig):
@@ -116,6 +125,7 @@ def image_data(config: TrainConfig, runtime: Runtime
                         "(or give the Task a datasets builder)")
     listing = load_listing(config, runtime)
     plan = plan_for(config, runtime, listing.train.num_samples, listing.validation.num_samples)
+    timeline.mark("data_listed")
     # A process driving several replicas (tf.distribute) feeds all of them: Keras splits its
     # batch between the replicas. A horovod rank feeds exactly one.
     per_process = runtime.world.replicas_per_process
@@ -296,7 +306,7 @@ class RunStart:
 
 
 def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
-        datasets: Datasets, task: Task, request: StopRequest,
+        datasets: Datasets, task: Task, request: StopRequest, timeline: Timeline,
         banner_text: str = "") -> TrainingResult:
     """Model -> run directory -> resume -> tracker -> callbacks -> model.fit -> finish, on
     every rank (each step's collectives are entered by all of them)."""
@@ -304,16 +314,21 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     train, validation = model_data(datasets, task)
     schedule = learning_rate_schedule(plan, config.lr_decay)
     model = build_and_compile(config, runtime, task, datasets, train.element_spec, schedule)
+    timeline.mark("model_compiled")
     state_variables = training_state(model)
     experiment = fingerprint(program, config, datasets, plan)
     run_dir = claim_run_dir(program, config, runtime, experiment, state_variables, banner_text)
     start = resume(config, runtime, plan, run_dir, model, state_variables)
     tracker = record_start(program, config, runtime, plan, start, precision, experiment)
     callbacks = training_callbacks(config, runtime, plan, datasets, model, train, schedule, start,
-                                   tracker, request)
+                                   tracker, request, timeline)
+    timeline.mark("run_dir_ready")
     trains = train_epochs(config, runtime, plan, model, train, validation, callbacks,
                           start.initial_epoch, tracker, request)
-    return finish_run(config, runtime, plan, datasets, model, start, tracker, request, trains)
+    if timeline.seconds("training_done") is not None:  # fit ran (rank 0's Progress saw it end)
+        timeline.mark("fit_returned")
+    return finish_run(config, runtime, plan, datasets, model, start, tracker, request, trains,
+                      timeline)
 
 
 def seed_and_precision(config: TrainConfig, runtime: Runtime) -> str:
@@ -401,7 +416,8 @@ def record_start(program: str, config: TrainConfig, runtime: Runtime, plan: Trai
 
 def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
                        datasets: Datasets, model: keras.Model, train: tf.data.Dataset, schedule,
-                       start: RunStart, tracker: Tracker, request: StopRequest) -> list:
+                       start: RunStart, tracker: Tracker, request: StopRequest,
+                       timeline: Timeline) -> list:
     """Keras' callbacks, in the order they must run."""
     world = runtime.world
     throughput = Throughput(plan.global_batch_size, plan.num_workers)
@@ -428,7 +444,7 @@ def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan
     if world.is_chief:
         callbacks.append(Progress(plan.global_batch_size, plan.steps_per_epoch, config.epochs,
                                   config.progress_seconds if _verbosity(world) == 2 else 0,
-                                  STARTED, print_line=runtime.print0))
+                                  timeline, print_line=runtime.print0))
         # Metrics before the checkpoint: a crash between the two then costs a repeated epoch,
         # never a missing row.
         callbacks += [MetricsLog(start.run_dir, start.rows, request, throughput),
@@ -463,7 +479,7 @@ def train_epochs(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, mode
 
 def finish_run(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, datasets: Datasets,
                model: keras.Model, start: RunStart, tracker: Tracker, request: StopRequest,
-               trained: bool) -> TrainingResult:
+               trained: bool, timeline: Timeline) -> TrainingResult:
     """A stopped run's exit status once its checkpoint is written; a finished one's model
     exported. The tracker learns either end."""
     world, run_dir = runtime.world, start.run_dir
@@ -474,7 +490,7 @@ def finish_run(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, datase
         # mpirun kills the rest of a job as soon as one rank does so.
         runtime.barrier()
         return TrainingResult(model, plan, datasets, run_dir, start.initial_epoch, start.rows,
-                              stop_status(request.agreed))
+                              stop_status(request.agreed), timeline)
     # A resumed run that found every epoch done has nothing new to export either (an earlier run
     # wrote it); one whose export is missing (it ended before) writes it now.
     if config.export and world.is_chief and (trained or not exported(run_dir)):
@@ -483,7 +499,9 @@ def finish_run(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, datase
             runtime.print0(note)
     # Rank 0's tracker is the only one that records it (the others' is a NullTracker).
     tracker.finish("FINISHED", model_file=exported(run_dir) if world.is_chief else None)
-    return TrainingResult(model, plan, datasets, run_dir, start.initial_epoch, start.rows, 0)
+    timeline.mark("exported")
+    return TrainingResult(model, plan, datasets, run_dir, start.initial_epoch, start.rows, 0,
+                          timeline)
 
 
 def fingerprint(program: str, config: TrainConfig, datasets: Datasets,

@@ -1,0 +1,63 @@
+"""A job's fixed costs (issue 57): rank 0's timeline of the time outside its epochs."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import integration, run_job
+from hvdtrain.timeline import MILESTONES, PHASES, Timeline
+
+
+def test_phases_are_the_time_between_the_milestones_reached():
+    # No pipelines of its own (a task's datasets): the banner joins the model's phase.
+    reached = {"hvdtrain_imported": 0.1, "imported": 4.1, "runtime_started": 4.7,
+               "data_listed": 5.0, "model_compiled": 6.5, "run_dir_ready": 6.7}
+    timeline = Timeline(origin=0.0, origin_is_process_start=True, marks=dict(reached))
+    assert timeline.phases() == pytest.approx({"python": 0.1, "imports": 4.0, "runtime": 0.6,
+                                               "data": 0.3, "model": 1.5, "run_dir": 0.2})
+    assert timeline.describe() == ("start-up 6.7 s (python 0.1, imports 4.0, runtime 0.6, "
+                                   "data 0.3, model 1.5, run dir 0.2), no training step")
+    for milestone, seconds in (("first_step_done", 9.7), ("training_done", 20.0),
+                               ("fit_returned", 20.5), ("exported", 21.7), ("finished", 22.0)):
+        timeline.marks[milestone] = seconds
+    assert timeline.describe() == (
+        "start-up 9.7 s (python 0.1, imports 4.0, runtime 0.6, data 0.3, model 1.5, run dir "
+        "0.2, first step 3.0); epochs 10.3 s; after training 2.0 s (train end 0.5, export 1.2, "
+        "job end 0.3)")
+    record = timeline.to_dict()
+    assert record["startup_seconds"] == 9.7 and record["after_training_seconds"] == 2.0
+    # A later job of the same process counts from its own start, and says so.
+    later = Timeline(origin=0.0, origin_is_process_start=False,
+                     marks={name: s for name, s in reached.items() if name != "hvdtrain_imported"})
+    assert later.describe().startswith("start-up since the job started 6.7 s (imports 4.1, ")
+
+
+@integration
+def test_a_job_says_where_its_time_outside_the_epochs_went(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_job([sys.executable, "-m", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "1",
+                      "--steps-per-epoch", "2", "--backend", "single", "--data", "synthetic",
+                      "--run-dir", str(run_dir)], timeout=300)
+    lines = result.stdout.splitlines()
+    record = json.loads((run_dir / "timeline.json").read_text())
+    assert record["origin"] == "process start"
+    # Every milestone, each reached no earlier than the one before it.
+    assert list(record["milestones"]) == [milestone for milestone, _ in MILESTONES]
+    seconds = list(record["milestones"].values())
+    assert seconds[0] >= 0 and seconds == sorted(seconds), record
+    assert list(record["phases"]) == list(PHASES)
+    first_step = record["milestones"]["first_step_done"]
+    assert record["startup_seconds"] == pytest.approx(first_step, abs=0.01)
+    # metrics.json stays a list of epochs, and its first_step_seconds is the same milestone.
+    rows = json.loads((run_dir / "metrics.json").read_text())
+    assert [row["epoch"] for row in rows] == [1]
+    assert rows[0]["first_step_seconds"] == pytest.approx(first_step, abs=0.01)
+    # One line, right after the summary, with the recorded numbers.
+    timeline_lines = [index for index, line in enumerate(lines) if line.startswith("start-up ")]
+    assert len(timeline_lines) == 1, result.stdout[-3000:]
+    line = lines[timeline_lines[0]]
+    assert lines[timeline_lines[0] - 1].startswith("done: 1 epoch(s)"), result.stdout[-3000:]
+    assert line.startswith(f"start-up {record['startup_seconds']:.1f} s (python "), line
+    assert f"after training {record['after_training_seconds']:.1f} s (train end " in line
