@@ -31,6 +31,7 @@ import re
 import sys
 import tempfile
 import time
+import types
 
 STARTED = time.monotonic()
 """When this process imported hvdtrain (before TensorFlow): a job's first milestone
@@ -188,6 +189,60 @@ class _QuietTensorFlowImport(importlib.abc.MetaPathFinder, importlib.abc.Loader)
 if "tensorflow" not in sys.modules and not any(
         isinstance(finder, _QuietTensorFlowImport) for finder in sys.meta_path):
     sys.meta_path.insert(0, _QuietTensorFlowImport())
+
+#: Keras 3 modules that ``import tensorflow`` loads (it imports all of ``keras``) and that no
+#: hvdtrain job uses, each importing a heavy package when it is installed: the scikit-learn
+#: wrappers import scikit-learn and scipy.stats (0.66 s of TensorFlow's 3.7 s import here), the
+#: image-gallery plots matplotlib.pyplot (0.45 s). Every rank paid both before its first step.
+_DEFERRED = frozenset({"keras.wrappers", "keras.visualization", "keras.src.visualization"})
+#: What the import system and scans of ``sys.modules`` read of a module; reading it does not run
+#: a deferred module. TensorFlow's autograph reads every loaded module's ``__file__`` each time it
+#: converts a function, so ``importlib.util.LazyLoader``, which runs a module at any attribute
+#: access, ran these at a job's first ``tf.function``.
+_MODULE_METADATA = frozenset({"__name__", "__file__", "__cached__", "__spec__", "__loader__",
+                              "__path__", "__package__", "__class__"})
+
+
+class _DeferredModule(types.ModuleType):
+    """A module whose code runs at its first use: any attribute but ``_MODULE_METADATA``."""
+
+    def __getattribute__(self, name):
+        if name in _MODULE_METADATA:
+            return super().__getattribute__(name)
+        self.__class__ = types.ModuleType  # once: from here on a plain module
+        self.__spec__.loader.exec_module(self)
+        return getattr(self, name)
+
+
+class _DeferredImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import`` of a module in ``_DEFERRED`` gives a ``_DeferredModule``:
+    ``keras.wrappers.SKLearnClassifier`` still works, and imports scikit-learn then. Keras only
+    imports these modules by name (``from keras import wrappers``), which uses nothing inside."""
+
+    def __init__(self):
+        self.loaders = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _DEFERRED:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            self.loaders[fullname], spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return None  # the default module, as the real (source) loader makes it
+
+    def exec_module(self, module):
+        # The real loader runs the module's code at its first use.
+        module.__spec__.loader = module.__loader__ = self.loaders[module.__name__]
+        module.__class__ = _DeferredModule
+
+
+# Keras 2's ``keras`` is tf_keras under another name (``_KerasIsTfKeras``), which imports neither.
+if KERAS == "3" and "keras" not in sys.modules and not any(
+        isinstance(finder, _DeferredImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _DeferredImport())
 
 
 class _WholeLines(io.TextIOWrapper):

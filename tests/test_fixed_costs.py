@@ -1,13 +1,25 @@
-"""A job's fixed costs (issue 57): rank 0's timeline of the time outside its epochs."""
+"""A job's fixed costs (issue 57): rank 0's timeline of the time outside its epochs, and no
+heavy package imported that the job does not use."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
 
-from conftest import integration, run_job
+from conftest import clean_env, integration, run_job
 from hvdtrain.timeline import MILESTONES, PHASES, Timeline
+
+#: What a job imports before its first step: the classifier, the training run, horovod, the
+#: image files' pipelines and the model.
+JOB_MODULES = ("hvdtrain.cnn", "hvdtrain.train", "hvdtrain.runtime.horovod",
+               "hvdtrain.data.pipeline", "hvdtrain.data.folder", "hvdtrain.data.records",
+               "hvdtrain.models.cnn")
+#: Loaded when a job asks for them (rank 0's curves.png, --tensorboard, --track mlflow, the
+#: embedded digits), never by importing it: Keras 3 imported the first and the last two on
+#: every rank before hvdtrain deferred them (see hvdtrain/__init__.py).
+HEAVY = ("matplotlib", "tensorboard", "mlflow", "sklearn", "scipy.stats")
 
 
 def test_phases_are_the_time_between_the_milestones_reached():
@@ -34,13 +46,31 @@ def test_phases_are_the_time_between_the_milestones_reached():
     assert later.describe().startswith("start-up since the job started 6.7 s (imports 4.1, ")
 
 
+@pytest.mark.parametrize("keras", ["3", "2"])
+def test_importing_a_job_loads_no_plotting_tracking_or_scikit_learn(keras):
+    code = "".join(f"import {module}\n" for module in JOB_MODULES) + (
+        f"import json, sys\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=clean_env(HVDTRAIN_KERAS=keras), timeout=300)
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    assert json.loads(imported.stdout.splitlines()[-1]) == []
+
+
 @integration
 def test_a_job_says_where_its_time_outside_the_epochs_went(tmp_path):
+    # `python -m hvdtrain.cnn`, with a last exit handler that lists the heavy packages loaded:
+    # TensorFlow's autograph reads every loaded module's __file__, which must not load the ones
+    # hvdtrain deferred. The synthetic data needs no scikit-learn; rank 0 draws curves.png.
     run_dir = tmp_path / "run"
-    result = run_job([sys.executable, "-m", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "1",
+    code = ("import atexit, json, runpy, sys\n"
+            "atexit.register(lambda: print('loaded at exit:', json.dumps("
+            f"[m for m in {HEAVY!r} if m in sys.modules])))\n"
+            "runpy.run_module('hvdtrain.cnn', run_name='__main__', alter_sys=True)\n")
+    result = run_job([sys.executable, "-c", code, "--preset", "tiny", "--epochs", "1",
                       "--steps-per-epoch", "2", "--backend", "single", "--data", "synthetic",
                       "--run-dir", str(run_dir)], timeout=300)
     lines = result.stdout.splitlines()
+    assert lines[-1] == 'loaded at exit: ["matplotlib"]', result.stdout[-3000:]
     record = json.loads((run_dir / "timeline.json").read_text())
     assert record["origin"] == "process start"
     # Every milestone, each reached no earlier than the one before it.
