@@ -46,6 +46,7 @@ def test_phases_are_the_time_between_the_milestones_reached():
     assert later.describe().startswith("start-up since the job started 6.7 s (imports 4.1, ")
 
 
+@integration
 @pytest.mark.parametrize("keras", ["3", "2"])
 def test_importing_a_job_loads_no_plotting_tracking_or_scikit_learn(keras):
     code = "".join(f"import {module}\n" for module in JOB_MODULES) + (
