@@ -109,8 +109,9 @@ def check_job(output: str, run_dir: Path) -> None:
     files = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
     top = {name.split("/")[0] for name in files}
     assert top <= {".lock", "checkpoints", "config.json", "curves.png", "logs", "metrics.csv",
-                   "metrics.json", "model.keras", "tensorboard"}, files
-    assert {"config.json", "metrics.json", "model.keras", "checkpoints"} <= top, files
+                   "metrics.json", "model.keras", "tensorboard", "timeline.json"}, files
+    assert {"config.json", "metrics.json", "model.keras", "checkpoints", "timeline.json"} <= top, \
+        files
     # Each rank's own log, written by that rank on its node, starting with where it ran.
     logs = [name for name in files if name.startswith("logs/")]
     assert logs == [f"logs/rank-{rank}.log" for rank in range(4)], logs
