@@ -63,9 +63,12 @@ def recorded_build() -> dict | None:
     if info is None:
         return None
     # horovod's own reader of its record (patch 0004): only the runtime runs horovod; this reads
-    # a file horovod wrote and loads none of its extensions.
-    from horovod.common.util import recorded_build_checks
-
+    # a file horovod wrote and loads none of its extensions. A horovod that does not import, or
+    # one without the patch, is left to the full check, which reports what is wrong.
+    try:
+        from horovod.common.util import recorded_build_checks
+    except Exception:  # noqa: BLE001 - any failure: the import path says it in full
+        return None
     return from_record(info, recorded_build_checks("tensorflow"),
                        next(filter(None, map(installed_version, TENSORFLOW_DISTRIBUTIONS)), ""))
 
