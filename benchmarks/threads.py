@@ -40,7 +40,17 @@ def training_processes(match: str) -> dict[int, str]:
             continue  # the launcher, not a rank
         rank = process.rank
         found[process.pid] = f"rank {rank}" if rank is not None else f"pid {process.pid}"
-    return found
+    # A process starting a child (subprocess forks, then execs) has a copy with its own command
+    # line until the exec: a rank's janitor or tee just started is not another training process.
+    return {pid: name for pid, name in found.items() if _parent(pid) not in found}
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state"
 
 
 def thread_ticks(pid: int) -> dict[int, int]:

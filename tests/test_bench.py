@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import sys
 import time
@@ -10,6 +12,7 @@ import pytest
 
 from benchmarks.harness import Comparison, Summary, interleave, ratio
 from conftest import LAUNCHED_RANKS, clean_env, integration, run_job
+from hvdtrain.launcher_env import processes
 
 
 def test_interleave_alternates_order_and_drops_warmup():
@@ -192,6 +195,31 @@ def test_the_thread_profile_finds_a_busy_process_and_its_busy_thread(capsys):
     # core it got depends on what else runs (make test's two lanes on 2 cores: 0.36 once).
     assert main_thread > 0.05 and main_thread >= 0.9 * total, line
     assert threads.main(["--seconds", "0", "--match", marker]) == 1  # nothing left to find
+
+
+def test_a_fork_of_a_training_process_before_its_exec_is_not_another_one():
+    """A rank starting a child (its janitor, a tee) is, until the child's exec, a second process
+    with the rank's command line: the thread profile's window, which starts once the ranks run,
+    counted 3 processes of a 2-rank job (make test, once the ranks started in 0.4 s)."""
+    import subprocess
+    import uuid
+
+    from benchmarks import threads
+
+    marker = f"hvdtrain-thread-fork-{uuid.uuid4().hex[:8]}"
+    parent = subprocess.Popen([sys.executable, "-c", "import os, time\nif os.fork() == 0:\n"
+                               "    time.sleep(30)\n    os._exit(0)\ntime.sleep(30)", marker])
+    try:
+        deadline = time.monotonic() + 30
+        while len([p for p in processes() if marker in p.argv]) < 2:
+            assert time.monotonic() < deadline, "the fork did not start"
+            time.sleep(0.05)
+        assert list(threads.training_processes(marker)) == [parent.pid]
+    finally:
+        for process in processes():
+            if marker in process.argv:
+                os.kill(process.pid, signal.SIGKILL)
+        parent.wait()
 
 
 def test_the_data_suites_verdicts_follow_its_numbers():
