@@ -59,8 +59,6 @@ class TrainingResult:
     """Per-epoch metrics of every completed epoch, including those of earlier runs."""
     exit_code: int
     """0, or EXIT_PREEMPTED/143 when a signal stopped the run after a checkpoint."""
-    timeline: Timeline
-    """The milestones the run reached (rank 0's are the job's: the others reach no step)."""
 
 
 def start_runtime(config: TrainConfig) -> Runtime:
@@ -490,7 +488,7 @@ def finish_run(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, datase
         # mpirun kills the rest of a job as soon as one rank does so.
         runtime.barrier()
         return TrainingResult(model, plan, datasets, run_dir, start.initial_epoch, start.rows,
-                              stop_status(request.agreed), timeline)
+                              stop_status(request.agreed))
     # A resumed run that found every epoch done has nothing new to export either (an earlier run
     # wrote it); one whose export is missing (it ended before) writes it now.
     if config.export and world.is_chief and (trained or not exported(run_dir)):
@@ -500,8 +498,7 @@ def finish_run(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, datase
     # Rank 0's tracker is the only one that records it (the others' is a NullTracker).
     tracker.finish("FINISHED", model_file=exported(run_dir) if world.is_chief else None)
     timeline.mark("exported")
-    return TrainingResult(model, plan, datasets, run_dir, start.initial_epoch, start.rows, 0,
-                          timeline)
+    return TrainingResult(model, plan, datasets, run_dir, start.initial_epoch, start.rows, 0)
 
 
 def fingerprint(program: str, config: TrainConfig, datasets: Datasets,
