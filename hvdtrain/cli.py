@@ -60,8 +60,7 @@ def versions() -> str:
     for label, distributions in (("TensorFlow", TENSORFLOW_DISTRIBUTIONS),
                                  ("Keras", ("keras",)), ("tf_keras", ("tf_keras",)),
                                  ("horovod", ("horovod",))):
-        found = next(filter(None, map(installed_version, distributions)), None)
-        line += f", {label} {found or 'not installed'}"
+        line += f", {label} {first_installed(distributions) or 'not installed'}"
     return line + f", Python {sys.version.split()[0]}"
 
 
@@ -75,6 +74,12 @@ def installed_version(distribution: str) -> str | None:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def first_installed(distributions: tuple[str, ...]) -> str | None:
+    """The version of the first of ``distributions`` that is installed (a package installed
+    under one of several names, as TensorFlow is)."""
+    return next(filter(None, map(installed_version, distributions)), None)
 
 
 def _checkout_commit() -> str | None:

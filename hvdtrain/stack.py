@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from hvdtrain.cli import TENSORFLOW_DISTRIBUTIONS, installed_version, usage_name
+from hvdtrain.cli import TENSORFLOW_DISTRIBUTIONS, first_installed, installed_version, usage_name
 from hvdtrain.errors import EXIT_USAGE
 from hvdtrain.launch.probe import ask
 
@@ -61,7 +61,7 @@ def _minor(version: str) -> tuple[int, int]:
 def gather() -> Stack:
     """This interpreter's stack. horovod is loaded in a child, as a rank would load it: with
     Keras 2 when tf_keras is there, else Keras 3 (hvdtrain chooses at import)."""
-    tensorflow = next(filter(None, map(installed_version, TENSORFLOW_DISTRIBUTIONS)), None)
+    tensorflow = first_installed(TENSORFLOW_DISTRIBUTIONS)
     horovod, tf_keras = installed_version("horovod"), installed_version("tf_keras")
     built = {}
     if tensorflow and horovod:

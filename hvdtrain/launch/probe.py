@@ -54,10 +54,10 @@ def build() -> dict:
 def recorded_build() -> dict | None:
     """``build``'s answer without importing TensorFlow, or None when only an import can give it
     (see ``from_record``)."""
-    from hvdtrain.cli import TENSORFLOW_DISTRIBUTIONS, installed_version
+    from hvdtrain.cli import TENSORFLOW_DISTRIBUTIONS, first_installed
 
     tensorflow = importlib.util.find_spec("tensorflow")
-    if tensorflow is None or importlib.util.find_spec("horovod") is None:
+    if tensorflow is None:
         return None
     info = tensorflow_build_info(os.path.dirname(tensorflow.origin))
     if info is None:
@@ -70,7 +70,7 @@ def recorded_build() -> dict | None:
     except Exception:  # noqa: BLE001 - any failure: the import path says it in full
         return None
     return from_record(info, recorded_build_checks("tensorflow"),
-                       next(filter(None, map(installed_version, TENSORFLOW_DISTRIBUTIONS)), ""))
+                       first_installed(TENSORFLOW_DISTRIBUTIONS) or "")
 
 
 def tensorflow_build_info(package_dir: str) -> dict | None:
