@@ -14,24 +14,52 @@ from typing import Mapping
 #: "GPUs" are plain files): HVDTRAIN_ALLOW_CPU=1.
 ALLOW_CPU = "HVDTRAIN_ALLOW_CPU"
 
-#: What Slurm sets when a job or step got GPUs (--gres=gpu:N, --gpus, --gpus-per-node/-task).
-_SLURM_GPU_VARIABLES = ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS",
-                        "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_GPUS")
+#: What Slurm sets when a job or step got GPUs (--gres=gpu:N, --gpus, --gpus-per-node/-task):
+#: counts, where 0 (or "a100:0") is none...
+_SLURM_GPU_COUNTS = ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK",
+                     "SLURM_GPUS")
+#: ...and index lists, where "0" is GPU 0.
+_SLURM_GPU_INDEXES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
+#: CUDA_VISIBLE_DEVICES entries that end the list of devices: CUDA stops at the first entry that
+#: is not a device ("" and "-1" hide every GPU on purpose), and Slurm sets "NoDevFiles" on a
+#: step that got no GPU.
+_NOT_A_DEVICE = ("", "-1", "NoDevFiles")
+
+
+def visible_devices(cuda_visible_devices: str) -> list[str]:
+    """The devices a CUDA_VISIBLE_DEVICES value names, as CUDA reads it (up to the first entry
+    that is not a device)."""
+    devices = []
+    for entry in cuda_visible_devices.split(","):
+        if entry.strip() in _NOT_A_DEVICE:
+            break
+        devices.append(entry.strip())
+    return devices
+
+
+def gpu_of_its_own(cuda_visible_devices: str | None) -> bool:
+    """Whether the scheduler gave this process one GPU of its own (srun --gpus-per-task or
+    --gpu-bind: CUDA_VISIBLE_DEVICES names a single device)."""
+    return cuda_visible_devices is not None and len(visible_devices(cuda_visible_devices)) == 1
 
 
 def given_gpus(env: Mapping[str, str]) -> str | None:
     """The variable that says this process was given GPUs (``NAME=value``), or None.
 
-    CUDA_VISIBLE_DEVICES counts when it names a device: "", "-1" and Slurm's "NoDevFiles" hide
-    every GPU on purpose. A Slurm count of 0 is no GPU.
+    CUDA_VISIBLE_DEVICES decides when it is set: it is what CUDA obeys, and one that hides every
+    GPU ("", "-1", "NoDevFiles") was set on purpose, by the user or by Slurm for a step without
+    GPUs, while the job's own Slurm variables stay in the environment.
     """
     visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and any(device.strip() not in ("", "-1", "NoDevFiles")
-                                   for device in visible.split(",")):
-        return f"CUDA_VISIBLE_DEVICES={visible}"
-    for name in _SLURM_GPU_VARIABLES:
+    if visible is not None:
+        return f"CUDA_VISIBLE_DEVICES={visible}" if visible_devices(visible) else None
+    for name in _SLURM_GPU_COUNTS:
         value = env.get(name, "").strip()
         if value and value not in ("0", "(null)") and not value.endswith(":0"):
+            return f"{name}={value}"
+    for name in _SLURM_GPU_INDEXES:
+        value = env.get(name, "").strip()
+        if value and value != "(null)":
             return f"{name}={value}"
     return None
 

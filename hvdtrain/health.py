@@ -17,7 +17,9 @@ hosts, the ranks' Python and TensorFlow, MPI over the interfaces the network che
   warm-up then the best of two, checks the sums and reports the bus bandwidth (nccl-tests'
   "busbw": the rate every link of a ring carries). An NCCL allreduce far below the links' median
   (NCCL on another interface or transport than MPI), or one that fails, comes with hints on
-  NCCL's own switches (``NCCL_DEBUG``, ``NCCL_SOCKET_IFNAME``, ...).
+  NCCL's own switches (``NCCL_DEBUG``, ``NCCL_SOCKET_IFNAME``, ...). Then a group of tensors
+  of several sizes and dtypes, averaged together through horovod's fusion buffer (on GPU ranks
+  its copy and scale kernels, which horovod 0.28.1 runs unchecked), every value checked.
 
 Exit 2 when a device is missing, a rank computes other numbers or the allreduce returns wrong
 sums; slow links, a slow NCCL allreduce and uneven cores are warnings (exit 0). Rank 0 prints
@@ -39,12 +41,16 @@ from typing import Mapping, Sequence
 
 from hvdtrain.cli import usage_name
 from hvdtrain.errors import as_one_line, reported
+from hvdtrain.gpus import gpu_of_its_own
 
 PROGRAM = "hvdtrain.health"
 EXIT_FAILED = 2
 #: Test-only: this rank's result is nudged by one part in a thousand, so that the tests can show
 #: that a rank computing other numbers is named. Nothing else reads it.
 PERTURB_VARIABLE = "HVDTRAIN_HEALTH_TEST_PERTURB_RANK"
+#: Test-only: this rank sends zeros for the last float32 tensor of the fused check, as a copy
+#: into the fusion buffer that never ran would leave it. Nothing else reads it.
+STALE_VARIABLE = "HVDTRAIN_HEALTH_TEST_STALE_RANK"
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,9 @@ class RankReport:
     result: float
     allreduce_problem: str = ""
     """What was wrong with this rank's allreduce ("" when it returned the due average)."""
+    gpu_of_its_own: bool = False
+    """The scheduler gave this rank one GPU of its own (srun --gpus-per-task): it needs no more
+    (``runtime.base.choose_gpu``, the rule the ranks follow)."""
 
 
 @dataclass(frozen=True)
@@ -139,14 +148,21 @@ def device_findings(reports: Sequence[RankReport], gpus_per_rank: int
     """(failures, warnings): nodes short of GPUs; nodes whose ranks have under half the median
     cores each."""
     failures, warnings = [], []
+    short: dict[str, RankReport] = {}
+    for report in reports:
+        # A rank with a GPU of its own needs that one; ranks that share a node's GPUs need one
+        # each of those they all see.
+        needed = gpus_per_rank * (1 if report.gpu_of_its_own else report.local_size)
+        if report.gpus < needed:
+            short.setdefault(report.host, report)
+    for host, report in short.items():
+        needed = gpus_per_rank * (1 if report.gpu_of_its_own else report.local_size)
+        whose = "its rank" if report.gpu_of_its_own else f"its {report.local_size} rank(s)"
+        failures.append(f"{host} shows {report.gpus} GPU(s); {whose} need {needed} (a GPU "
+                        "lost, or CUDA_VISIBLE_DEVICES?)")
     by_host: dict[str, RankReport] = {}
     for report in reports:
         by_host.setdefault(report.host, report)
-    for host, report in by_host.items():
-        needed = gpus_per_rank * report.local_size
-        if report.gpus < needed:
-            failures.append(f"{host} shows {report.gpus} GPU(s); its {report.local_size} rank(s) "
-                            f"need {needed} (a GPU lost, or CUDA_VISIBLE_DEVICES?)")
     median_cores = statistics.median(report.cores for report in reports)
     for host, report in by_host.items():
         if report.cores < median_cores / 2:
@@ -279,6 +295,45 @@ def time_allreduce(runtime, count: int, repeats: int = 2) -> tuple[float, str]:
     return best, ""
 
 
+#: The groups the fused check averages, one per dtype (horovod groups and fuses tensors of one
+#: dtype): several sizes each, float32 as gradients and float16 as --fp16-allreduce sends them.
+#: They pass through horovod's fusion buffer together, with its copy and scale kernels on GPU
+#: ranks; a copy that did not run leaves other memory in the buffer, which a single tensor
+#: (NCCL's own average) would not show.
+FUSED_GROUPS = {"float32": (1, 1000, 65539), "float16": (7, 4097)}
+
+
+def check_fused_allreduce(runtime) -> str:
+    """What was wrong with the grouped averages of ``FUSED_GROUPS`` ("" when every value is
+    due). Rank r sends (r + 1) times a pattern that differs from element to element, so a value
+    copied to the wrong place is caught as well as a stale one."""
+    import numpy as np
+    import tensorflow as tf
+
+    size, rank = runtime.world.size, runtime.world.rank
+    wrong = []
+    for dtype, counts in FUSED_GROUPS.items():
+        patterns = [(np.arange(count) % 7 + 1).astype(dtype) for count in counts]
+        sent = [pattern * (rank + 1) for pattern in patterns]
+        if os.environ.get(STALE_VARIABLE) == str(rank) and dtype == "float32":
+            sent[-1] = np.zeros_like(sent[-1])
+        try:
+            averaged = runtime.grouped_allreduce([tf.constant(values) for values in sent],
+                                                 name=f"hvdtrain_health_fused_{dtype}")
+            results = [result.numpy() for result in averaged]
+        except Exception as error:  # an NCCL or MPI error: the finding, not a traceback
+            return f"of a group of {dtype} tensors failed: {as_one_line(error)}"
+        for count, pattern, result in zip(counts, patterns, results):
+            due = pattern.astype("float64") * (size + 1) / 2
+            off = float(np.max(np.abs(result.astype("float64") - due)))
+            if off > (1e-2 if dtype == "float16" else 1e-5) * float(np.max(due)):
+                wrong.append(f"{dtype}[{count}] up to {off:.3g} off")
+    if wrong:
+        return ("of grouped tensors (through the fusion buffer) returned values off the due "
+                f"average: {', '.join(wrong)}")
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=usage_name(PROGRAM), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -317,8 +372,10 @@ def check(args: argparse.Namespace) -> bool:
     result = compute(rank)
     count = int(args.allreduce_megabytes * 2**20) // 4
     seconds, problem = time_allreduce(runtime, count)
+    problem = problem or check_fused_allreduce(runtime)
     report = RankReport(rank, socket.gethostname(), runtime.world.local_size, visible_gpus(),
-                        len(os.sched_getaffinity(0)), result, problem)
+                        len(os.sched_getaffinity(0)), result, problem,
+                        gpu_of_its_own(os.environ.get("CUDA_VISIBLE_DEVICES")))
     timing = AllreduceTiming(count * 4, seconds, runtime.world.size,
                              runtime.allreduce_transport())
     rates = measure_links(comm, args.link_megabytes)

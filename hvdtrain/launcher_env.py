@@ -25,13 +25,20 @@ _LAUNCHER_VARIABLES = (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK"
 
 #: Prefixes of the variables through which a launcher or a scheduler tells a process who it is
 #: and how to reach the rest of its job: OpenMPI's (rank, and the daemon's address an MPI_Init
-#: connects to), PMI/PMIx's, horovod's (rank, Gloo rendezvous), Slurm's (job, step, task). A
-#: process started from inside a rank or a job step that inherited them would take itself for
-#: part of that job: a launcher would read someone else's allocation, an MPI program would join
-#: another program's daemon.
-IDENTITY_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "SLURM_")
+#: connects to), PMI/PMIx's, Slurm's (job, step, task). A process started from inside a rank or a
+#: job step that inherited them would take itself for part of that job: a launcher would read
+#: someone else's allocation, an MPI program would join another program's daemon.
+IDENTITY_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "SLURM_")
 #: ...except these, which a user sets to allow something, not to say who a process is.
 NOT_IDENTITY = frozenset({"OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"})
+#: horovod's identity: what horovodrun's Gloo launch and its elastic driver tell each rank (its
+#: place, the rendezvous it meets at). The rest of HOROVOD_* is tuning a user sets for the whole
+#: job (HOROVOD_HIERARCHICAL_ALLREDUCE, HOROVOD_FUSION_THRESHOLD, ...), passed on to every rank.
+HOROVOD_IDENTITY = frozenset({
+    "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+    "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_CONTROLLER",
+    "HOROVOD_CPU_OPERATIONS", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT",
+    "HOROVOD_GLOO_IFACE", "HOROVOD_ELASTIC"})
 
 
 def launched_as(env: Mapping[str, str] | None = None) -> tuple[int, int | None] | None:
@@ -52,8 +59,10 @@ def launch_rank(env: Mapping[str, str] | None = None) -> int:
 
 
 def is_identity(name: str) -> bool:
-    """Whether a variable says which job and rank a process belongs to (see IDENTITY_PREFIXES)."""
-    return name.startswith(IDENTITY_PREFIXES) and name not in NOT_IDENTITY
+    """Whether a variable says which job and rank a process belongs to (see IDENTITY_PREFIXES
+    and HOROVOD_IDENTITY)."""
+    return (name.startswith(IDENTITY_PREFIXES) and name not in NOT_IDENTITY) or \
+        name in HOROVOD_IDENTITY
 
 
 def child_env(env: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:

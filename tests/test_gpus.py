@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import VENV_BIN, clean_env, integration, mpirun_job, one_error, run_job
-from hvdtrain.gpus import ALLOW_CPU, given_gpus, not_seen
+from hvdtrain.gpus import ALLOW_CPU, given_gpus, gpu_of_its_own, not_seen, visible_devices
 from hvdtrain.launch.options import LaunchOptions
-from hvdtrain.launch.preflight import Build, preflight
+from hvdtrain.launch.preflight import Build, count_gpus_without_tensorflow, preflight
 
 #: What `sbatch --gres=gpu:4` puts in a task's environment on a 4-GPU node.
 GPU_ALLOCATION = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_GPUS_ON_NODE": "4",
@@ -24,17 +24,40 @@ GPU_ALLOCATION = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_GPUS_ON_NODE": "4",
     ({"CUDA_VISIBLE_DEVICES": "GPU-5a1c"}, "CUDA_VISIBLE_DEVICES=GPU-5a1c"),
     ({"SLURM_GPUS_ON_NODE": "2"}, "SLURM_GPUS_ON_NODE=2"),
     ({"SLURM_JOB_GPUS": "1"}, "SLURM_JOB_GPUS=1"),
+    # An index list: "0" is GPU 0, not a count of none.
+    ({"SLURM_JOB_GPUS": "0"}, "SLURM_JOB_GPUS=0"),
+    ({"SLURM_STEP_GPUS": "0,1"}, "SLURM_STEP_GPUS=0,1"),
+    ({"CUDA_VISIBLE_DEVICES": "0,-1,1"}, "CUDA_VISIBLE_DEVICES=0,-1,1"),
     ({"SLURM_GPUS_PER_NODE": "a100:4"}, "SLURM_GPUS_PER_NODE=a100:4"),
     # Hidden on purpose, or none granted: no GPU was given.
     ({"CUDA_VISIBLE_DEVICES": ""}, None),
     ({"CUDA_VISIBLE_DEVICES": "-1"}, None),
     ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, None),
+    # Hidden inside a GPU allocation: the explicit hiding wins (a user's choice, or Slurm's
+    # NoDevFiles on a step without GPUs, while the job's SLURM_JOB_GPUS is inherited).
+    ({**GPU_ALLOCATION, "CUDA_VISIBLE_DEVICES": ""}, None),
+    ({**GPU_ALLOCATION, "CUDA_VISIBLE_DEVICES": "-1"}, None),
+    ({"SLURM_JOB_GPUS": "0", "CUDA_VISIBLE_DEVICES": "NoDevFiles"}, None),
     ({"SLURM_GPUS_ON_NODE": "0"}, None),
     ({"SLURM_GPUS_PER_NODE": "a100:0"}, None),
     ({"SLURM_JOB_ID": "7", "SLURM_TASKS_PER_NODE": "4"}, None),
 ])
 def test_which_environments_gave_gpus(env, given):
     assert given_gpus(env) == given
+
+
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(monkeypatch):
+    assert visible_devices("0,1,2,3") == ["0", "1", "2", "3"]
+    assert visible_devices("GPU-5a1c, 2") == ["GPU-5a1c", "2"]
+    assert visible_devices("1,-1,2") == ["1"]  # CUDA stops at the first entry that is no device
+    assert visible_devices("") == visible_devices("-1") == visible_devices("NoDevFiles") == []
+    assert gpu_of_its_own("3") and not gpu_of_its_own("0,1") and not gpu_of_its_own(None)
+    assert not gpu_of_its_own("NoDevFiles")
+    # --skip-preflight counts GPUs without TensorFlow: NoDevFiles is none.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "NoDevFiles")
+    assert count_gpus_without_tensorflow() == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert count_gpus_without_tensorflow() == 2
 
 
 def test_the_line_names_the_cause_and_the_fix():
@@ -56,6 +79,10 @@ def test_preflight_asks_tensorflow_not_slurm():
     gpu_build = Build(tensorflow=True, mpi=True, gloo=True, nccl=True, gpus=4, cuda=True)
     assert preflight(gpu_build, None, 4, options, running_as_root=False,
                      env=GPU_ALLOCATION) == []
+    # GPUs hidden on purpose inside a GPU allocation: CPU ranks, as asked.
+    for hidden in ("", "-1", "NoDevFiles"):
+        assert preflight(cpu_build, None, 2, options, running_as_root=False,
+                         env={**GPU_ALLOCATION, "CUDA_VISIBLE_DEVICES": hidden}) == []
 
 
 @integration

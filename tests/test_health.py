@@ -14,9 +14,14 @@ import time
 import pytest
 
 from conftest import REPO, clean_env, integration
-from hvdtrain.launcher_env import marked
+from hvdtrain.errors import EXIT_USAGE
+from hvdtrain.launch.health_check import (HEALTH_SECONDS, PTX_JIT_SECONDS, health_seconds,
+                                          run_health_check)
+from hvdtrain.launch.paths import Launch
+from hvdtrain.launch.supervise import SignalForwarder
 from hvdtrain.health import (AllreduceTiming, RankReport, allreduce_findings, device_findings,
                              disagreeing, nccl_hints, rate_text, slow_links, time_allreduce)
+from hvdtrain.launcher_env import marked
 from processes import process_group
 
 GBIT, MBIT = 1e9, 1e6
@@ -64,6 +69,13 @@ def test_a_node_short_of_gpus_fails_and_a_small_cpu_share_warns():
     assert device_findings(two_per_node, 1) == (
         ["node2 shows 1 GPU(s); its 2 rank(s) need 2 (a GPU lost, or CUDA_VISIBLE_DEVICES?)"], [])
     assert device_findings(two_per_node, 0) == ([], [])
+    # srun --gpus-per-task=1: each of a node's 4 ranks sees its own one GPU, as the ranks
+    # accept (runtime.base.choose_gpu); one rank that sees none fails its node.
+    per_task = [RankReport(r, "node1", 4, 1, 8, 1.0, gpu_of_its_own=True) for r in range(4)]
+    assert device_findings(per_task, 1) == ([], [])
+    lost = per_task[:3] + [RankReport(3, "node1", 4, 0, 8, 1.0, gpu_of_its_own=False)]
+    assert device_findings(lost, 1) == (
+        ["node1 shows 0 GPU(s); its 4 rank(s) need 4 (a GPU lost, or CUDA_VISIBLE_DEVICES?)"], [])
     uneven = reports(1.0, 1.0, 1.0)[:2] + [RankReport(2, "node3", 1, 0, 1, 1.0)]
     assert device_findings(uneven, 0) == (
         [], ["node3: 1 core(s) per rank against 4 median (a smaller CPU share)"])
@@ -72,20 +84,27 @@ def test_a_node_short_of_gpus_fails_and_a_small_cpu_share_warns():
 @integration
 @pytest.mark.timeout(300)
 def test_a_rank_computing_other_numbers_fails_the_check_before_the_job(tmp_path):
-    """The launcher, 3 ranks on this machine, rank 2 nudged (the check's test-only variable):
-    its lines only, exit 2, the job never started."""
+    """The launcher, 3 ranks on this machine, rank 2 nudged (the check's test-only variables:
+    other numbers, and zeros for one tensor of the fused group): its lines only, exit 2, the job
+    never started."""
     result = subprocess.run(
         [sys.executable, "-m", "hvdtrain.launch", "--np", "3", "--health-check", "hvdtrain.cnn",
          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=240,
-        env=clean_env(HVDTRAIN_HEALTH_TEST_PERTURB_RANK="2"))
+        env=clean_env(HVDTRAIN_HEALTH_TEST_PERTURB_RANK="2", HVDTRAIN_HEALTH_TEST_STALE_RANK="2"))
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert result.returncode == 2, lines
     assert lines[0].startswith("hvdtrain.health: failed: rank 2 on ") and \
         " other rank(s) computed " in lines[0], lines
-    # The summary holds horovod's allreduce among the 3 ranks (the job's own runtime, over MPI).
+    # The fused group: every rank got rank 2's zeros in its average (3 ranks send 1, 2, 0 times
+    # a pattern of 1..7 where 2 is due: up to 7 off), one line for all.
+    assert lines[1] == ("hvdtrain.health: failed: every rank: the MPI allreduce of grouped "
+                        "tensors (through the fusion buffer) returned values off the due "
+                        "average: float32[65539] up to 7 off"), lines
+    # The summary names horovod's allreduce among the 3 ranks (the job's own runtime, over
+    # MPI), without a bandwidth: an allreduce that returned wrong values has none worth saying.
     assert re.match(r"hvdtrain\.health: FAILED: 3 rank\(s\) on 1 node\(s\), one node, no links, "
-                    r"allreduce 16 MiB [\d.]+ [GMk]bit/s bus \(MPI\), [\d.]+ s$", lines[1]), lines
-    assert len(lines) == 2, lines
+                    r"allreduce \(MPI\), [\d.]+ s$", lines[2]), lines
+    assert len(lines) == 3, lines
     assert not (tmp_path / "run").exists()
 
 
@@ -218,3 +237,20 @@ def test_the_allreduce_check_reads_the_sums_and_turns_an_error_into_its_finding(
 
     _, problem = time_allreduce(ScriptedRuntime(1, 2, broken), 8)
     assert problem == "failed: RuntimeError: ncclCommInitRank failed: unhandled system error more"
+
+
+def test_a_first_gpu_run_gets_time_for_ptx_jit_and_a_line_naming_it(tmp_path, capsys):
+    cache = tmp_path / "ComputeCache"
+    env = {"CUDA_CACHE_PATH": str(cache)}
+    assert health_seconds(0, env) == HEALTH_SECONDS
+    assert health_seconds(4, env) == HEALTH_SECONDS + PTX_JIT_SECONDS  # nothing compiled yet
+    cache.mkdir()
+    (cache / "index").write_bytes(b"\0")
+    assert health_seconds(4, env) == HEALTH_SECONDS
+    # A check that runs out of time on a GPU node: one line, naming the PTX compile too.
+    status = run_health_check(Launch(("sleep", "30"), {}), SignalForwarder(), timeout=0.5,
+                              gpus_per_node=4)
+    said = capsys.readouterr()
+    lines = [line for line in (said.out + said.err).splitlines() if line.strip()]
+    assert status == EXIT_USAGE and len(lines) == 1, lines
+    assert "did not finish in 0.5 s" in lines[0] and "JIT-compile its PTX" in lines[0], lines

@@ -88,6 +88,16 @@ def test_two_node_allocation_gives_np_and_hosts():
     assert mpirun[:3] == ("mpirun", "-np", "8") and "-H" not in mpirun  # OpenMPI reads Slurm
     srun = build_launch(options(via="srun"), alloc, gpus=4).argv
     assert srun[:4] == ("srun", "--mpi=pmix", "--ntasks=8", "--kill-on-bad-exit=1")
+    # The cores per task the job asked for, restated on the srun line: srun 22.05-23.02 does
+    # not take them from SLURM_CPUS_PER_TASK and would bind each rank to one core.
+    with_cpus = allocation(SLURM_JOB_NODELIST="gpu[01-02]", SLURM_TASKS_PER_NODE="4(x2)",
+                           SLURM_GPUS_PER_NODE="a100:4", SLURM_CPUS_PER_TASK="12")
+    srun = build_launch(options(via="srun"), with_cpus, gpus=4).argv
+    assert srun[:5] == ("srun", "--mpi=pmix", "--ntasks=8", "--cpus-per-task=12",
+                        "--kill-on-bad-exit=1")
+    bound = build_launch(options(via="srun", binding_args="--cpus-per-task=6"), with_cpus,
+                         gpus=4).argv
+    assert [arg for arg in bound if arg.startswith("--cpus-per-task")] == ["--cpus-per-task=6"]
 
 
 def test_cpu_allocation_with_uneven_tasks():
@@ -100,8 +110,10 @@ def test_cpu_allocation_with_uneven_tasks():
 def test_tuning_reaches_every_rank_as_horovod_variables():
     env = horovod_tuning_env(options(fusion_threshold_mb=32, cycle_time_ms=0.5, autotune=True,
                                      timeline_filename="/tmp/t.json", stall_check=False,
-                                     stall_check_shutdown_seconds=90))
+                                     stall_check_shutdown_seconds=90,
+                                     hierarchical_allreduce=True))
     assert env == {"HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024), "HOROVOD_CYCLE_TIME": "0.5",
+                   "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
                    "HOROVOD_AUTOTUNE": "1", "HOROVOD_TIMELINE": "/tmp/t.json",
                    "HOROVOD_STALL_CHECK_DISABLE": "1",
                    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90"}
@@ -114,7 +126,8 @@ def test_every_flag_reaches_the_launch_options():
         "--np", "3", "--via", "mpirun", "--controller", "mpi", "--python", PY, "--dry-run",
         "--skip-preflight", "--timeline-filename", "t.json", "--autotune",
         "--autotune-log-file", "a.csv", "--fusion-threshold-mb", "32", "--cycle-time-ms", "0.5",
-        "--stall-check-warning-seconds", "30", "--stall-check-shutdown-seconds", "90",
+        "--hierarchical-allreduce", "--stall-check-warning-seconds", "30",
+        "--stall-check-shutdown-seconds", "90",
         "--no-stall-check", "--binding-args", "--bind-to core", "--allow-run-as-root",
         "--max-restarts", "2", "--min-nodes", "1", "-H", "node1:2", "--network-interface", "eth0",
         "--keras", "3",
@@ -125,7 +138,8 @@ def test_every_flag_reaches_the_launch_options():
         timeline_filename="t.json",
         autotune=True,
         autotune_log_file="a.csv", fusion_threshold_mb=32.0, cycle_time_ms=0.5,
-        stall_check_warning_seconds=30, stall_check_shutdown_seconds=90, stall_check=False,
+        hierarchical_allreduce=True, stall_check_warning_seconds=30,
+        stall_check_shutdown_seconds=90, stall_check=False,
         binding_args="--bind-to core", allow_run_as_root=True, dry_run=True,
         skip_preflight=True, hosts="node1:2", network_interface="eth0", keras="3")
     defaults = parse_options(["hvdtrain.cnn"], "doc")
@@ -574,12 +588,17 @@ def test_a_stop_signal_during_the_preflight_probe_stops_the_launcher_in_one_line
 def test_mpirun_outside_slurm_passes_the_users_environment_on_but_not_who_it_is():
     shell = {"FOO": "1", "PATH": "/bin", "OLDPWD": "/x", "BASH_FUNC_f%%": "() { :; }",
              "OMPI_COMM_WORLD_RANK": "0", "PMIX_RANK": "0", "SLURM_PROCID": "0",
-             "HOROVOD_RANK": "0", "OMPI_ALLOW_RUN_AS_ROOT": "1"}
+             "HOROVOD_RANK": "0", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1",
+             "OMPI_ALLOW_RUN_AS_ROOT": "1",
+             # The user's horovod and NCCL tuning goes to every rank; which GPUs this host
+             # shows (here: none, hidden on purpose) stays home, as under horovodrun.
+             "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "NCCL_IB_HCA": "mlx5_0",
+             "CUDA_VISIBLE_DEVICES": ""}
     argv = build_launch(options(via="mpirun", hosts="node1:2,node2:2", fusion_threshold_mb=32),
                         None, gpus=0, environment=shell).argv
     exported = [argv[i + 1] for i, arg in enumerate(argv) if arg == "-x"]
-    assert exported == ["FOO", "HOROVOD_FUSION_THRESHOLD", "HVDTRAIN_KERAS",
-                        "OMPI_ALLOW_RUN_AS_ROOT", "PATH"]
+    assert exported == ["FOO", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_HIERARCHICAL_ALLREDUCE",
+                        "HVDTRAIN_KERAS", "NCCL_IB_HCA", "OMPI_ALLOW_RUN_AS_ROOT", "PATH"]
     # Inside an allocation Slurm passes the environment on: only the launcher's own variables.
     inside = build_launch(options(via="mpirun", fusion_threshold_mb=32),
                           allocation(SLURM_JOB_NODELIST="n[1-2]", SLURM_TASKS_PER_NODE="2(x2)"),

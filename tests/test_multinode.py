@@ -782,7 +782,8 @@ def test_the_template_runs_the_ranks_in_the_image(cluster_env, container_image, 
     # The working directory's top directory and the run directory's (under /tmp), each once.
     binds = " ".join(f"--bind={top}" for top in dict.fromkeys([top_directory(REPO), "/tmp"]))
     # Each rank makes ch-run's mount point first (mkdir -p; ch-run 0.31's own mkdir races).
-    assert ("srun --mpi=pmix --ntasks=4 --kill-on-bad-exit=1 sh -c 'mkdir -p "
+    # --cpus-per-task restated from the allocation (srun 22.05-23.02 does not read it).
+    assert ("srun --mpi=pmix --ntasks=4 --cpus-per-task=1 --kill-on-bad-exit=1 sh -c 'mkdir -p "
             '"/var/tmp/$USER.ch/mnt" && exec "$@"\' sh '
             f"ch-run --set-env {binds} --cd={REPO} {container_image} -- python -m "
             f"hvdtrain.script {PROBE}") in output, output[-3000:]

@@ -10,7 +10,7 @@ from hvdtrain import ranklog
 from hvdtrain.errors import EXIT_USAGE, reported, signal_name, stop_status
 from hvdtrain.launch import container, sbatch
 from hvdtrain.launch.console import PROGRAM, error, say
-from hvdtrain.launch.health_check import health_options, run_health_check
+from hvdtrain.launch.health_check import health_options, health_seconds, run_health_check
 from hvdtrain.launch.network import local_host_names, network_interfaces
 from hvdtrain.launch.options import check_options, is_script_path, parse_options, run_dir_of
 from hvdtrain.launch.paths import build_launch, describe, job_hosts
@@ -83,7 +83,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             gpus_per_node = (allocation.gpus_per_host if allocation and allocation.gpus_per_host
                              is not None else gpus)
             status = run_health_check(
-                launch_for(health_options(options, gpus_per_node), allocation), signals)
+                launch_for(health_options(options, gpus_per_node), allocation), signals,
+                health_seconds(gpus_per_node, os.environ), gpus_per_node)
         if not (status or options.health_check_only):
             status = run_attempts(launch, options.max_restarts, signals,
                                   rank_zero_of(options, allocation),

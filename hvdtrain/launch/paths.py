@@ -22,9 +22,11 @@ from hvdtrain.launch.options import (LaunchOptions, host_slots, parse_hosts, pro
 from hvdtrain.launch.slurm import Allocation
 from hvdtrain.launcher_env import is_identity
 
-#: Variables of the user's shell never passed on to remote ranks (as horovodrun leaves them out):
-#: bash's exported functions and the previous directory.
-_NOT_FORWARDED = re.compile(r"BASH_FUNC_.*|OLDPWD")
+#: Variables of the launcher's environment never passed on to remote ranks, as horovodrun leaves
+#: them out (horovod/runner/common/util/env.py): bash's exported functions, the previous
+#: directory, horovodrun's own secret, and which GPUs this host shows: every host has its own
+#: (a launcher shell that hides its GPUs with CUDA_VISIBLE_DEVICES="" would hide every host's).
+_NOT_FORWARDED = re.compile(r"BASH_FUNC_.*|OLDPWD|_HOROVOD_SECRET_KEY|.*CUDA_VISIBLE_DEVICES")
 
 
 @dataclass(frozen=True)
@@ -127,10 +129,16 @@ def srun_command(plan: Plan) -> list[str]:
     hosts = ([f"--nodes={len(plan.allocation.hosts)}",
               f"--nodelist={','.join(plan.allocation.hosts)}", "--overlap"]
              if plan.allocation.dropped else [])
+    # Each rank its allocation's cores: srun 22.05-23.02 does not take --cpus-per-task from
+    # SLURM_CPUS_PER_TASK (Slurm 22.05's release notes; 23.11 restored it), and a step without
+    # it binds each task to one core, which then decodes the data for a whole GPU.
+    cpus = plan.allocation.cpus_per_task
+    per_task = ([f"--cpus-per-task={cpus}"] if cpus and not any(
+        arg.startswith(("--cpus-per-task", "-c")) for arg in plan.binding) else [])
     # A rank that dies must end the step: by default srun lets the others run on, and they
     # would wait in their next allreduce forever.
-    return ["srun", "--mpi=pmix", *hosts, f"--ntasks={plan.np}", "--kill-on-bad-exit=1",
-            *plan.binding, *flags, *program]
+    return ["srun", "--mpi=pmix", *hosts, f"--ntasks={plan.np}", *per_task,
+            "--kill-on-bad-exit=1", *plan.binding, *flags, *program]
 
 
 #: --via NAME -> the function that writes its command.
@@ -217,6 +225,8 @@ def horovod_tuning_env(options: LaunchOptions) -> dict[str, str]:
         env["HOROVOD_FUSION_THRESHOLD"] = str(int(options.fusion_threshold_mb * 1024 * 1024))
     if options.cycle_time_ms is not None:
         env["HOROVOD_CYCLE_TIME"] = f"{options.cycle_time_ms:g}"
+    if options.hierarchical_allreduce:
+        env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
     if not options.stall_check:
         env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
     if options.stall_check_warning_seconds is not None:

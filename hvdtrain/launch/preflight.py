@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from hvdtrain.errors import UserError, rebuild_the_stack
-from hvdtrain.gpus import cpu_allowed, given_gpus, not_seen
+from hvdtrain.gpus import cpu_allowed, given_gpus, not_seen, visible_devices
 from hvdtrain.launch.probe import ask
 from hvdtrain.launch.options import LaunchOptions
 from hvdtrain.launch.slurm import Allocation
@@ -76,7 +76,7 @@ def count_gpus_without_tensorflow() -> int:
     """This machine's NVIDIA GPUs, for --skip-preflight (the probe otherwise asks TensorFlow)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() not in ("", "-1")])
+        return len(visible_devices(visible))
     try:
         listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):

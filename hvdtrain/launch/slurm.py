@@ -114,6 +114,8 @@ class Allocation:
     dropped: tuple[str, ...] = ()
     """Hosts of the job left out (--min-nodes: they stopped answering); the launch paths then
     name the hosts they use, since srun and mpirun would otherwise take the whole job's."""
+    cpus_per_task: int | None = None
+    """The cores the job asked for each task (SLURM_CPUS_PER_TASK), None when it did not say."""
 
     @property
     def num_tasks(self) -> int:
@@ -142,7 +144,9 @@ class Allocation:
         if len(slots) != len(hosts):
             raise UserError(f"Slurm lists {len(hosts)} host(s) ({nodelist}) but task counts for "
                             f"{len(slots)} ({tasks_value})")
-        return cls(tuple(hosts), tuple(slots), gpus_from_env(env), env.get("SLURM_JOB_ID"))
+        cpus = env.get("SLURM_CPUS_PER_TASK", "")
+        return cls(tuple(hosts), tuple(slots), gpus_from_env(env), env.get("SLURM_JOB_ID"),
+                   cpus_per_task=int(cpus) if cpus.isdigit() else None)
 
     def host_slots(self) -> str:
         """horovodrun/mpirun -H syntax: 'node1:4,node2:4'."""

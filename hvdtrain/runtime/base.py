@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable, Sequence, TypeVar
 
 from hvdtrain.errors import RankError, UserError
-from hvdtrain.gpus import cpu_allowed, given_gpus, not_seen
+from hvdtrain.gpus import cpu_allowed, given_gpus, gpu_of_its_own, not_seen
 
 T = TypeVar("T")
 
@@ -83,8 +83,7 @@ def choose_gpu(num_visible_gpus: int, local_rank: int, local_size: int,
         return None
     if local_rank < num_visible_gpus:
         return local_rank
-    isolated = cuda_visible_devices is not None and len(cuda_visible_devices.split(",")) == 1
-    if num_visible_gpus == 1 and isolated:
+    if num_visible_gpus == 1 and gpu_of_its_own(cuda_visible_devices):
         return 0
     raise RankError(
         f"local rank {local_rank} has no GPU: this node shows {num_visible_gpus} GPU(s) to "

@@ -138,6 +138,13 @@ class HorovodRuntime(Runtime):
         # checkpoint and plot between epochs; the variable (or the launcher's
         # --stall-check-shutdown-seconds) overrides it.
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(STALL_SHUTDOWN_SECONDS))
+        # Checked copies into and out of the fusion buffer on GPU ranks: horovod 0.28.1 does not
+        # check its own CUDA kernel launches (the checks in gpu_operations.cc are commented out,
+        # horovod#2230), so a batched-copy kernel that cannot run on this GPU or driver (ours
+        # are built for compute capability 7.5/8.0/9.0 with CUDA 13) would leave stale memory
+        # for NCCL to average, without an error. cudaMemcpyAsync is checked. CPU ranks never
+        # copy through it; set the variable to 1 to take horovod's batched kernel again.
+        os.environ.setdefault("HOROVOD_BATCH_D2D_MEMCOPIES", "0")
         # Horovod: start the MPI/Gloo controller; it learns rank and size from the launcher.
         hvd_tf.init()
         world = World(rank=hvd_tf.rank(), local_rank=hvd_tf.local_rank(), size=hvd_tf.size(),
@@ -214,6 +221,11 @@ class HorovodRuntime(Runtime):
         """Average a tensor over ranks (used by the allreduce benchmark)."""
         compression = hvd_tf.Compression.fp16 if fp16_compression else hvd_tf.Compression.none
         return hvd_tf.allreduce(tensor, op=hvd_tf.Average, compression=compression, name=name)
+
+    def grouped_allreduce(self, tensors: list, *, name: str | None = None) -> list:
+        """Average several tensors over ranks as one group: horovod fuses them into one
+        buffer (the health check's value check of that path)."""
+        return hvd_tf.grouped_allreduce(tensors, op=hvd_tf.Average, name=name)
 
     def allreduce_transport(self) -> str:
         """What carries this rank's allreduce: horovod sends GPU tensors through NCCL when it
