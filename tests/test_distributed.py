@@ -53,6 +53,14 @@ def test_the_world_is_what_the_launcher_started(runtime):
     assert [w.is_chief for w in worlds].count(True) == 1
 
 
+def test_ranks_copy_through_horovods_fusion_buffer_with_checked_copies(runtime):
+    # Set before hvd.init() unless the user did (tests/conftest.py leaves it unset): on a GPU
+    # rank horovod then copies with cudaMemcpyAsync, which is checked, instead of its own
+    # unchecked batched kernel (horovod#2230).
+    values = gather_checked(runtime, lambda: os.environ.get("HOROVOD_BATCH_D2D_MEMCOPIES"))
+    assert values == ["0"] * LAUNCHED_RANKS
+
+
 @multi_rank
 def test_shards_are_disjoint_and_cover_the_training_set(runtime):
     listing = list_data(ImageConfig())
