@@ -140,7 +140,7 @@ def image_data(config: TrainConfig, runtime: Runtime, timeline: Timeline
         validation_batch_size=validation_batch_size,
         validation_steps=plan.validation_steps, seed=config.seed, cache=cache,
         tfrecord_sharding=config.tfrecord_sharding, augment=config.augment,
-        threads=runtime.devices.threads)
+        threads=runtime.devices.threads, prefetch_to=runtime.devices.prefetch_to)
     return plan, datasets, (*listing.notes, cache.describe())
 
 

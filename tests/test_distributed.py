@@ -168,13 +168,19 @@ def test_resume_continues_at_the_next_epoch_with_the_optimizer_state(runtime, sh
 
 
 def test_compression_accumulation_and_mixed_precision_keep_ranks_in_step(runtime, shared_dir):
+    """The settings of a GPU job, with its batches prefetched to a device as a GPU rank's are
+    (runtime.base.configure_devices: prefetch_to its GPU; here the CPU device, the same
+    transformation through the same Keras fit)."""
     config = config_in(shared_dir, epochs=2, steps_per_epoch=4, fp16_allreduce=True,
                        grad_accum_steps=2, precision="mixed_float16", export=False)
 
     def run():
+        devices = runtime.devices
+        runtime.devices = dataclasses.replace(devices, prefetch_to="/cpu:0")
         try:
             result = train.run("test", config, runtime, CLASSIFIER)
         finally:
+            runtime.devices = devices
             keras.mixed_precision.set_global_policy("float32")  # global: don't leak it
         schedule = train.learning_rate_schedule(result.plan, config.lr_decay)
         return (state_of(result.model), [row["loss"] for row in result.rows],

@@ -102,7 +102,8 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                     validation_batch_size: int, validation_steps: int, seed: int,
                     cache: CacheChoice = CacheChoice("memory", "default"),
                     tfrecord_sharding: str = "file", augment: bool = False,
-                    threads: int | None = None) -> ImageDatasets:
+                    threads: int | None = None, prefetch_to: str | None = None
+                    ) -> ImageDatasets:
     """``batch_size`` and ``validation_batch_size`` are what this process feeds per step: a
     worker's batch for a horovod rank, all of its replicas' batches under a tf.distribute
     strategy (Keras splits them).
@@ -110,7 +111,9 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     Training data is shuffled *before* decoding (positions in the file list, or encoded records),
     so the first step waits for one batch of decodes, not a decoded shuffle buffer, whatever the
     data set's size; once stored, every pass is a new permutation of the store. ``augment``:
-    random-resized crops and flips after the store (augment.py).
+    random-resized crops and flips after the store (augment.py). ``prefetch_to``: the device
+    training batches are prefetched to (a GPU rank's GPU), so that each batch's copy from host
+    memory overlaps the step before it instead of starting it.
     """
     import tensorflow as tf
 
@@ -191,6 +194,11 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         options.threading.private_threadpool_size = max(2, threads)
     train = train.with_options(options)
     validation = validation.with_options(options) if validation is not None else None
+    if prefetch_to:
+        # Last, as tf.data requires. Training batches only: their dataset is endless and Keras
+        # stops it by steps, while the copy loses the validation set's asserted length, which
+        # Keras 3 reads (see above); a validation pass is short and off the training step.
+        train = train.apply(tf.data.experimental.prefetch_to_device(prefetch_to))
     return ImageDatasets(train, validation, listing.description, image_shape=listing.image_shape,
                          class_names=listing.class_names, decode_failures=tuple(failures),
                          cache=cache, pipeline_state=(*state, *stores))

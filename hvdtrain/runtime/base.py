@@ -133,6 +133,9 @@ class Devices:
     """One line for the start-up banner."""
     threads: int | None = None
     """This process's share of CPU threads (sizes the input pipeline too); None: TF's default."""
+    prefetch_to: str | None = None
+    """The device the input pipeline leaves each batch on (a GPU rank's own GPU, so the copy
+    overlaps the step before it); None: host memory."""
 
 
 def configure_devices(world: World, threads_per_worker: int | None,
@@ -154,24 +157,29 @@ def configure_devices(world: World, threads_per_worker: int | None,
         raise error(not_seen(given, tf.__version__, tf.test.is_built_with_cuda()))
     index = choose_gpu(len(gpus), world.local_rank, world.local_size,
                        os.environ.get("CUDA_VISIBLE_DEVICES"))
+    cores = os.cpu_count() or 1
+    if threads_per_worker is not None and threads_per_worker > cores:
+        # More threads than cores only contend (100,000 once made 30k threads and 15 GB
+        # before a step). This node's own count: nodes differ, so this rank's line.
+        raise RankError(f"--threads-per-worker {threads_per_worker} is more than this "
+                        f"node's {cores} core(s)")
+    # This rank's share of the node's cores, GPU or not: on a GPU rank TensorFlow would size
+    # its pools (and the input pipeline's) to every core of the node, 4 ranks to 4x the cores.
+    threads = threads_per_worker or cpu_threads_per_local_rank(
+        local_cpu_sets or [os.sched_getaffinity(0)])[world.local_rank]
     try:
-        if index is not None:
-            # One GPU per rank; memory growth so a rank never grabs memory it doesn't use.
-            tf.config.experimental.set_memory_growth(gpus[index], True)
-            tf.config.set_visible_devices(gpus[index], "GPU")
-            return Devices("gpu", f"GPU {index} of {len(gpus)}")
-        cores = os.cpu_count() or 1
-        if threads_per_worker is not None and threads_per_worker > cores:
-            # More threads than cores only contend (100,000 once made 30k threads and 15 GB
-            # before a step). This node's own count: nodes differ, so this rank's line.
-            raise RankError(f"--threads-per-worker {threads_per_worker} is more than this "
-                            f"node's {cores} core(s)")
-        threads = threads_per_worker or cpu_threads_per_local_rank(
-            local_cpu_sets or [os.sched_getaffinity(0)])[world.local_rank]
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         # Ops mostly run one after another in a small model; more inter-op threads than cores
         # only adds contention between ranks sharing the node.
         tf.config.threading.set_inter_op_parallelism_threads(threads)
+        if index is not None:
+            # One GPU per rank; memory growth so a rank never grabs memory it doesn't use.
+            tf.config.experimental.set_memory_growth(gpus[index], True)
+            tf.config.set_visible_devices(gpus[index], "GPU")
+            # The only GPU this process now sees is /gpu:0: batches are prefetched there, so
+            # each one's copy from host memory overlaps the step before it.
+            return Devices("gpu", f"GPU {index} of {len(gpus)}, {threads} CPU thread(s)",
+                           threads, prefetch_to="/gpu:0")
         return Devices("cpu", f"CPU, {threads} thread(s)", threads)
     except RuntimeError:  # TensorFlow already initialised in this process: keep its settings
         kind = "gpu" if tf.config.get_visible_devices("GPU") else "cpu"
