@@ -201,6 +201,13 @@ if [[ -z $flavor ]]; then
     flavor=gpu; flavor_reason="$gpu_reason (HVDTRAIN_TF_FLAVOR=cpu installs CPU TensorFlow)"
   else
     flavor=cpu; flavor_reason=$gpu_reason
+    # A login node without a GPU, in a cluster with GPU nodes: the shared venv would get the CPU
+    # wheel and the first GPU job would stop (in one line) one round trip later. Say so now.
+    cluster_gpus=$(command -v sinfo >/dev/null 2>&1 && timeout 20 sinfo -h -o %G 2>/dev/null |
+                   grep -o 'gpu[^ ,(]*' | sort -u | paste -sd, -) || true
+    if [[ -n $cluster_gpus ]]; then
+      flavor_reason+="; but this Slurm cluster has GPU nodes (sinfo: $cluster_gpus): for their jobs install with HVDTRAIN_TF_FLAVOR=gpu make install (here or on a GPU node)"
+    fi
   fi
 fi
 

@@ -207,12 +207,19 @@ def test_installing_an_extra_never_brings_another_tensorflow(tmp_path, extra):
 def test_install_picks_the_gpu_flavor_on_a_gpu_machine(tmp_path, gpu_machine, flavor):
     # nvidia-smi answering `-L` with a GPU is what a GPU node shows; this machine has none, so
     # a stand-in answers (what is tested is install.sh's choice, shown by its plan, not CUDA).
+    # On the machine without one, sinfo answers as a login node's does in a cluster with GPU
+    # partitions (one GRES line per partition).
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     if gpu_machine:
         (bin_dir / "nvidia-smi").write_text(
             "#!/bin/sh\necho 'GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-5a1c)'\n")
         (bin_dir / "nvidia-smi").chmod(0o755)
+    else:
+        (bin_dir / "sinfo").write_text(
+            "#!/bin/sh\n[ \"$*\" = '-h -o %G' ] || exit 1\n"
+            "printf '(null)\\ngpu:a100:4(S:0-1)\\ngpu:h100:8\\n'\n")
+        (bin_dir / "sinfo").chmod(0o755)
     env = {k: v for k, v in clean_env(HVDTRAIN_INSTALL_PLAN="1").items()
            if k != "HVDTRAIN_TF_FLAVOR"}
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
@@ -225,6 +232,9 @@ def test_install_picks_the_gpu_flavor_on_a_gpu_machine(tmp_path, gpu_machine, fl
                                    else "tensorflow-cpu==2.21.0"), facts
     if gpu_machine:
         assert "nvidia-smi" in facts["flavor"] and "HVDTRAIN_TF_FLAVOR=cpu" in facts["flavor"]
+    else:
+        assert ("but this Slurm cluster has GPU nodes (sinfo: gpu:a100:4,gpu:h100:8): for their "
+                "jobs install with HVDTRAIN_TF_FLAVOR=gpu make install") in facts["flavor"], facts
     # An explicit flavor wins, and the wheel's cache key names TensorFlow and the patches.
     explicit = subprocess.run(["bash", str(REPO / "scripts" / "install.sh")], capture_output=True,
                               text=True, timeout=60, env={**env, "HVDTRAIN_TF_FLAVOR": "cpu",
