@@ -266,7 +266,28 @@ def report(toolchain: Toolchain) -> int:
     return 0
 
 
+def build_record(build_env: Mapping[str, str]) -> dict:
+    """What a GPU build of horovod needs of a node, from its build variables: the CUDA release
+    its device code was compiled with (which sets the oldest driver that runs it) and the
+    compute capabilities it has code for (None: nvcc's default, not recorded). Installed beside
+    horovod's TensorFlow extension as ``hvdtrain-gpu-build.json``; the launcher's preflight
+    holds it against ``nvidia-smi`` (hvdtrain.gpus.gpu_build_problems)."""
+    home = build_env.get("HOROVOD_CUDA_HOME") or build_env.get("CUDAToolkit_ROOT") or ""
+    release = nvcc_release(os.path.join(home, "bin", "nvcc")) if home else None
+    architectures = build_env.get("HOROVOD_BUILD_CUDA_CC_LIST")
+    return {"cuda": f"{release[0]}.{release[1]}" if release else None,
+            "architectures": [int(cc) for cc in architectures.split(",")] if architectures
+            else None}
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--record"] and len(argv) >= 2:  # --record OUT [VAR=VALUE ...]
+        import json
+
+        build_env = dict(arg.split("=", 1) for arg in argv[2:] if "=" in arg)
+        with open(argv[1], "w") as out:
+            json.dump(build_record(build_env), out)
+        return 0
     if argv[:1] == ["--from-wheels"] and len(argv) == 2:
         import sysconfig
 

@@ -95,13 +95,34 @@ build_horovod() {
          cp "$build_dir/build.log" "$kept_log"
          grep -E -m 20 "CMake Error|error:" "$build_dir/build.log" >&2 || tail -n 40 "$build_dir/build.log" >&2
          die "horovod build failed (above: its first errors; the whole log: $kept_log)"; }
+  # What the GPU build needs of a node (its CUDA release, its compute capabilities), kept with
+  # the wheel and installed beside horovod's extension: the launcher's preflight reads it.
+  if [[ $build_flavor == gpu ]]; then
+    "$build_python" "$repo_root/scripts/gpu_toolchain.py" --record "$build_dir/gpu-build.json" "$@" \
+      || die "could not record what horovod's GPU build needs"
+  fi
   # Publish atomically: a crash mid-build never leaves a half-written wheel in the cache.
   mkdir -p "$wheel_cache"
   local staging
   staging=$(mktemp -d "$wheel_cache/.staging.XXXXXX")
   cp "$build_dir"/horovod-*.whl "$staging/"
+  [[ -f $build_dir/gpu-build.json ]] && cp "$build_dir/gpu-build.json" "$staging/"
   rm -rf "$wheel_dir"
   mv "$staging" "$wheel_dir"
+}
+
+# What a GPU build needs of a node (build_horovod's gpu-build.json), beside the installed horovod's
+# TensorFlow extension, or nothing for a CPU build: not one of the wheel's files, so pip leaves an
+# earlier flavor's behind; replaced here. install_gpu_record PYTHON WHEEL_DIR
+install_gpu_record() {
+  local tf_dir
+  tf_dir=$("$1" -c 'import importlib.util, os
+print(os.path.join(importlib.util.find_spec("horovod").submodule_search_locations[0], "tensorflow"))') \
+    || die "cannot find the horovod $1 installed"
+  rm -f "$tf_dir/hvdtrain-gpu-build.json"
+  if [[ -f $2/gpu-build.json ]]; then
+    cp "$2/gpu-build.json" "$tf_dir/hvdtrain-gpu-build.json"
+  fi
 }
 
 # horovod's wheel is only valid for the exact TensorFlow build it was compiled against and the
@@ -171,6 +192,7 @@ PY
     "$python" -m pip --disable-pip-version-check --quiet install --no-deps "$stack_wheels"/horovod-*.whl \
         2> >(grep -v "^WARNING: Location '.*' is ignored" >&2) \
       || die "pip could not install the horovod it built into $python's environment"
+    install_gpu_record "$python" "$stack_wheels"
   fi
   # One build check as horovodrun makes it: a horovod built here (patch 0004) records its answers,
   # which spares every later horovodrun start a TensorFlow import; any other horovod just answers.
@@ -330,6 +352,7 @@ if [[ $(installed_version horovod) != "$HOROVOD_VERSION" || $(cat "$horovod_key_
   build_horovod "$venv/bin/python" "$flavor" "$cached_wheel_dir" "$tf_distribution $TF_VERSION" \
     "${gpu_build_env[@]}"
   pip install "${constraints[@]}" --force-reinstall --no-deps "$cached_wheel_dir"/horovod-*.whl
+  install_gpu_record "$venv/bin/python" "$cached_wheel_dir"
   printf '%s\n' "$key" >"$horovod_key_file"
 fi
 

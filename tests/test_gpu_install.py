@@ -9,6 +9,7 @@ CUDA build. Pure tests: under ``mpirun -np 2 pytest`` both ranks run them alone.
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -225,3 +226,17 @@ def test_the_script_prints_horovods_build_variables_for_install_sh(tmp_path):
                                           f"HOROVOD_NCCL_LIB={nccl}/lib",
                                           "HOROVOD_NCCL_LINK=SHARED"]
     assert result.stderr.startswith("[install] gpu: CUDA 12.4")
+
+
+def test_the_build_records_what_it_needs_of_a_node(tmp_path):
+    """install.sh keeps gpu-build.json with the wheel and installs it beside horovod's extension;
+    the launcher's preflight holds it against nvidia-smi (tests/test_gpus.py)."""
+    cuda = fake_cuda(tmp_path / "cuda", release="13.0")
+    out = tmp_path / "gpu-build.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--record", str(out),
+                    f"HOROVOD_CUDA_HOME={cuda}", "HOROVOD_BUILD_CUDA_CC_LIST=75,80,90",
+                    "LDFLAGS=-Wl,-rpath,$ORIGIN/x"], check=True, timeout=60)
+    assert json.loads(out.read_text()) == {"cuda": "13.0", "architectures": [75, 80, 90]}
+    # The node's own toolkit with nvcc's default architectures: the release alone.
+    assert gpu_toolchain.build_record({"HOROVOD_CUDA_HOME": str(fake_cuda(tmp_path / "c12"))}) \
+        == {"cuda": "12.4", "architectures": None}

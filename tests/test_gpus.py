@@ -7,10 +7,16 @@ they stop in one line before anything is written, and that the opt-out trains an
 """
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 import pytest
 
 from conftest import VENV_BIN, clean_env, integration, mpirun_job, one_error, run_job
-from hvdtrain.gpus import ALLOW_CPU, given_gpus, gpu_of_its_own, not_seen, visible_devices
+from hvdtrain.gpus import (ALLOW_CPU, GPU_BUILD_RECORD, given_gpus, gpu_build_problems,
+                           gpu_of_its_own, not_seen, runs_on, visible_devices)
+from hvdtrain.launch import probe as probe_module
 from hvdtrain.launch.options import LaunchOptions
 from hvdtrain.launch.preflight import Build, count_gpus_without_tensorflow, preflight
 
@@ -105,3 +111,71 @@ def test_ranks_given_gpus_on_cpu_tensorflow_stop_in_one_line_and_the_opt_out_tra
                        "--no-tensorboard", "--run-dir", str(run_dir)], timeout=180,
                       env=clean_env(**GPU_ALLOCATION, **{ALLOW_CPU: "1"}))
     assert "CPU, " in allowed.stdout and (run_dir / "metrics.json").exists(), allowed.stdout[-2000:]
+
+
+#: What the from-wheels GPU build records (scripts/gpu_toolchain.py: CUDA 13's nvcc, 7.5/8.0/9.0).
+WHEEL_BUILD = {"cuda": "13.0", "architectures": [75, 80, 90]}
+
+
+@pytest.mark.parametrize("capability, runs", [
+    ("7.0", False), ("6.0", False),  # V100, P100: older than any code in the build
+    ("7.5", True), ("8.0", True), ("8.6", True), ("8.9", True), ("9.0", True),
+    ("10.0", True), ("12.0", True),  # Blackwell: 9.0's PTX, compiled by the driver
+])
+def test_which_gpus_the_build_has_code_for(capability, runs):
+    assert runs_on(WHEEL_BUILD["architectures"], capability) is runs
+
+
+def test_a_driver_or_gpu_the_build_cannot_run_on_is_one_line_each():
+    # nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader, as on nodes
+    # with an R580 driver and A100s, an R550 driver, and V100s.
+    a100s = ["NVIDIA A100-SXM4-80GB, 580.65.06, 8.0"] * 4
+    assert gpu_build_problems(WHEEL_BUILD, a100s) == []
+    [old] = gpu_build_problems(WHEEL_BUILD, ["NVIDIA H100 80GB HBM3, 550.54.15, 9.0"] * 8)
+    assert old.startswith("the NVIDIA driver 550.54.15 is older than horovod's GPU build needs "
+                          "(CUDA 13.0: driver 580 or newer)"), old
+    [v100] = gpu_build_problems(WHEEL_BUILD, ["Tesla V100-SXM2-32GB, 580.65.06, 7.0"] * 4)
+    assert v100.startswith("Tesla V100-SXM2-32GB (compute capability 7.0) has no code in "
+                           "horovod's GPU build (built for 7.5, 8.0, 9.0)"), v100
+    assert len(gpu_build_problems(WHEEL_BUILD, ["Tesla V100, 550.1, 7.0"])) == 2
+    # A build on the node's own toolkit with nvcc's default architectures: the driver alone.
+    assert gpu_build_problems({"cuda": "12.4", "architectures": None},
+                              ["Tesla V100, 535.1, 7.0"]) == []
+    assert gpu_build_problems(WHEEL_BUILD, ["garbled"]) == []
+
+
+def test_preflight_refuses_a_gpu_build_the_node_cannot_run():
+    options = LaunchOptions(program="hvdtrain.cnn")
+    build = Build(tensorflow=True, mpi=True, gloo=True, nccl=True, gpus=4, cuda=True,
+                  gpu_build=WHEEL_BUILD,
+                  nvidia_gpus=("Tesla V100-SXM2-32GB, 535.104.05, 7.0",) * 4)
+    problems = preflight(build, None, 4, options, running_as_root=False, env=GPU_ALLOCATION)
+    assert len(problems) == 2 and "driver 535.104.05 is older" in problems[0], problems
+    fine = Build(tensorflow=True, mpi=True, gloo=True, nccl=True, gpus=4, cuda=True,
+                 gpu_build=WHEEL_BUILD, nvidia_gpus=("NVIDIA A100, 580.65.06, 8.0",) * 4)
+    assert preflight(fine, None, 4, options, running_as_root=False, env=GPU_ALLOCATION) == []
+
+
+def test_the_probe_reads_the_builds_record_and_asks_nvidia_smi(tmp_path, monkeypatch):
+    """The launcher's probe, in the ranks' interpreter: horovod's GPU record beside its
+    TensorFlow extension, and nvidia-smi's answer (a stand-in answering as a node with two A100s
+    does: this machine has none)."""
+    package = tmp_path / "site" / "horovod"
+    (package / "tensorflow").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        "#!/bin/sh\n[ \"$*\" = '--query-gpu=name,driver_version,compute_cap "
+        "--format=csv,noheader' ] || exit 6\n"
+        "printf 'NVIDIA A100-SXM4-80GB, 580.65.06, 8.0\\nNVIDIA A100-SXM4-80GB, 580.65.06, 8.0\\n'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for name in [name for name in sys.modules if name == "horovod" or name.startswith("horovod.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert probe_module.gpu_build() == {}  # a CPU build: no record
+    (package / "tensorflow" / GPU_BUILD_RECORD).write_text(json.dumps(WHEEL_BUILD))
+    assert probe_module.gpu_build() == {
+        "gpu_build": WHEEL_BUILD,
+        "nvidia_gpus": ["NVIDIA A100-SXM4-80GB, 580.65.06, 8.0"] * 2}

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from hvdtrain.errors import UserError, rebuild_the_stack
-from hvdtrain.gpus import cpu_allowed, given_gpus, not_seen, visible_devices
+from hvdtrain.gpus import (cpu_allowed, given_gpus, gpu_build_problems, not_seen,
+                           visible_devices)
 from hvdtrain.launch.probe import ask
 from hvdtrain.launch.options import LaunchOptions
 from hvdtrain.launch.slurm import Allocation
@@ -37,6 +38,11 @@ class Build:
     asked: str = "tensorflow"
     """Where the answer came from: "record" (horovod's build record, TensorFlow without GPU
     support: nothing imported) or "tensorflow" (imported)."""
+    gpu_build: dict | None = None
+    """What horovod's GPU build needs of a node (hvdtrain.gpus.GPU_BUILD_RECORD); None for a
+    CPU build."""
+    nvidia_gpus: tuple[str, ...] = ()
+    """nvidia-smi's line for each GPU of this node (hvdtrain.gpus.NVIDIA_SMI_QUERY)."""
 
 
 def probe(python: str, module: str | None, *, build: bool,
@@ -69,7 +75,10 @@ def probe(python: str, module: str | None, *, build: bool,
     if module and answers["module"]["missing"]:
         raise UserError(f"no module named {module!r} in the ranks' Python ({python}): check the "
                         "name, or pass a script path")
-    return Build(**answers["build"]) if build else None
+    if not build:
+        return None
+    return Build(**{**answers["build"], "nvidia_gpus": tuple(answers["build"].get("nvidia_gpus",
+                                                                                 ()))})
 
 
 def count_gpus_without_tensorflow() -> int:
@@ -113,6 +122,10 @@ def preflight(build: Build, allocation: Allocation | None, np: int | None,
                             "GPU(s) per node; use --ntasks-per-node <= --gres=gpu:N")
     elif np is not None and build.gpus and np > build.gpus:
         problems.append(f"--np {np} but this machine has {build.gpus} GPU(s); one rank per GPU")
+    if build.gpu_build and build.gpus:
+        # horovod checks none of its own kernel launches: a build this node cannot run would
+        # average stale memory without an error (docs/install.md).
+        problems += gpu_build_problems(build.gpu_build, build.nvidia_gpus)
     given = given_gpus(env)
     if build.tensorflow and not build.gpus and given and not cpu_allowed(env):
         # TensorFlow's count, not Slurm's: the ranks would train on the CPU without a word.

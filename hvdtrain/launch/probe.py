@@ -31,11 +31,14 @@ def build() -> dict:
     is a build without CUDA or ROCm, which lists no GPU whatever the node has. A GPU build (only
     TensorFlow itself can say which GPUs it can use), or no current record, imports it once.
     """
+    recorded = recorded_build()
+    return {**(recorded if recorded is not None else imported_build()), **gpu_build()}
+
+
+def imported_build() -> dict:
+    """``build``'s answer from TensorFlow and horovod themselves (both imported)."""
     from hvdtrain.errors import first_line
 
-    recorded = recorded_build()
-    if recorded is not None:
-        return recorded
     result = {"tensorflow": False, "mpi": False, "gloo": False, "gpus": 0, "asked": "tensorflow"}
     try:
         import tensorflow as tf
@@ -49,6 +52,29 @@ def build() -> dict:
     except Exception as error:  # any import failure is the answer, reported by the launcher
         result["error"] = f"{type(error).__name__}: {first_line(error)}"
     return result
+
+
+def gpu_build() -> dict:
+    """What horovod's GPU build needs (its record, ``hvdtrain.gpus.GPU_BUILD_RECORD``) and what
+    this node's ``nvidia-smi`` says of its GPUs; {} for a CPU build (no record). Read, not
+    imported: the launcher's preflight holds one against the other."""
+    from hvdtrain.gpus import GPU_BUILD_RECORD, NVIDIA_SMI_QUERY
+
+    horovod = importlib.util.find_spec("horovod")
+    if horovod is None or not horovod.submodule_search_locations:
+        return {}
+    path = os.path.join(horovod.submodule_search_locations[0], "tensorflow", GPU_BUILD_RECORD)
+    try:
+        with open(path) as record_file:
+            record = json.load(record_file)
+    except (OSError, ValueError):
+        return {}
+    try:
+        listing = subprocess.run(NVIDIA_SMI_QUERY, capture_output=True, text=True, timeout=30)
+        gpus = listing.stdout.splitlines() if listing.returncode == 0 else []
+    except (OSError, subprocess.TimeoutExpired):
+        gpus = []
+    return {"gpu_build": record, "nvidia_gpus": gpus}
 
 
 def recorded_build() -> dict | None:
