@@ -34,6 +34,7 @@ BatchPolicy = Literal["per-worker", "global"]
 LrScaling = Literal["linear", "sqrt", "none"]
 LrDecay = Literal["cosine", "constant"]
 Precision = Literal["auto", "fp32", "mixed_float16", "mixed_bfloat16"]
+JitCompile = Literal["auto", "on", "off"]
 BadImagePolicy = Literal["skip", "fail"]
 TfrecordSharding = Literal["file", "example"]
 EmbeddedData = Literal["digits", "synthetic"]
@@ -122,6 +123,11 @@ class TrainConfig:
     steps_per_execution: int | None = None
     """Batches run per call into the compiled train function (Keras steps_per_execution). Default:
     32 on TPU, 1 elsewhere."""
+    jit_compile: JitCompile = "auto"
+    """Compile the training step with XLA. 'auto' is Keras' own choice: on where TensorFlow lists
+    a GPU (Keras 3; tf_keras compiles the optimizer's update only), off on CPU. Under horovod the
+    forward and backward pass and the update are compiled and the gradients' average runs
+    between them, outside XLA (its ops have no XLA kernel). 'on' on Keras 3 only."""
     keras: KerasVersion = dataclasses.field(default_factory=selected_keras)
     """The Keras the job runs on: '2' (tf_keras, with horovod's Keras API) or '3' (TensorFlow's
     Keras 3, with hvdtrain's own integration on horovod's collectives). Chosen when hvdtrain is

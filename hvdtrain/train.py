@@ -572,6 +572,12 @@ def rank_log_header(program: str, world) -> str:
             f"{os.getpid()}, started {datetime.datetime.now().isoformat(timespec='seconds')}")
 
 
+#: --jit-compile as each Keras' compile takes it. "auto" is Keras 3's own rule (XLA where
+#: TensorFlow lists a GPU); tf_keras' None compiles the optimizer's update only.
+KERAS_JIT_COMPILE = {"3": {"auto": "auto", "on": True, "off": False},
+                     "2": {"auto": None, "on": True, "off": False}}
+
+
 def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, datasets: Datasets,
                       element_spec, schedule) -> keras.Model:
     """The task's model, its variables and the optimizer's slots created, compiled with the
@@ -602,7 +608,21 @@ def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, dataset
                       metrics=None if weighted else task.metrics(),
                       weighted_metrics=task.metrics() if weighted else None,
                       steps_per_execution=(config.steps_per_execution
-                                           or runtime.default_steps_per_execution()))
+                                           or runtime.default_steps_per_execution()),
+                      jit_compile=KERAS_JIT_COMPILE[KERAS][config.jit_compile])
+        if config.jit_compile == "on" and not model.jit_compile:
+            # Keras only warns, and trains without XLA.
+            raise UserError("--jit-compile on, but a layer of this model says it does not "
+                            "support XLA (supports_jit = False); use --jit-compile auto or off")
+        # Compiled with XLA, the step must not hold the ranks' average (its ops have no XLA
+        # kernel): the runtime splits the step around it.
+        split = runtime.keep_collectives_out_of_xla(model)
+        if model.jit_compile:
+            why = ("Keras' choice: TensorFlow lists a GPU" if config.jit_compile == "auto"
+                   else "--jit-compile on")
+            runtime.print0(f"xla: the training step is compiled ({why})" + (
+                "; the ranks' gradient average runs between its two compiled parts" if split
+                else ""))
         # Create the optimizer's slots now, so a checkpoint restores them immediately and the
         # broadcast in restore_or_start covers them.
         model.optimizer.build(model.trainable_variables)

@@ -17,12 +17,15 @@ import numpy as np
 import pytest
 import keras  # the Keras conftest's hvdtrain import selected
 
+import hvdtrain
+
 from conftest import LAUNCHED_RANKS, assert_same_on_all_ranks, gather_checked, multi_rank
 from hvdtrain import checkpoint, train
 from hvdtrain.cnn import CLASSIFIER
 from hvdtrain.cnn import tiny
 from hvdtrain.config import ImageConfig
 from hvdtrain.data import build_pipelines, list_data
+from hvdtrain.errors import UserError
 from hvdtrain.models.cnn import build_cnn
 from hvdtrain.plan import make_plan
 
@@ -196,6 +199,52 @@ def test_compression_accumulation_and_mixed_precision_keep_ranks_in_step(runtime
     assert iterations == 2 * 4 == plan.total_steps
     assert plan.warmup_steps == 2  # tiny preset: half an epoch
     assert peak_rate == pytest.approx(plan.learning_rate)
+
+
+NO_DROPOUT_MODEL = """
+from hvdtrain.models.cnn import build_cnn
+
+
+def build(input_shape, num_classes):
+    return build_cnn(input_shape, num_classes, dropout=0.0)
+"""
+
+
+def test_xla_compiles_the_step_around_the_ranks_average(runtime, shared_dir):
+    """--jit-compile on with a GPU job's settings (mixed_float16 and its loss scaling, fp16
+    allreduce, gradient accumulation, steps_per_execution): the step is compiled in two parts
+    with horovod's average between them (one XLA function holding it fails at the first step),
+    the ranks stay identical, and the job agrees with --jit-compile off. Without dropout: XLA
+    draws other random numbers than TensorFlow's kernels."""
+    if runtime.world.is_chief:
+        (shared_dir / "no_dropout.py").write_text(NO_DROPOUT_MODEL)
+    runtime.barrier()
+    settings = dict(epochs=1, steps_per_epoch=4, precision="mixed_float16", fp16_allreduce=True,
+                    grad_accum_steps=2, steps_per_execution=2, export=False,
+                    model=f"{shared_dir / 'no_dropout.py'}:build")
+
+    def run(jit_compile):
+        config = config_in(shared_dir / f"jit-{jit_compile}", jit_compile=jit_compile,
+                           **settings)
+        try:
+            result = train.run("test", config, runtime, CLASSIFIER)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")  # global: don't leak it
+        return (bool(result.model.jit_compile), state_of(result.model),
+                result.rows[-1] if result.rows else None,  # rank 0 keeps the metrics
+                int(result.model.optimizer.iterations.numpy()))
+
+    if hvdtrain.KERAS == "2":  # horovod's Keras 2 optimizer averages inside the step: refused
+        refused = gather_checked(runtime, lambda: pytest.raises(UserError, run, "on").value)
+        assert all("--jit-compile on compiles the whole step" in str(e) for e in refused)
+        return
+    off, on = (gather_checked(runtime, lambda: run(jit)) for jit in ("off", "on"))
+    assert [r[0] for r in off] == [False] * LAUNCHED_RANKS
+    assert [r[0] for r in on] == [True] * LAUNCHED_RANKS
+    assert_same_on_all_ranks([r[1] for r in on], "XLA, split around the average")
+    assert on[0][3] == off[0][3] == 4
+    for metric in ("loss", "val_loss"):
+        assert on[0][2][metric] == pytest.approx(off[0][2][metric], rel=0.01), metric
 
 
 def _send_usr1_once_the_run_listens():

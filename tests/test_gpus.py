@@ -13,12 +13,15 @@ import sys
 
 import pytest
 
-from conftest import VENV_BIN, clean_env, integration, mpirun_job, one_error, run_job
+from conftest import (REPO, VENV_BIN, clean_env, integration, mpirun_job, mpirun_ranks, one_error,
+                      run_job)
 from hvdtrain.gpus import (ALLOW_CPU, GPU_BUILD_RECORD, given_gpus, gpu_build_problems,
                            gpu_of_its_own, not_seen, runs_on, visible_devices)
 from hvdtrain.launch import probe as probe_module
 from hvdtrain.launch.options import LaunchOptions
 from hvdtrain.launch.preflight import Build, count_gpus_without_tensorflow, preflight
+
+SCRIPTS = REPO / "tests" / "scripts"
 
 #: What `sbatch --gres=gpu:4` puts in a task's environment on a 4-GPU node.
 GPU_ALLOCATION = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_GPUS_ON_NODE": "4",
@@ -179,3 +182,35 @@ def test_the_probe_reads_the_builds_record_and_asks_nvidia_smi(tmp_path, monkeyp
     assert probe_module.gpu_build() == {
         "gpu_build": WHEEL_BUILD,
         "nvidia_gpus": ["NVIDIA A100-SXM4-80GB, 580.65.06, 8.0"] * 2}
+
+
+#: A GPU job's settings: mixed_float16 (and its loss scaling), float16 on the wire, accumulation
+#: and several steps per call into the compiled function.
+GPU_JOB_FLAGS = ("--preset", "tiny", "--epochs", "1", "--steps-per-epoch", "4",
+                 "--precision", "mixed_float16", "--fp16-allreduce", "--grad-accum-steps", "2",
+                 "--steps-per-execution", "2", "--no-tensorboard", "--no-export")
+
+
+@integration
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("keras", ["3", "2"])
+def test_two_ranks_given_a_gpu_nodes_answer_train(tmp_path, keras):
+    """Keras 3 compiles the step with XLA wherever TensorFlow lists a GPU; given that one answer
+    (tests/scripts/gpu_node_answer.py), 2 real ranks train with the step compiled and horovod's
+    average between its parts, where the whole step compiled failed at its first step
+    ("No registered 'HorovodAllreduce' OpKernel for XLA_CPU_JIT"; XLA_GPU_JIT on a GPU).
+    tf_keras does not compile the step: the same flags train as before."""
+    run_dir = tmp_path / "run"
+    result = run_job([*mpirun_ranks(2), sys.executable, str(SCRIPTS / "gpu_node_answer.py"),
+                      "-m", "hvdtrain.cnn", *GPU_JOB_FLAGS, "--run-dir", str(run_dir)],
+                     timeout=300, check=False, env=clean_env(HVDTRAIN_KERAS=keras))
+    assert result.returncode == 0, result.stdout[-4000:]
+    compiled = [line for line in result.stdout.splitlines() if "xla: " in line]
+    if keras == "3":
+        assert len(compiled) == 1 and compiled[0].endswith(
+            "xla: the training step is compiled (Keras' choice: TensorFlow lists a GPU); the "
+            "ranks' gradient average runs between its two compiled parts"), compiled
+    else:
+        assert compiled == [], compiled
+    rows = json.loads((run_dir / "metrics.json").read_text())
+    assert len(rows) == 1 and rows[0]["loss"] > 0, rows

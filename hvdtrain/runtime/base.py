@@ -208,6 +208,11 @@ class Runtime:
                             f"'{self.world.backend}' (pass --backend horovod)")
         return optimizer
 
+    def keep_collectives_out_of_xla(self, model) -> bool:
+        """After ``compile``: a step Keras compiles with XLA must hold none of this runtime's
+        collectives; whether its step was split around them (nothing to split without any)."""
+        return False
+
     def broadcast_variables(self, variables: list) -> None:
         """Make every rank hold rank 0's values."""
 

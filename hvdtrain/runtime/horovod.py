@@ -176,6 +176,19 @@ class HorovodRuntime(Runtime):
             average_aggregated_gradients=grad_accum_steps > 1,
         )
 
+    def keep_collectives_out_of_xla(self, model) -> bool:
+        if KERAS == "3":
+            # XLA for the step's compute, horovod's average between its two compiled parts.
+            return keras3.keep_collectives_out_of_xla(model)
+        # horovod's Keras 2 optimizer (horovod/_keras: its _allreduce) averages in the step,
+        # under tf_keras' LossScaleOptimizer for mixed_float16.
+        optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        if model._jit_compile and hasattr(optimizer, "_allreduce"):
+            raise UserError("--jit-compile on compiles the whole step, horovod's allreduce "
+                            "included, which XLA cannot; on Keras 2 leave it auto (tf_keras "
+                            "compiles the optimizer's update with XLA) or use --keras 3")
+        return False
+
     def broadcast_variables(self, variables: list) -> None:
         # Horovod: start every rank from rank 0's weights and optimizer state (fresh random init
         # differs per rank; a resumed run restored them on rank 0 only). This is done before the

@@ -9,11 +9,15 @@ two pieces below its TensorFlow allreduce. They do what horovod's Keras API does
   accumulating several backward passes, with the update horovod's ``backward_passes_per_step``
   makes (the mean of the accumulated gradients; ``iterations`` advances on every pass).
 * ``MetricAverage``: the epoch's metrics averaged over the ranks before later callbacks read them.
+* ``keep_collectives_out_of_xla``: a model whose step Keras compiles with XLA (``jit_compile``,
+  which Keras' "auto" turns on wherever TensorFlow lists a GPU) keeps XLA for the step's compute
+  and runs the average outside it: horovod's ops have no XLA kernel (docs/stack.md).
 
 ``Allreduce`` is ``(tensor, *, fp16_compression, name) -> tensor averaged over the ranks``.
 """
 from __future__ import annotations
 
+import types
 from typing import Callable
 
 import keras
@@ -41,15 +45,28 @@ class _AveragedGradients:
         if self._hvdtrain_accumulation is not None:
             self._hvdtrain_accumulation.create(variables)
 
+    #: While the compiled part of a split step runs Keras' train_step (``_SplitStep``): where
+    #: its optimizer call leaves the gradients, to be averaged outside XLA. None otherwise.
+    _hvdtrain_capture: "types.SimpleNamespace | None" = None
+    #: The base optimizer's update as an XLA function (``_CompiledUpdate``), or None: in a
+    #: split step the update after the average is compiled too.
+    _hvdtrain_compiled_update: "_CompiledUpdate | None" = None
+
     def apply(self, grads, trainable_variables=None):
         grads = [_dense(gradient) for gradient in grads]
+        if self._hvdtrain_capture is not None:
+            self._hvdtrain_capture.grads = grads
+            self._hvdtrain_capture.variables = trainable_variables
+            return None
         accumulation = self._hvdtrain_accumulation
-        if accumulation is None:
-            return super().apply(self._hvdtrain_average(grads), trainable_variables)
         variables = trainable_variables if trainable_variables is not None \
             else self._trainable_variables
         if not self.built:
+            # Its variables made here, outside any compiled function of a split step.
             self.build(variables)
+            self.built = True
+        if accumulation is None:
+            return self._hvdtrain_update(self._hvdtrain_average(grads), variables)
         passes = accumulation.add(grads)
 
         def update():
@@ -58,7 +75,7 @@ class _AveragedGradients:
             # A variable without a gradient (unused by the loss) keeps none, as in Keras.
             mean = [None if gradient is None else total / accumulation.steps
                     for gradient, total in zip(grads, accumulation.totals())]
-            super(_AveragedGradients, self).apply(self._hvdtrain_average(mean), variables)
+            self._hvdtrain_update(self._hvdtrain_average(mean), variables)
             accumulation.clear()
             return tf.constant(True)
 
@@ -70,6 +87,13 @@ class _AveragedGradients:
 
         # Every rank makes the same number of passes, so all take the same branch together.
         tf.cond(passes >= accumulation.steps, update, accumulate_only)
+
+    def _hvdtrain_update(self, grads, variables):
+        """The base optimizer's update of the averaged gradients (a LossScaleOptimizer's
+        inf/NaN check included), compiled with XLA in a split step."""
+        if self._hvdtrain_compiled_update is None:
+            return super().apply(grads, variables)
+        return self._hvdtrain_compiled_update(grads, variables)
 
     def _hvdtrain_average(self, grads):
         return [None if gradient is None else
@@ -144,6 +168,84 @@ def distribute_optimizer(optimizer: keras.optimizers.Optimizer, allreduce: Allre
     optimizer._hvdtrain_accumulation = (_Accumulation(grad_accum_steps) if grad_accum_steps > 1
                                         else None)
     return optimizer
+
+
+class _CompiledUpdate:
+    """An optimizer's own update (its base class's ``apply``) as one XLA function.
+
+    Keras variables cannot be arguments of a tf.function: it closes over the variables of its
+    first call, which are the model's trainable variables on every step."""
+
+    def __init__(self, optimizer: _AveragedGradients):
+        self.variables: list | None = None
+        self.function = tf.function(
+            lambda grads: super(_AveragedGradients, optimizer).apply(grads, self.variables),
+            jit_compile=True, reduce_retracing=True)
+
+    def __call__(self, grads, variables):
+        if self.variables is None:
+            self.variables = list(variables)
+        elif [id(v) for v in self.variables] != [id(v) for v in variables]:
+            raise ValueError("the optimizer updates other variables than on its first step")
+        return self.function(grads)
+
+
+def keep_collectives_out_of_xla(model: keras.Model) -> bool:
+    """Split a compiled model's train step around horovod's average (call after ``compile``);
+    whether it did.
+
+    When Keras compiles the step with XLA (``model.jit_compile``) and the optimizer averages over
+    the ranks (``distribute_optimizer``), the whole step would be one XLA function holding
+    horovod's allreduce, which has no XLA kernel: the first step fails ("No registered
+    'HorovodAllreduce' OpKernel for XLA_GPU_JIT devices"). Instead, the step Keras builds is a
+    plain tf.function holding three parts: the model class's own ``train_step`` (forward pass,
+    loss and its tracker, loss scaling, gradients, metrics: Keras' semantics, or the user's own
+    step) compiled with XLA, its optimizer call only handing the gradients out; horovod's average
+    of them, outside XLA; the optimizer's update compiled with XLA. Evaluation and prediction
+    keep Keras' own compiled steps (they hold no collective). steps_per_execution loops over the
+    split step as over Keras' own.
+    """
+    optimizer = model.optimizer
+    if not model.jit_compile or not isinstance(optimizer, _AveragedGradients):
+        return False
+    class_step = type(model).train_step
+    # Not a list: Keras tracks lists set on a layer or an optimizer, and would copy it.
+    captured = types.SimpleNamespace(grads=None, variables=None)
+
+    def compute(data):
+        optimizer._hvdtrain_capture = captured
+        try:
+            logs = class_step(model, data)
+        finally:
+            optimizer._hvdtrain_capture = None
+        if captured.grads is None:
+            raise ValueError(f"{type(model).__name__}.train_step made no optimizer call: it "
+                             "cannot train with XLA under horovod (use --jit-compile off)")
+        grads, captured.grads = captured.grads, None
+        return logs, grads
+
+    compiled_compute = tf.function(compute, jit_compile=True, reduce_retracing=True)
+    optimizer._hvdtrain_compiled_update = _CompiledUpdate(optimizer)
+
+    def train_step(data):
+        logs, grads = compiled_compute(data)
+        optimizer.apply(grads, captured.variables)  # the average, then the compiled update
+        return logs
+
+    keras_make_train_function = model.make_train_function
+
+    def make_train_function(force=False):
+        # Keras reads jit_compile once, as it wraps the step in its tf.function: off for the
+        # outer step only, whose compiled parts are the two above.
+        model.jit_compile = False
+        try:
+            return keras_make_train_function(force)
+        finally:
+            model.jit_compile = True
+
+    model.train_step = train_step
+    model.make_train_function = make_train_function
+    return True
 
 
 class MetricAverage(keras.callbacks.Callback):
