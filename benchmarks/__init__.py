@@ -8,6 +8,8 @@ runs it, and reach horovod only through hvdtrain's runtime.
     overhead    what an idle horovod costs the compute next to it, with and without busy-polling
     tax         hvdtrain at np=1 against a plain tf_keras model.fit
     keras3      hvdtrain np=2 on Keras 3 (its own horovod integration) vs on Keras 2 (horovod's)
+    xla         --jit-compile on vs off on Keras 3, np=1 and np=2 (the step split around the
+                average)
     allreduce   horovod allreduce vs mpi4py (MPI controller) and over Gloo, 1-256 MiB
     mwms        hvdtrain np=2 vs MultiWorkerMirroredStrategy with 2 local workers
     input       real vs synthetic data step time; input pipeline alone vs the model
@@ -54,7 +56,7 @@ def _matmul(args) -> int:
     return 0
 
 
-SUITES = ("scaling", "overhead", "tax", "keras3", "allreduce", "mwms", "input", "workers", "threads",
+SUITES = ("scaling", "overhead", "tax", "keras3", "xla", "allreduce", "mwms", "input", "workers", "threads",
           "network", "data", "decode", "resized", "startup")
 #: Suites that write their own .json and .md (their tables are not rows of results.md).
 SELF_WRITING = ("threads", "network", "data", "decode", "resized", "startup")
@@ -115,6 +117,7 @@ def _runners(quick: bool) -> dict:
 
     runners = {"scaling": rows(suite.weak_scaling), "overhead": rows(suite.horovod_overhead),
                "tax": rows(suite.framework_tax), "keras3": rows(suite.keras_3_path),
+               "xla": rows(suite.xla_step),
                "allreduce": allreduce, "mwms": rows(suite.against_tf_distribute),
                "input": rows(suite.input_pipeline), "workers": workers, "threads": threads,
                "network": network, "data": data, "decode": decode,

@@ -139,12 +139,13 @@ def _training_args(s: Settings, data: str, data_dir: str | None = None) -> list[
 
 
 def hvdtrain_run(s: Settings, workdir: Path, *, np: int, threads: int, data: str = "synthetic",
-                 data_dir: str | None = None, keras: str = "2", backend: str = "auto") -> dict:
+                 data_dir: str | None = None, keras: str = "2", backend: str = "auto",
+                 extra: tuple[str, ...] = ()) -> dict:
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     wall, _ = _run([str(BIN / "horovodrun"), "-np", str(np), sys.executable, "-m",
                     "hvdtrain.cnn", *_training_args(s, data, data_dir), "--keras", keras,
                     "--backend", backend, "--threads-per-worker", str(threads),
-                    "--run-dir", str(run_dir)], s.timeout)
+                    "--run-dir", str(run_dir), *extra], s.timeout)
     return steady_state(json.loads((run_dir / "metrics.json").read_text()), wall)
 
 
@@ -322,6 +323,22 @@ def keras_3_path(s: Settings, workdir: Path, log: Callable[[str], None]) -> list
     return [Comparison("Keras 3 vs Keras 2 (np=2)", "samples_per_sec", "samples/s", runs,
                        "Keras 3 np=2", "Keras 2 np=2", target=0.95,
                        note="same model, synthetic data, batch, threads; --keras 3 vs --keras 2")]
+
+
+def xla_step(s: Settings, workdir: Path, log: Callable[[str], None]) -> list[Comparison]:
+    log("XLA: --jit-compile on vs off, Keras 3, np=1 (Keras' whole step) and np=2 (split)")
+    runs = interleave({
+        f"XLA {jit} np={np}": (lambda jit=jit, np=np: hvdtrain_run(
+            s, workdir, np=np, threads=2 // np, keras="3", extra=("--jit-compile", jit)))
+        for np in (1, 2) for jit in ("on", "off")
+    }, repeats=s.repeats, warmup=s.warmup, log=log)
+    return [Comparison(f"XLA on vs off (np={np})", "samples_per_sec", "samples/s", runs,
+                       f"XLA on np={np}", f"XLA off np={np}",
+                       note=("Keras 3 compiles the whole step" if np == 1 else
+                             "the step compiled in two parts, horovod's average between") +
+                            "; CPU, so 'auto' is off here; epochs after the first (which "
+                            "holds XLA's compile)")
+            for np in (1, 2)]
 
 
 def against_tf_distribute(s: Settings, workdir: Path,

@@ -30,9 +30,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stack": ("hvdtrain.stack", "check that TensorFlow, Keras, horovod and MPI work together"),
     "health": ("hvdtrain.health", "the pre-job health check of the nodes (run by `launch "
                                   "--health-check`)"),
+    "gpu-check": ("hvdtrain.gpucheck", "the acceptance run for a new GPU node: build, driver, "
+                                       "health check, jobs under both Kerases, one table"),
 }
 #: Other names a command answers to: the modules' own.
-ALIASES = {"cnn": "train", "tfrecords": "convert"}
+ALIASES = {"cnn": "train", "tfrecords": "convert", "gpucheck": "gpu-check"}
 COMMAND = "hvdtrain"
 
 _invoked_as: dict[str, str] = {}  # module -> "hvdtrain COMMAND", for the running command

@@ -43,7 +43,7 @@ def test_every_help_answers_without_tensorflow_and_docs_cli_md_is_what_they_say(
     generated = reference(without_tensorflow)
     assert generated == (REPO / "docs" / "cli.md").read_text(), \
         "docs/cli.md is stale: run python scripts/cli_reference.py"
-    usages = re.findall(r"^usage: (hvdtrain(?: [a-z]+)*)", generated, re.MULTILINE)
+    usages = re.findall(r"^usage: (hvdtrain(?: [a-z-]+)*)", generated, re.MULTILINE)
     expected = ["hvdtrain"]
     for name in COMMANDS:
         expected += [f"hvdtrain {name}"] + (["hvdtrain slurm render"] if name == "slurm" else [])
@@ -82,7 +82,7 @@ def _installed(distribution: str) -> bool:
 
 @pytest.mark.parametrize("args, line", [
     (["trian"], "hvdtrain: error: no command 'trian'; did you mean train? (commands: train, "
-                "autoencoder, launch, slurm, examples, convert, stack, health; hvdtrain --help)"),
+                "autoencoder, launch, slurm, examples, convert, stack, health, gpu-check; hvdtrain --help)"),
     (["train", "--epoch", "3"], "hvdtrain.cnn: error: unrecognized arguments: --epoch 3; did you "
                                 "mean --epochs? (see --help)"),
     (["launch", "--hostz", "a:1", "hvdtrain.cnn"], "hvdtrain.launch: error: unrecognized "

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import (REPO, VENV_BIN, clean_env, integration, mpirun_job, mpirun_ranks, one_error,
                       run_job)
+from hvdtrain import gpucheck
 from hvdtrain.gpus import (ALLOW_CPU, GPU_BUILD_RECORD, given_gpus, gpu_build_problems,
                            gpu_of_its_own, not_seen, runs_on, visible_devices)
 from hvdtrain.launch import probe as probe_module
@@ -214,3 +215,59 @@ def test_two_ranks_given_a_gpu_nodes_answer_train(tmp_path, keras):
         assert compiled == [], compiled
     rows = json.loads((run_dir / "metrics.json").read_text())
     assert len(rows) == 1 and rows[0]["loss"] > 0, rows
+
+
+def test_the_gpu_checks_rows_name_what_failed():
+    results = {"3": {"Keras 3": {"exit": 0, "ranks_identical": True, "loss": 1.9,
+                                 "samples_per_sec": 812.4, "xla": True},
+                     "Keras 3, mixed_float16 + fp16 allreduce": {
+                         "exit": 0, "ranks_identical": False, "loss": 2.0,
+                         "samples_per_sec": 1.0, "xla": False},
+                     "Keras 3, steps_per_execution 4": {"error": "OpError: boom"},
+                     "Keras 3, XLA on": {"exit": 0, "ranks_identical": True,
+                                         "loss": float("nan"), "samples_per_sec": 1.0,
+                                         "xla": True}},
+               "2-error": "exit 1: hvdtrain.launch: job exited 1: rank 1 failed"}
+    rows = {row.check: (row.result, row.detail) for row in gpucheck.job_rows(results)}
+    assert rows["job: Keras 3"] == ("pass", "812 samples/s, loss 1.900, ranks identical, step "
+                                            "compiled with XLA")
+    assert rows["job: Keras 3, mixed_float16 + fp16 allreduce"] == (
+        "FAIL", "the ranks hold different weights")
+    assert rows["job: Keras 3, steps_per_execution 4"] == ("FAIL", "OpError: boom")
+    assert rows["job: Keras 3, XLA on"] == ("FAIL", "loss nan")
+    assert rows["job: Keras 3, XLA off"] == ("FAIL", "the job wrote no result")
+    assert rows["job: Keras 2"] == ("FAIL", results["2-error"])
+    assert gpucheck.checked_build(
+        "Available Controllers:\n    [X] MPI\n    [ ] Gloo\n\nAvailable Tensor Operations:\n"
+        "    [X] NCCL\n    [X] MPI\n") == "controllers MPI; tensor operations NCCL, MPI"
+
+
+@integration
+@pytest.mark.timeout(900)
+def test_gpu_check_runs_here_and_says_what_it_could_not_check(tmp_path):
+    """The acceptance run on this machine: no GPU, so CPU ranks; every row passes or says it
+    could not be checked, and the table is printed and saved."""
+    out = tmp_path / "check"
+    result = run_job([str(VENV_BIN / "hvdtrain"), "gpu-check", "--out", str(out)], timeout=800,
+                     check=False, env=clean_env())
+    assert result.returncode == 0, result.stdout[-4000:]
+    saved = json.loads((out / "gpu-check.json").read_text())
+    rows = {row["check"]: row for row in saved["rows"]}
+    assert [check for check in rows if check.startswith("job: ")] == [
+        f"job: {name}" for name, _, _ in gpucheck.VARIANTS]
+    assert {row["result"] for name, row in rows.items() if name != "driver and GPUs"
+            and not name.startswith("GPU kernels")} == {"pass"}, saved
+    assert rows["driver and GPUs"]["result"] == "not checked"
+    assert rows["GPU kernels, NCCL, XLA on a GPU"]["result"] == "not checked"
+    assert "step compiled with XLA" in rows["job: Keras 3, XLA on"]["detail"]
+    assert "2 CPU rank(s): no GPU here" in saved["header"]
+    assert "allreduce 16 MiB" in rows[
+        "health: devices, numbers, allreduce values, fused group"]["detail"]
+    # The same table on the screen and in the markdown file.
+    for row in saved["rows"]:
+        assert row["detail"] in result.stdout and row["detail"] in (
+            out / "gpu-check.md").read_text()
+    # A second run never mixes into the first one's directory.
+    again = run_job([str(VENV_BIN / "hvdtrain"), "gpu-check", "--out", str(out)], timeout=60,
+                    check=False, env=clean_env())
+    assert again.returncode == 2 and "is not empty" in again.stdout, again.stdout
