@@ -55,6 +55,11 @@ class _AveragedGradients:
     def apply(self, grads, trainable_variables=None):
         grads = [_dense(gradient) for gradient in grads]
         if self._hvdtrain_capture is not None:
+            if self._hvdtrain_capture.grads is not None:
+                # Each call would need an average of its own between compiled parts.
+                raise ValueError("the model's train_step calls the optimizer more than once per "
+                                 "step: it cannot train with XLA under horovod (use "
+                                 "--jit-compile off)")
             self._hvdtrain_capture.grads = grads
             self._hvdtrain_capture.variables = trainable_variables
             return None
@@ -203,7 +208,9 @@ def keep_collectives_out_of_xla(model: keras.Model) -> bool:
     step) compiled with XLA, its optimizer call only handing the gradients out; horovod's average
     of them, outside XLA; the optimizer's update compiled with XLA. Evaluation and prediction
     keep Keras' own compiled steps (they hold no collective). steps_per_execution loops over the
-    split step as over Keras' own.
+    split step as over Keras' own. A train_step of one's own that calls the optimizer more than
+    once per step is refused; one that reads the weights after its optimizer call sees them
+    before the update (Keras' own step only computes its metrics from the predictions).
     """
     optimizer = model.optimizer
     if not model.jit_compile or not isinstance(optimizer, _AveragedGradients):
@@ -235,6 +242,10 @@ def keep_collectives_out_of_xla(model: keras.Model) -> bool:
     keras_make_train_function = model.make_train_function
 
     def make_train_function(force=False):
+        if not model.jit_compile or model.optimizer is not optimizer:
+            # Compiled again, without XLA or with another optimizer: Keras' own step again.
+            del model.train_step, model.make_train_function
+            return model.make_train_function(force)
         # Keras reads jit_compile once, as it wraps the step in its tf.function: off for the
         # outer step only, whose compiled parts are the two above.
         model.jit_compile = False
