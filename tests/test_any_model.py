@@ -126,20 +126,22 @@ def build_unrebuildable(input_shape, num_classes):
 def test_an_unregistered_custom_layer_in_a_model_file_trains_and_exports(tmp_path, keras):
     model_file = tmp_path / "custom_layer.py"
     model_file.write_text(CUSTOM_LAYER_MODEL)
-    outcomes = {}
-    for builder in ("build", "build_unrebuildable"):
-        run_dir = tmp_path / builder
-        result = ranks_job(["-m", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "1",
-                                 "--model", f"{model_file}:{builder}", "--run-dir", str(run_dir)],
-                                keras)
-        assert result.returncode == 0, result.stdout[-4000:]
-        assert "Traceback" not in result.stdout
-        outcomes[builder] = (result.stdout, sorted(p.name for p in run_dir.glob("model*")))
+    # Both models in one job (tests/scripts/cnn_runs.py: hvdtrain.cnn's flags and training run
+    # for each in turn): the ranks start once.
+    flags = {builder: ["--preset", "tiny", "--epochs", "1", "--model",
+                       f"{model_file}:{builder}", "--run-dir", str(tmp_path / builder)]
+             for builder in ("build", "build_unrebuildable")}
+    result = ranks_job([str(REPO / "tests" / "scripts" / "cnn_runs.py"), *flags["build"],
+                        "--then", *flags["build_unrebuildable"]], keras)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "Traceback" not in result.stdout
+    files = {builder: sorted(p.name for p in (tmp_path / builder).glob("model*"))
+             for builder in flags}
+    exported = [line for line in result.stdout.splitlines() if "model: wrote" in line]
 
     # Its config rebuilds it once its classes are named: model.keras, which loads wherever the
     # class is defined (custom_objects), and no line about the export.
-    stdout, files = outcomes["build"]
-    assert files == ["model.keras"] and "model: wrote" not in stdout
+    assert files["build"] == ["model.keras"]
     load = subprocess.run(
         [sys.executable, "-c", "import sys, numpy as np, hvdtrain, keras; sys.path.insert(0, "
          "sys.argv[1]); import custom_layer; m = keras.models.load_model(sys.argv[2], "
@@ -149,9 +151,9 @@ def test_an_unregistered_custom_layer_in_a_model_file_trains_and_exports(tmp_pat
         capture_output=True, text=True, timeout=120, env=clean_env(HVDTRAIN_KERAS=keras))
     assert load.stdout.strip() == "(3, 10)", load.stderr[-3000:]
 
-    # A layer its config cannot rebuild: the weights, one line, exit 0.
-    stdout, files = outcomes["build_unrebuildable"]
-    assert files == ["model.weights.h5"], stdout[-3000:]
-    lines = [line for line in stdout.splitlines() if "model: wrote" in line]
-    assert len(lines) == 1 and "cannot be rebuilt from its config" in lines[0], stdout[-3000:]
-    assert "must override `get_config()`" in lines[0], lines[0]  # Keras' reason, on one line
+    # A layer its config cannot rebuild: the weights, one line (the only one about the export,
+    # so none for the model above), exit 0.
+    assert files["build_unrebuildable"] == ["model.weights.h5"], result.stdout[-3000:]
+    assert len(exported) == 1 and "cannot be rebuilt from its config" in exported[0] and \
+        str(tmp_path / "build_unrebuildable") in exported[0], result.stdout[-3000:]
+    assert "must override `get_config()`" in exported[0], exported[0]  # Keras' reason, one line
