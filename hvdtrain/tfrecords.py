@@ -291,6 +291,10 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
                 "image_size": image_size, "channels": channels, "seed": seed,
                 "validation_fraction": validation_fraction,
                 "counts": {task.name: complete[task.name].records for task in tasks},
+                # Each shard's size: a reader finds a shard cut short (or grown) by its size, with
+                # one stat per shard, before it trains on it (data/records.py).
+                "bytes": {task.name: os.path.getsize(os.path.join(staging, task.name))
+                          for task in tasks},
                 "max_resolution": {**dataclasses.asdict(limit),
                                    "resized": sum(done.resized for done in complete.values())
                                    } if limit else None,

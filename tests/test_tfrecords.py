@@ -287,3 +287,26 @@ def test_interrupted_runs_resume_to_the_shards_of_a_clean_run(many_images, tmp_p
     assert re.fullmatch(rf"wrote 60000 records in 600 shards to {re.escape(str(out))} in "
                         rf"[\d.]+ s \(\d+ records/s; {len(kept)} shard\(s\) came from the "
                         r"interrupted run\)", resumed.stdout.splitlines()[-1]), resumed.stdout
+
+
+def test_a_shard_cut_short_is_refused_by_name_before_training(images, tmp_path):
+    """An interrupted copy: one shard truncated to 60%. It trained with its missing records
+    counted as images that did not decode ("13 sample(s) did not decode", exit 0); now the job
+    stops before training, in one line naming the shard."""
+    out = tmp_path / "shards"
+    metadata = convert(str(images), str(out), shards=2, validation_shards=1,
+                       validation_fraction=0.2, seed=3, image_size=16, workers=1)
+    assert metadata["bytes"] == {path.name: path.stat().st_size
+                                 for path in out.glob("*.tfrecord")}
+    cut = out / "train-00001-of-00002.tfrecord"
+    cut.write_bytes(cut.read_bytes()[:int(cut.stat().st_size * 0.6)])
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "hvdtrain.cnn", "--tfrecords", str(out),
+                             "--image-size", "16", "--epochs", "1", "--run-dir", str(run_dir)],
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT,
+                            env=clean_env())
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"hvdtrain.cnn: error: TFRecord shard {cut} is "), lines
+    assert "as dataset.json records: cut short or changed" in lines[0], lines
+    assert not run_dir.exists()

@@ -5,6 +5,7 @@ The format, in one place::
     <dir>/train-00000-of-00004.tfrecord ...  <dir>/validation-00000-of-00001.tfrecord
     <dir>/dataset.json    {"class_names": [...], "image_size": N, "channels": C,
                            "counts": {shard file name: records},
+                           "bytes": {shard file name: its size},
                            "max_resolution": {"shorter_side": S, "jpeg_quality": Q,
                                               "resized": R} or null, ...}
 
@@ -216,6 +217,7 @@ def list_tfrecords(location: str, *, image_size: int | None, channels: int | Non
         train_files, validation_files = sorted(gfile.glob(location)), []
     if not train_files:
         raise UserError(f"--tfrecords {location}: no TFRecord files found")
+    check_sizes(train_files + validation_files, metadata)
     counts = metadata.get("counts", {})
     train_counts = np.array([counts.get(os.path.basename(f)) or count_records(f)
                              for f in train_files], dtype=np.int64)
@@ -288,6 +290,31 @@ def hold_out(shards: Split, fraction: float, seed: int) -> tuple[Split, Split, s
                                                                    offsets)),
             f"{int(held_counts.sum())} records held out for validation across the shards "
             f"(--validation-fraction {fraction:g}; too few shards to hold out whole ones)")
+
+
+def check_sizes(paths: list[str], metadata: dict) -> None:
+    """Refuse, in one line, shards whose size is not the one dataset.json recorded (``bytes``,
+    written by the converter since 2026-11-29): a shard cut short by an interrupted copy would
+    otherwise train on with its missing records counted as images that did not decode, and a
+    longer one would be read only as far as its recorded count. One stat per shard. Shards
+    without a recorded size (older conversions, shards from elsewhere) are not checked here."""
+    import tensorflow as tf
+
+    recorded = metadata.get("bytes")
+    if not isinstance(recorded, dict):
+        return
+    wrong = []
+    for path in paths:
+        expected = recorded.get(os.path.basename(path))
+        if isinstance(expected, int):
+            size = tf.io.gfile.stat(path).length
+            if size != expected:
+                wrong.append(f"{path} is {size} bytes, not {expected}")
+    if wrong:
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise UserError(f"TFRecord shard {wrong[0]}{more} as {METADATA} records: cut short or "
+                        "changed since it was written (an interrupted copy?); copy the shards "
+                        "again, or convert the images again")
 
 
 def count_records(path: str) -> int:
