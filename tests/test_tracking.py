@@ -175,6 +175,43 @@ def test_the_jsonl_tracker_appends_each_event_once_to_a_file_of_this_user(tmp_pa
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o666 & ~current_umask()
 
 
+SHORT_WRITES = """
+import resource, signal, sys
+from hvdtrain.tracking.jsonlines import JsonLinesTracker, open_for_append
+path, limit = sys.argv[1], int(sys.argv[2])
+# A disk that fills up: writes past `limit` bytes are cut short, then fail (EFBIG, not a signal).
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+tracker = JsonLinesTracker(open_for_append(path), path, "run", [])
+tracker.append({"event": "start", "params": {"config": {"note": "x" * 200}}})
+tracker.append({"event": "epoch", "epoch": 1, "metrics": {"loss": 0.9}})
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+tracker.append({"event": "epoch", "epoch": 2, "metrics": {"loss": 0.5}})
+tracker.finish("FINISHED", None)
+"""
+
+
+def test_a_short_write_of_the_jsonl_tracker_is_said_once_and_glues_no_lines(tmp_path):
+    """On a disk that fills up, a line cut short was followed, glued, by the next append (this
+    job's or another's), both lost, and nothing said. Now the cut line is one line of its own,
+    the file ends with a newline, and the job says so once."""
+    path = tmp_path / "track.jsonl"
+    earlier = '{"event": "earlier"}\n'
+    path.write_text(earlier)
+    done = subprocess.run([sys.executable, "-c", SHORT_WRITES, str(path), str(len(earlier) + 60)],
+                          capture_output=True, text=True, timeout=60, env=clean_env())
+    assert done.returncode == 0, done.stderr
+    said = done.stdout.splitlines()
+    assert len(said) == 1 and said[0].startswith(f"hvdtrain: tracking: cannot append to {path} "
+                                                 "(a short write, 60 of "), said
+    text = path.read_text()
+    assert text.endswith("\n")
+    lines = text.splitlines()
+    assert lines[0] == earlier.strip() and len(lines[1]) == 60  # the start line, cut
+    assert [json.loads(line)["event"] for line in lines[2:]] == ["epoch", "finish"]
+    assert json.loads(lines[2])["epoch"] == 2
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

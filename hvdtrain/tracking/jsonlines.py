@@ -18,7 +18,8 @@ The file is this user's own: PATH is opened with ``O_NOFOLLOW`` (a symbolic link
 anyone who can write to its directory could plant, is refused, never followed), and must be a
 plain file with one link, owned by this user; it is created (mode 0666 less the umask) when
 missing, in a directory that must exist. A PATH that breaks a rule is one line on every rank
-before the data is read. A write that fails once training runs (a full disk) costs one line;
+before the data is read. A write that fails once training runs (a full disk; a line cut short too,
+whose newline then follows) costs one line;
 training goes on.
 """
 from __future__ import annotations
@@ -85,6 +86,8 @@ class JsonLinesTracker:
         """The last epoch written (or that the checkpoint already held at start)."""
         self._finished = False
         self._said = False
+        self._unterminated = False
+        """A line of ours was cut and its newline could not be written yet."""
 
     def log_epochs(self, rows: list[dict]) -> None:
         for row in rows:
@@ -105,15 +108,33 @@ class JsonLinesTracker:
         self.finish("FAILED", model_file=None)
 
     def append(self, event: dict) -> None:
-        """One line, in one write (O_APPEND puts it whole at the end even with other writers)."""
+        """One line, in one write (O_APPEND puts it whole at the end even with other writers).
+
+        A short write (a full disk) cuts the line: that is a failure too, and the file must not
+        be left without its newline, or the next line appended (this job's or another's) would
+        be glued to the cut one and both lost. So a newline follows at once, or, when that
+        cannot be written either, starts the next line this tracker writes."""
         line = json.dumps({"event": event["event"],
                            "time": datetime.datetime.now().isoformat(timespec="seconds"),
                            "run_dir": self.run_dir, **event}, default=str) + "\n"
+        data = (b"\n" if self._unterminated else b"") + line.encode()
         try:
-            os.write(self.descriptor, line.encode())
+            written = os.write(self.descriptor, data)
         except OSError as error:
-            if not self._said:
-                self._said = True
-                print(f"hvdtrain: tracking: cannot append to {self.path} "
-                      f"({error.strerror or error}); training goes on, metrics.json keeps every "
-                      "epoch", flush=True)
+            self._say(error.strerror or str(error))
+            return
+        if written == len(data):
+            self._unterminated = False
+            return
+        self._unterminated = True
+        self._say(f"a short write, {written} of {len(data)} bytes: is the disk full?")
+        try:
+            self._unterminated = os.write(self.descriptor, b"\n") != 1
+        except OSError:
+            pass
+
+    def _say(self, why: str) -> None:
+        if not self._said:
+            self._said = True
+            print(f"hvdtrain: tracking: cannot append to {self.path} ({why}); training goes on, "
+                  "metrics.json keeps every epoch", flush=True)
