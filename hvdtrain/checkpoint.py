@@ -15,6 +15,7 @@ import logging
 import posixpath
 import re
 import time
+from typing import Callable
 
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
@@ -43,7 +44,8 @@ class Checkpoints:
                                                    max_to_keep=keep)
                         if run_dir.is_chief else None)
 
-    def restore_latest(self) -> tuple[int, str | None]:
+    def restore_latest(self, written_otherwise: Callable[[], str | None] = lambda: None
+                       ) -> tuple[int, str | None]:
         """Rank 0: restore the newest loadable checkpoint -> (epoch to resume at, its path).
 
         A checkpoint that cannot be read (truncated, emptied or bit-flipped by a crash or a
@@ -68,6 +70,11 @@ class Checkpoints:
             # would log a WARNING for every value the checkpoint holds that this model lacks,
             # under the one line below that already says so.
             tf.get_logger().setLevel(logging.ERROR)
+            # A flag that changes what the checkpoint holds (another Keras, a loss scale or none)
+            # is named: the files are fine.
+            why = written_otherwise()
+            if why:
+                raise UserError(why)
         if mismatched:
             raise UserError(f"no checkpoint in {self.manager.directory} could be restored into "
                             f"this model (first: {mismatched[0]}); use another --run-dir")
@@ -145,11 +152,13 @@ def training_state(model: keras.Model) -> list[tf.Variable]:
 
 
 def restore_or_start(checkpoints: Checkpoints, runtime, state_variables: list,
-                      steps_per_epoch: int) -> tuple[int, str | None]:
+                      steps_per_epoch: int,
+                      written_otherwise: Callable[[], str | None] = lambda: None
+                      ) -> tuple[int, str | None]:
     """(epoch to start at, checkpoint it came from or None), the same on every rank, and every
     rank holding the state to start from: rank 0's restored (or freshly initialised) variables."""
     def restore() -> tuple[int, str | None]:
-        epoch, path = checkpoints.restore_latest()
+        epoch, path = checkpoints.restore_latest(written_otherwise)
         # A run stopped mid-epoch re-runs that epoch; restart its step count there too, so the
         # schedule follows the epochs (and a resume on another world size stays right).
         checkpoints.model.optimizer.iterations.assign(epoch * steps_per_epoch)

@@ -155,11 +155,17 @@ class TrainConfig:
     run_dir: str = "runs/train"
     """Where rank 0 writes checkpoints, metrics, plots and the final model. A run directory that
     already holds a checkpoint is resumed. It belongs to one experiment: its config.json records
-    the data (its kind, classes and sample count; not where it sits, so a copy staged elsewhere
-    resumes), the image shape and the model, and a run with other ones is refused (epochs,
-    batch size, learning rate and the number of workers may change). Default: the preset's, followed for --data-dir or --tfrecords by the data's
-    name and a hash of its full path (runs/cnn-tiny-pets-1a2b3c), for --data synthetic by
-    -synthetic."""
+    the data (its classes and sample count; not where it sits, so a copy staged elsewhere
+    resumes, nor whether a folder or the TFRecords converted from it), the split (seed and
+    validation fraction), which file has which label, the image shape and the model, and a run
+    with other ones is refused (epochs, batch size, learning rate and the number of workers may
+    change; --accept-experiment-change goes on anyway). Default: the preset's, followed for
+    --data-dir or --tfrecords by the data's name and a hash of its full path
+    (runs/cnn-tiny-pets-1a2b3c), for --data synthetic by -synthetic."""
+    accept_experiment_change: bool = False
+    """Resume a run directory's checkpoint although what it trains changed (the data, the split,
+    the labels, the model): the resume line names what changed, and the run directory records
+    the new experiment."""
     rank_logs: bool = True
     """Every rank also copies its output into <run_dir>/logs/rank-K.log (from the moment the run
     directory is checked and locked), so a failure on another node can be read afterwards."""

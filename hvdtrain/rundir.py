@@ -141,16 +141,12 @@ class RunDir:
         # No free-space check: an object store grows on demand and reports no free space.
         return None
 
-    def other_experiment(self, fingerprint: dict[str, str]) -> str | None:
-        """Why a run of ``fingerprint`` may not use this directory, or None: the one refusal of a
-        resume that would continue another experiment's checkpoint (``experiment_changes``)."""
+    def other_experiment(self, fingerprint: dict[str, str]) -> list[str]:
+        """What differs between the experiment this directory recorded and ``fingerprint`` (a
+        resume would continue its checkpoint on another one: ``experiment_changes``)."""
         recorded = self.read_json(CONFIG_FILE, {})
-        changes = experiment_changes(
+        return experiment_changes(
             recorded.get(FINGERPRINT) if isinstance(recorded, dict) else None, fingerprint)
-        if not changes:
-            return None
-        return (f"run directory {self.path} holds another experiment ({'; '.join(changes)}): "
-                "use another --run-dir")
 
     def lock(self, job: str | None = None) -> str | None:
         """Rank 0: keep other jobs out of this directory until this process ends.
@@ -294,7 +290,14 @@ def experiment_changes(recorded: Any, fingerprint: dict[str, str]) -> list[str]:
     if not isinstance(recorded, dict):
         return []
     return [f"{part}: {now} was {recorded[part]}" for part, now in fingerprint.items()
-            if part in recorded and recorded[part] != now]
+            if part in recorded and recorded[part] != now
+            and SUPERSEDED.get(part) not in recorded]
+
+
+#: Fingerprint parts that a later part replaced: compared only with a run directory that
+#: recorded the old one alone. "data" named the kind of files ("image folder, 60 samples"), so
+#: a folder's TFRecords were another experiment; "samples" does not.
+SUPERSEDED = {"data": "samples"}
 
 
 def replace_atomically(path: str, content: bytes | Callable[[str], Any], suffix: str = "") -> None:
@@ -460,16 +463,29 @@ _UMASK_AT_IMPORT = _umask_at_import()
 
 
 def ensure_writable(run_dir: RunDir, runtime, bytes_needed: int, job: str | None = None,
-                    fingerprint: dict[str, str] | None = None) -> str | None:
-    """Rank 0 checks the directory is this experiment's (when given its ``fingerprint``), that it
-    can write here, and takes the lock; every rank raises the same one-line error if any failed.
-    Returns rank 0's ``lock_note`` (None on other ranks)."""
+                    fingerprint: dict[str, str] | None = None,
+                    accept_change: bool = False) -> str | None:
+    """Rank 0 checks the directory is this experiment's (when given its ``fingerprint``; with
+    ``accept_change`` a changed one goes on, said in the note), that it can write here, and
+    takes the lock; every rank raises the same one-line error if any failed. Returns rank 0's
+    notes (None on other ranks, or when there is nothing to say)."""
+    notes = []
+
     def check_and_lock() -> None:  # all checks, so the other ranks wait for one verdict
         # The experiment first: a refused run leaves the directory as it found it.
-        problem = ((fingerprint and run_dir.other_experiment(fingerprint))
-                   or run_dir.problem(bytes_needed) or run_dir.lock(job))
+        changes = run_dir.other_experiment(fingerprint) if fingerprint else []
+        if changes and not accept_change:
+            raise UserError(f"run directory {run_dir.path} holds another experiment "
+                            f"({'; '.join(changes)}): use another --run-dir, or "
+                            "--accept-experiment-change to train its checkpoint on with this one")
+        problem = run_dir.problem(bytes_needed) or run_dir.lock(job)
         if problem:
             raise UserError(problem)
+        if changes:
+            notes.append(f"run directory {run_dir.path}: its experiment changed "
+                         f"({'; '.join(changes)}); going on from its checkpoint, as "
+                         "--accept-experiment-change asks")
 
     runtime.from_chief(check_and_lock)
-    return run_dir.lock_note
+    notes += [run_dir.lock_note] if run_dir.lock_note else []
+    return "\n".join(notes) or None

@@ -35,7 +35,6 @@ import argparse
 import collections
 import concurrent.futures
 import dataclasses
-import hashlib
 import io
 import json
 import multiprocessing
@@ -267,7 +266,9 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
             # null (off) in both: a plan written before the limit existed stored originals too.
             "max_resolution": limit.shorter_side if limit else None,
             "jpeg_quality": limit.jpeg_quality if limit else None,
-            "files_sha256": _fingerprint(tasks, data_dir)}
+            # The folder's (file, label) table (data.listing.label_table_digest): changed data
+            # are refused on a resume, and training from the folder computes the same digest.
+            "files_sha256": listing.identity["labels"]}
     resumed = _open_staging(staging, plan, tasks, out_dir)
     if resumed:
         notify(f"resuming {staging}: {len(resumed)} of {len(tasks)} shards were complete")
@@ -291,6 +292,7 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
                 "image_size": image_size, "channels": channels, "seed": seed,
                 "validation_fraction": validation_fraction,
                 "counts": {task.name: complete[task.name].records for task in tasks},
+                "files_sha256": plan["files_sha256"],
                 # Each shard's size: a reader finds a shard cut short (or grown) by its size, with
                 # one stat per shard, before it trains on it (data/records.py).
                 "bytes": {task.name: os.path.getsize(os.path.join(staging, task.name))
@@ -317,16 +319,6 @@ def _shard_tasks(listing: FolderListing, shards: int, validation_shards: int) ->
         tasks += [ShardTask(shard_name(prefix, shard, count), paths[shard::count],
                             labels[shard::count]) for shard in range(count)]
     return tasks
-
-
-def _fingerprint(tasks: list[ShardTask], data_dir: str) -> str:
-    """sha256 of the folder's files and labels (paths relative to it, sorted): the same for the
-    same folder however ``data_dir`` is spelled, whatever the split, and changed with any file."""
-    prefix = os.path.join(data_dir, "")
-    # "path<TAB>label" strings: sorting them is ~3x faster than sorting (path, label) tuples.
-    files = sorted(f"{path[len(prefix):] if path.startswith(prefix) else path}\t{label}"
-                   for task in tasks for path, label in zip(task.paths, task.labels))
-    return hashlib.sha256("\n".join(files).encode()).hexdigest()
 
 
 def _open_staging(staging: str, plan: dict, tasks: list[ShardTask],

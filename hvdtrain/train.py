@@ -316,7 +316,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     state_variables = training_state(model)
     experiment = fingerprint(program, config, datasets, plan)
     run_dir = claim_run_dir(program, config, runtime, experiment, state_variables, banner_text)
-    start = resume(config, runtime, plan, run_dir, model, state_variables)
+    start = resume(config, runtime, plan, run_dir, model, state_variables, precision)
     tracker = record_start(program, config, runtime, plan, start, precision, experiment)
     callbacks = training_callbacks(config, runtime, plan, datasets, model, train, schedule, start,
                                    tracker, request, timeline)
@@ -364,7 +364,8 @@ def claim_run_dir(program: str, config: TrainConfig, runtime: Runtime,
     # that recorded another experiment, whose checkpoint would go on training on this data.
     lock_note = ensure_writable(run_dir, runtime, bytes_needed=(config.keep_checkpoints + 1)
                                 * variables_bytes(state_variables) + 2**20,
-                                job=job_label(os.environ), fingerprint=experiment)
+                                job=job_label(os.environ), fingerprint=experiment,
+                                accept_change=config.accept_experiment_change)
     if config.rank_logs and not is_url(run_dir.path):
         # Every rank's own output, kept beside the run: after a failure on another node the
         # launcher's terminal may be gone, and its stream interleaves all ranks.
@@ -376,12 +377,13 @@ def claim_run_dir(program: str, config: TrainConfig, runtime: Runtime,
 
 
 def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: RunDir,
-           model: keras.Model, state_variables: list) -> RunStart:
+           model: keras.Model, state_variables: list, precision: str) -> RunStart:
     """Every rank at the newest checkpoint's state (rank 0's, broadcast), or at the start."""
     world = runtime.world
     checkpoints = Checkpoints(run_dir, model, config.keep_checkpoints)
-    initial_epoch, restored_from = restore_or_start(checkpoints, runtime, state_variables,
-                                                    plan.steps_per_epoch)
+    initial_epoch, restored_from = restore_or_start(
+        checkpoints, runtime, state_variables, plan.steps_per_epoch,
+        lambda: written_otherwise(run_dir, config, precision))
     # Rank 0 keeps the metrics of the epochs a resumed run already has (and drops any later
     # rows an interrupted run wrote after its last checkpoint).
     earlier_rows = run_dir.read_json("metrics.json", []) if world.is_chief and restored_from else []
@@ -395,6 +397,26 @@ def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: R
                        + (f"; resized: {', '.join(resized)} (the schedule follows the epochs)"
                           if resized else ""))
     return RunStart(run_dir, checkpoints, initial_epoch, restored_from, rows)
+
+
+def written_otherwise(run_dir: RunDir, config: TrainConfig, precision: str) -> str | None:
+    """Rank 0, when no checkpoint restores: the flag whose change made the checkpoints another
+    shape (another Keras; a loss scale in the optimizer, or none), from config.json, or None."""
+    earlier = run_dir.read_json(CONFIG_FILE, {})
+    if not isinstance(earlier, dict):
+        return None
+    keras_then = (earlier.get("config") or {}).get("keras")
+    if keras_then and keras_then != config.keras:
+        return (f"the checkpoints in {run_dir.checkpoints} were written by Keras {keras_then} "
+                f"and this run is Keras {config.keras}, whose checkpoints differ: resume with "
+                f"--keras {keras_then}, or use another --run-dir")
+    precision_then = earlier.get("precision")
+    if precision_then and (precision_then == "mixed_float16") != (precision == "mixed_float16"):
+        return (f"the checkpoints in {run_dir.checkpoints} were written with --precision "
+                f"{precision_then} and this run uses {precision}; mixed_float16's optimizer "
+                f"holds a loss scale, the others' none: resume with --precision "
+                f"{precision_then}, or use another --run-dir")
+    return None
 
 
 def record_start(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
@@ -505,9 +527,10 @@ def fingerprint(program: str, config: TrainConfig, datasets: Datasets,
                 plan: TrainingPlan) -> dict[str, str]:
     """What the run trains, as its run directory records it (rundir.experiment_changes): the
     model (--model, a file by its name; else the job's own), and for hvdtrain's image data its
-    kind, classes and sample count (from the listing rank 0 made: nothing is read again) and
-    the image shape. Not where the data or the model file sit: a job that stages its data on a
-    node's local disk, or a moved checkout, resumes its run."""
+    kind, classes and sample count (from the listing rank 0 made: nothing is read again), the
+    image shape, the split and the (file, label) table. Not where the data or the model file
+    sit: a job that stages its data on a node's local disk, or a moved checkout, resumes its
+    run."""
     model = str(getattr(config, "model", None) or program)  # hvdtrain.cnn's --model
     if is_user_model(model):
         path, _, function = model.rpartition(":")
@@ -515,11 +538,24 @@ def fingerprint(program: str, config: TrainConfig, datasets: Datasets,
     parts = {"model": model}
     if isinstance(datasets, ImageDatasets):
         names = hashlib.sha256("\n".join(datasets.class_names).encode()).hexdigest()[:8]
+        samples = plan.num_train_samples + plan.num_validation_samples
         parts.update(
-            data=f"{config.data_kind()}, "
-                 f"{plan.num_train_samples + plan.num_validation_samples} samples",
+            # As run directories recorded it before "samples" (compared only for those).
+            data=f"{config.data_kind()}, {samples} samples",
+            # An image folder and the TFRecords converted from it are the same samples.
+            samples=f"{samples}, " + ("from image files" if config.data_dir or config.tfrecords
+                                      else config.data_kind()),
             classes=f"{len(datasets.class_names)} (names {names})",
             images="x".join(map(str, datasets.image_shape)))
+        # Which samples are validation and which file has which label: a resume under another
+        # seed or fraction would validate on samples it trained on, one with two class folders
+        # swapped would train with the labels inverted (data.listing.split_identity,
+        # label_table_digest; the converter records the same, so a folder's TFRecords resume it).
+        identity = datasets.identity
+        if "split" in identity:
+            parts["split"] = identity["split"]
+        if "labels" in identity:
+            parts["labels"] = f"(file, label) table {identity['labels'][:12]}"
     return parts
 
 

@@ -70,8 +70,9 @@ def test_a_run_directory_of_another_experiment_is_one_line_and_left_as_it_was(tm
     line = one_error(result)
     assert result.returncode == 2 and line.startswith("[1,0]<"), result.stdout[-3000:]
     assert line.endswith(f"hvdtrain.cnn: error: run directory {run_dir} holds another experiment "
-                         "(data: embedded synthetic, 1797 samples was embedded digits, 1797 "
-                         "samples): use another --run-dir"), line
+                         "(samples: 1797, embedded synthetic was 1797, embedded digits): use "
+                         "another --run-dir, or --accept-experiment-change to train its "
+                         "checkpoint on with this one"), line
     assert {path: path.read_bytes() if path.is_file() else None
             for path in sorted(run_dir.rglob("*"))} == before
 

@@ -24,11 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, integration, run_job, small_disk_at
+from conftest import VENV_BIN, clean_env, integration, one_error, run_job, small_disk_at
+from hvdtrain.data.listing import split_identity
 from hvdtrain.errors import UserError
 from hvdtrain.rundir import (LOCK_FILE, RunDir, current_umask, ensure_writable,
                              experiment_changes)
 from hvdtrain.runtime import Devices, Runtime, World
+from images import make_image_folder
 from processes import process_group
 
 pytestmark = pytest.mark.timeout(300)
@@ -168,8 +170,14 @@ def test_a_resume_of_another_experiment_is_one_line_naming_what_differs_and_writ
     assert str(refused.value) == (
         f"run directory {run_dir.path} holds another experiment (data: image folder, 60 samples "
         "was embedded digits, 1797 samples; classes: 3 (names f1bf6e47) was 10 (names "
-        "29dd21f5)): use another --run-dir")
+        "29dd21f5)): use another --run-dir, or --accept-experiment-change to train its "
+        "checkpoint on with this one")
     assert everything_in(tmp_path) == before  # no lock taken, no checkpoints/ made
+    # Asked for: it goes on, and says what changed.
+    note = ensure_writable(run_dir, single_runtime(), 0, fingerprint=mine, accept_change=True)
+    assert note.startswith(f"run directory {run_dir.path}: its experiment changed (data: image "
+                           "folder, 60 samples was embedded digits, 1797 samples; classes: "), note
+    assert note.endswith("going on from its checkpoint, as --accept-experiment-change asks")
 
 
 def test_the_same_experiment_and_a_run_directory_without_a_fingerprint_resume():
@@ -203,17 +211,23 @@ def test_a_fingerprint_holds_what_is_trained_and_nothing_a_resume_may_change(tmp
                          num_train_samples=1438, num_validation_samples=359)
 
     digits = ImageDatasets(None, None, "digits", image_shape=(8, 8, 1),
-                           class_names=tuple("0123456789"))
+                           class_names=tuple("0123456789"),
+                           identity={"split": split_identity("samples", 0.2, 42)})
     recorded = train.fingerprint("hvdtrain.cnn", tiny(), digits, plan(2, 32, 3, 3e-3))
-    assert recorded == DIGITS
+    assert recorded == {**DIGITS, "samples": "1797, embedded digits",
+                        "split": "0.2 of the samples held out for validation, seed 42"}
     resized = train.fingerprint("hvdtrain.cnn", dataclasses.replace(tiny(), epochs=9),
                                 digits, plan(1, 64, 9, 1e-2))
     assert resized == recorded
 
     model_file = tmp_path / "models.py"
     other = {
-        "data": train.fingerprint("hvdtrain.cnn", dataclasses.replace(tiny(), data="synthetic"),
-                                  digits, plan(2, 32, 3, 3e-3)),
+        "samples": train.fingerprint("hvdtrain.cnn", dataclasses.replace(tiny(),
+                                                                         data="synthetic"),
+                                     digits, plan(2, 32, 3, 3e-3)),
+        # Another seed or fraction validates on samples the checkpoint trained on.
+        "split": train.fingerprint("hvdtrain.cnn", tiny(), dataclasses.replace(
+            digits, identity={"split": split_identity("samples", 0.2, 7)}), plan(2, 32, 3, 3e-3)),
         "images": train.fingerprint("hvdtrain.cnn", tiny(), dataclasses.replace(
             digits, image_shape=(16, 16, 1)), plan(2, 32, 3, 3e-3)),
         "model": train.fingerprint("hvdtrain.cnn", dataclasses.replace(
@@ -229,7 +243,22 @@ def test_a_fingerprint_holds_what_is_trained_and_nothing_a_resume_may_change(tmp
     here, there = (train.fingerprint("hvdtrain.cnn", dataclasses.replace(
         tiny(), data_dir=f"{top}/mine", model=f"{top}/models.py:build"), folder,
         plan(2, 32, 3, 3e-3)) for top in ("/project", "/tmp/job-7"))
-    assert here == there and here["data"] == "image folder, 1797 samples"
+    assert here == there and here["samples"] == "1797, from image files"
+    # The TFRecords converted from a folder, with its split and its (file, label) table: the
+    # same experiment; the same files with two class folders swapped: not.
+    table = {"split": split_identity("files", 0.1, 42), "labels": "5e1f" * 16}
+    as_folder, as_records = (train.fingerprint("hvdtrain.cnn", dataclasses.replace(
+        tiny(), **source), dataclasses.replace(folder, identity=table), plan(2, 32, 3, 3e-3))
+        for source in ({"data_dir": "/project/mine"}, {"tfrecords": "/project/mine-shards"}))
+    assert experiment_changes(as_folder, as_records) == []
+    swapped = train.fingerprint("hvdtrain.cnn", dataclasses.replace(
+        tiny(), data_dir="/project/mine"), dataclasses.replace(
+        folder, identity={**table, "labels": "77aa" * 16}), plan(2, 32, 3, 3e-3))
+    assert experiment_changes(as_folder, swapped) == [
+        f"labels: (file, label) table {'77aa' * 3} was (file, label) table {'5e1f' * 3}"]
+    # A run directory recorded before "samples": its "data" still counts.
+    assert experiment_changes({"data": "image folder, 1797 samples"}, as_records) == [
+        "data: TFRecords, 1797 samples was image folder, 1797 samples"]
 
 
 @pytest.mark.parametrize("link", ["symbolic", "hard"])
@@ -532,3 +561,72 @@ def test_curves_are_redrawn_at_most_as_often_as_asked_and_always_at_the_end(tmp_
     assert redrawn == ([True, True] if plot_every_seconds == 0 else [False, False])
     # At the end only what was not drawn yet is drawn again.
     assert (curves.stat().st_mtime_ns != seen[-1]) == (plot_every_seconds != 0)
+
+
+@integration
+@pytest.mark.timeout(600)
+def test_a_resume_of_another_split_or_labels_is_refused_and_the_folders_tfrecords_resume(
+        tmp_path):
+    """A resume under another seed validated on samples it had trained on (13 of 16), and one
+    with two class folders swapped trained with the labels inverted, both without a word. Now
+    both are refused in one line naming what changed; the TFRecords converted from the same
+    folder (same split, same (file, label) table) resume the run."""
+    from hvdtrain.tfrecords import convert
+
+    images = make_image_folder(tmp_path / "images", classes=2, per_class=20)
+    run_dir = tmp_path / "run"
+    common = ["--image-size", "8", "--batch-size", "4", "--no-tensorboard", "--no-export",
+              "--run-dir", str(run_dir)]
+
+    def job(*args: str):
+        return run_job([str(VENV_BIN / "hvdtrain"), "train", *args, *common], timeout=240,
+                       check=False, env=clean_env())
+
+    first = job("--data-dir", str(images), "--epochs", "1")
+    assert first.returncode == 0, first.stdout[-3000:]
+    before = everything_in(run_dir)
+    reseeded = job("--data-dir", str(images), "--epochs", "2", "--seed", "7")
+    line = one_error(reseeded)
+    assert "holds another experiment (split: 0.2 of the files held out for validation, seed 7 " \
+           "was 0.2 of the files held out for validation, seed 42)" in line, line
+    assert "--accept-experiment-change" in line and everything_in(run_dir) == before
+
+    (images / "zero").rename(images / "swap")
+    (images / "one").rename(images / "zero")
+    (images / "swap").rename(images / "one")
+    swapped = job("--data-dir", str(images), "--epochs", "2")
+    assert "(labels: (file, label) table " in one_error(swapped), swapped.stdout[-3000:]
+    (images / "one").rename(images / "swap")
+    (images / "zero").rename(images / "one")
+    (images / "swap").rename(images / "zero")
+
+    convert(str(images), str(tmp_path / "shards"), shards=2, validation_shards=1,
+            validation_fraction=0.2, seed=42, image_size=8)
+    resumed = job("--tfrecords", str(tmp_path / "shards"), "--epochs", "2")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resuming from " in resumed.stdout and "1 epoch(s) done" in resumed.stdout
+    assert [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())] == [1, 2]
+
+
+@integration
+@pytest.mark.timeout(600)
+def test_a_resume_under_another_precision_or_keras_names_the_flag(tmp_path):
+    """The checkpoint of a mixed_float16 run (its optimizer holds a loss scale) does not fit an
+    fp32 run's model, nor a Keras 3 one a Keras 2 run's: that was "cannot be read ... move the
+    run directory away", of a checkpoint that is fine. Now the line names the flag."""
+    run_dir = tmp_path / "run"
+
+    def job(*args: str):
+        return run_job([str(VENV_BIN / "hvdtrain"), "train", "--preset", "tiny",
+                        "--steps-per-epoch", "2", "--no-tensorboard", "--no-export",
+                        "--run-dir", str(run_dir), *args], timeout=240, check=False,
+                       env=clean_env())
+
+    first = job("--epochs", "1", "--precision", "mixed_float16")
+    assert first.returncode == 0, first.stdout[-3000:]
+    line = one_error(job("--epochs", "2"))
+    assert "were written with --precision mixed_float16 and this run uses fp32" in line, line
+    assert "resume with --precision mixed_float16" in line, line
+    line = one_error(job("--epochs", "2", "--precision", "mixed_float16", "--keras", "2"))
+    assert "were written by Keras 3 and this run is Keras 2" in line, line
+    assert "resume with --keras 3" in line, line

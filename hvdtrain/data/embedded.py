@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import numpy as np
 
 from hvdtrain.data.images import resampled_to
-from hvdtrain.data.listing import Listing, Split, positions_each_pass, split_indices
+from hvdtrain.data.listing import (Listing, Split, positions_each_pass, split_identity,
+                                   split_indices)
 from hvdtrain.data.shares import rank_share
 from hvdtrain.errors import UserError
 from hvdtrain.runtime.base import World
@@ -90,5 +91,6 @@ def embedded_listing(arrays: EmbeddedArrays, validation_fraction: float, seed: i
         image_shape=tuple(int(d) for d in arrays.images.shape[1:]),
         train=Split(train, arrays.labels[train]),
         validation=Split(validation, arrays.labels[validation]),
+        identity={"split": split_identity("samples", validation_fraction, seed)},
         images=arrays.images,
     )

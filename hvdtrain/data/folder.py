@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from hvdtrain.data.images import IMAGE_EXTENSIONS, image_format
-from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, Listing, Split, positions_each_pass,
-                                   split_indices)
+from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, Listing, Split, label_table_digest,
+                                   positions_each_pass, split_identity, split_indices)
 from hvdtrain.data.shares import rank_share
 from hvdtrain.errors import UserError
 from hvdtrain.runtime.base import World
@@ -202,6 +202,10 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
         train=Split(names_array[train], labels_array[train]),
         validation=Split(names_array[validation], labels_array[validation]),
         notes=tuple(notes),
+        identity={"split": split_identity("files", validation_fraction, seed),
+                  "labels": label_table_digest(
+                      names_array, labels_array,
+                      lambda name: os.stat(os.path.join(data_dir, name)).st_size)},
         root=data_dir,
         split_fraction=validation_fraction,
         split_seed=seed,

@@ -9,7 +9,8 @@ questions and never needs to know which source it reads.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
@@ -60,6 +61,38 @@ class HeldOutRecords:
     """Index of each shard's first record in the whole sequence."""
 
 
+def split_identity(kind: str, fraction: float, seed: int) -> str:
+    """How a listing split its samples, as the run directory's fingerprint records it: the same
+    words for an image folder and the TFRecords the converter made of it with the same split."""
+    if fraction <= 0:
+        return "no validation"
+    return f"{fraction:g} of the {kind} held out for validation, seed {seed}"
+
+
+#: Files of each class whose size goes into the (file, label) table's digest: two class folders
+#: swapped (the same names, other images) change it, for a few stats per class.
+SIZED_PER_CLASS = 8
+
+
+def label_table_digest(names, labels, size_of: Callable[[str], int] | None = None) -> str:
+    """sha256 of the (relative name, label) table, sorted: which file has which label, with the
+    size of the first ``SIZED_PER_CLASS`` files of each class (``size_of(name)``). The same for an
+    image folder and for the TFRecords the converter made of it (it records this in
+    dataset.json), whatever the split; changed by a file added, removed, renamed or relabelled,
+    and by class folders swapped."""
+    # "name<TAB>label" strings: sorting them is ~3x faster than sorting (name, label) tuples.
+    rows = sorted(f"{name.decode() if isinstance(name, bytes) else name}\t{label}"
+                  for name, label in zip(names, labels))
+    if size_of is not None:
+        sized: dict[str, int] = {}
+        for index, row in enumerate(rows):
+            name, label = row.rsplit("\t", 1)
+            if sized.get(label, 0) < SIZED_PER_CLASS:
+                sized[label] = sized.get(label, 0) + 1
+                rows[index] = f"{row}\t{size_of(name)}"
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()
+
+
 def held_out_counts(offsets: np.ndarray, counts: np.ndarray, fraction: float) -> np.ndarray:
     """Records of each shard that HeldOutRecords holds out (same float64 arithmetic as the
     pipeline's per-record test)."""
@@ -76,6 +109,10 @@ class Listing(abc.ABC):
     train: Split
     validation: Split
     notes: tuple[str, ...] = ()
+    identity: dict = field(default_factory=dict)
+    """What the samples are beyond their count, for the run directory's fingerprint: how they
+    were split ("split", ``split_identity``) and which file has which label ("labels",
+    ``label_table_digest``), where the source can tell."""
 
     in_memory: ClassVar[str | None] = None
     """Why this source needs no cache and never fails to decode (its pixels are in memory), or

@@ -14,7 +14,7 @@ decode it; it does not know which source that is.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from hvdtrain.data.augment import (augmented, center_cropped, decode_random_crop, decoded_shape,
@@ -50,6 +50,8 @@ class ImageDatasets(Datasets):
     """Where decoded images are cached, and why."""
     pipeline_state: tuple = ()
     """TensorFlow variables the pipelines update (held here so they live as long as them)."""
+    identity: dict = field(default_factory=dict)
+    """The listing's split and label table (``Listing.identity``), for the run's fingerprint."""
 
 
 class DecodeFailures:
@@ -201,7 +203,8 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         train = train.apply(tf.data.experimental.prefetch_to_device(prefetch_to))
     return ImageDatasets(train, validation, listing.description, image_shape=listing.image_shape,
                          class_names=listing.class_names, decode_failures=tuple(failures),
-                         cache=cache, pipeline_state=(*state, *stores))
+                         cache=cache, pipeline_state=(*state, *stores),
+                         identity=dict(listing.identity))
 
 
 def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: DecodeFailures,

@@ -6,6 +6,7 @@ The format, in one place::
     <dir>/dataset.json    {"class_names": [...], "image_size": N, "channels": C,
                            "counts": {shard file name: records},
                            "bytes": {shard file name: its size},
+                           "files_sha256": the (file, label) table's digest, ...
                            "max_resolution": {"shorter_side": S, "jpeg_quality": Q,
                                               "resized": R} or null, ...}
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from hvdtrain.data.augment import decoded_shape
 from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, HeldOutRecords, Listing, Split,
-                                   held_out_counts)
+                                   held_out_counts, split_identity)
 from hvdtrain.data.shares import samples_for_rank
 from hvdtrain.errors import UserError
 from hvdtrain.runtime.base import World
@@ -232,12 +233,25 @@ def list_tfrecords(location: str, *, image_size: int | None, channels: int | Non
                         "classification needs at least 2")
     train = Split(np.array(train_files), None, train_counts)
     validation = Split(np.array(validation_files), None, validation_counts)
+    identity = {}
     if validation_files:
         held_out = f"{len(validation_files)} validation shard(s)"
+        # The converter's split of the folder, in the folder's own words: an image folder and
+        # the shards converted from it with the same split are one experiment.
+        if isinstance(metadata.get("validation_fraction"), (int, float)) \
+                and isinstance(metadata.get("seed"), int):
+            identity["split"] = split_identity("files", metadata["validation_fraction"],
+                                               metadata["seed"])
+        else:
+            identity["split"] = "validation shards"
     elif validation_fraction > 0:
         train, validation, held_out = hold_out(train, validation_fraction, seed)
+        identity["split"] = split_identity("records", validation_fraction, seed)
     else:
         held_out = "no validation (--validation-fraction 0)"
+        identity["split"] = split_identity("records", 0, seed)
+    if isinstance(metadata.get("files_sha256"), str):
+        identity["labels"] = metadata["files_sha256"]
     size = image_size or metadata.get("image_size") or DEFAULT_FILE_IMAGE_SIZE
     channels = channels or int(metadata.get("channels", 3))
     return TFRecordListing(
@@ -249,6 +263,7 @@ def list_tfrecords(location: str, *, image_size: int | None, channels: int | Non
         train=train,
         validation=validation,
         notes=_resolution_notes(location, metadata, int(size), augment),
+        identity=identity,
     )
 
 
