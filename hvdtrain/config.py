@@ -18,6 +18,7 @@ import math
 import os
 import posixpath
 import re
+import stat
 import typing
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
@@ -409,15 +410,30 @@ def parse_config(argv: Sequence[str] | None, presets: Mapping[str, Callable[[], 
     return config
 
 
+#: The largest --config file read: a run directory's config.json is a few KB.
+CONFIG_FILE_LIMIT = 2**20
+
+
 def read_config_file(path: str, config_class: type) -> dict:
     """The fields a --config file sets, checked against ``config_class``'s flags (ValueError,
     one line): an object of field names (or flag names) to values, or a run directory's
     config.json, whose "config" is that object."""
     try:
-        with open(path) as file:
-            recorded = json.load(file)
+        # Not blocking: a FIFO there would wait for a writer forever; a device would never end.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(descriptor, "rb") as file:
+            found = os.fstat(file.fileno())
+            if not stat.S_ISREG(found.st_mode):
+                raise ValueError("is not a regular file (a directory, a device or a pipe): "
+                                 "name a JSON file")
+            if found.st_size > CONFIG_FILE_LIMIT:
+                raise ValueError(f"is {found.st_size} bytes; a config is a few KB (at most "
+                                 f"{CONFIG_FILE_LIMIT // 2**20} MiB): is it the right file?")
+            recorded = json.loads(file.read(CONFIG_FILE_LIMIT + 1))
     except OSError as error:
         raise ValueError(error.strerror or str(error)) from None
+    except UnicodeDecodeError:
+        raise ValueError("is not text (not UTF-8): name a JSON file") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"not JSON ({error.msg} at line {error.lineno} column {error.colno})") \
             from None

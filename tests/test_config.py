@@ -1,5 +1,6 @@
 """Config: presets, command-line overrides, validation, and help text from field docstrings."""
 import dataclasses
+import os
 import json
 import re
 
@@ -141,3 +142,22 @@ def test_a_bad_config_file_is_one_line_naming_it(tmp_path, text, message):
     with pytest.raises(UserError) as error:
         parse("--config", str(path))
     assert str(error.value) == f"--config {path}: {message}"
+
+
+def test_a_config_that_is_no_regular_file_or_too_big_is_one_line_and_never_waits(tmp_path):
+    """A FIFO would block the open for a writer forever and /dev/zero never end; a huge file
+    would be read whole. Each is one line naming it, at once."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.json"
+    big.write_text('{"epochs": 3' + " " * (2**20) + "}")
+    for path, message in ((fifo, "is not a regular file"), (tmp_path, "Is a directory"),
+                          ("/dev/zero", "is not a regular file"),
+                          (big, f"is {big.stat().st_size} bytes; a config is a few KB")):
+        with pytest.raises(UserError) as error:
+            parse("--config", str(path))
+        assert str(error.value).startswith(f"--config {path}: {message}"), error.value
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(UserError, match="is not text"):
+        parse("--config", str(binary))
