@@ -12,8 +12,8 @@ FAIL or "not checked" and the cause:
   rank, the job's allreduce with its values checked, a group of tensors through horovod's fusion
   buffer, and the bus bandwidth;
 * **jobs**: ``cnn --preset tiny`` on every rank, under Keras 3 (default settings; mixed_float16 with
-  fp16 allreduce; steps_per_execution; XLA on; XLA off) and Keras 2: each must finish with a
-  finite loss and every rank holding the same weights; its samples/s.
+  fp16 allreduce and gradient accumulation; steps_per_execution; XLA on; XLA off) and Keras 2:
+  each must finish with a finite loss and every rank holding the same weights; its samples/s.
 
 It prints the table and writes ``gpu-check.json`` and ``gpu-check.md`` into ``--out``. Exit 2 when
 a row failed. On a machine without GPUs it runs on CPU ranks and says what it could not check.
@@ -39,8 +39,8 @@ from hvdtrain.gpus import NVIDIA_SMI_QUERY, gpu_build_problems
 PROGRAM = "hvdtrain.gpucheck"
 #: The training variants every rank runs, in one job per Keras: (name, Keras, extra flags).
 VARIANTS = (("Keras 3", "3", ()),
-            ("Keras 3, mixed_float16 + fp16 allreduce", "3",
-             ("--precision", "mixed_float16", "--fp16-allreduce")),
+            ("Keras 3, mixed_float16 + fp16 allreduce + accumulation", "3",
+             ("--precision", "mixed_float16", "--fp16-allreduce", "--grad-accum-steps", "2")),
             ("Keras 3, steps_per_execution 4", "3", ("--steps-per-execution", "4")),
             ("Keras 3, XLA on", "3", ("--jit-compile", "on")),
             ("Keras 3, XLA off", "3", ("--jit-compile", "off")),
@@ -201,7 +201,8 @@ def _counted(lines) -> list[tuple[str, int]]:
 
 
 def launcher(python: str, np: int | None, *rest: str) -> list[str]:
-    return [python, "-m", "hvdtrain.launch", *(["--np", str(np)] if np else []), *rest]
+    return [python, "-m", "hvdtrain.launch", "--python", python,
+            *(["--np", str(np)] if np else []), *rest]
 
 
 def health_row(python: str, np: int | None) -> Row:

@@ -185,42 +185,10 @@ def test_the_probe_reads_the_builds_record_and_asks_nvidia_smi(tmp_path, monkeyp
         "nvidia_gpus": ["NVIDIA A100-SXM4-80GB, 580.65.06, 8.0"] * 2}
 
 
-#: A GPU job's settings: mixed_float16 (and its loss scaling), float16 on the wire, accumulation
-#: and several steps per call into the compiled function.
-GPU_JOB_FLAGS = ("--preset", "tiny", "--epochs", "1", "--steps-per-epoch", "4",
-                 "--precision", "mixed_float16", "--fp16-allreduce", "--grad-accum-steps", "2",
-                 "--steps-per-execution", "2", "--no-tensorboard", "--no-export")
-
-
-@integration
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("keras", ["3", "2"])
-def test_two_ranks_given_a_gpu_nodes_answer_train(tmp_path, keras):
-    """Keras 3 compiles the step with XLA wherever TensorFlow lists a GPU; given that one answer
-    (tests/scripts/gpu_node_answer.py), 2 real ranks train with the step compiled and horovod's
-    average between its parts, where the whole step compiled failed at its first step
-    ("No registered 'HorovodAllreduce' OpKernel for XLA_CPU_JIT"; XLA_GPU_JIT on a GPU).
-    tf_keras does not compile the step: the same flags train as before."""
-    run_dir = tmp_path / "run"
-    result = run_job([*mpirun_ranks(2), sys.executable, str(SCRIPTS / "gpu_node_answer.py"),
-                      "-m", "hvdtrain.cnn", *GPU_JOB_FLAGS, "--run-dir", str(run_dir)],
-                     timeout=300, check=False, env=clean_env(HVDTRAIN_KERAS=keras))
-    assert result.returncode == 0, result.stdout[-4000:]
-    compiled = [line for line in result.stdout.splitlines() if "xla: " in line]
-    if keras == "3":
-        assert len(compiled) == 1 and compiled[0].endswith(
-            "xla: the training step is compiled (Keras' choice: TensorFlow lists a GPU); the "
-            "ranks' gradient average runs between its two compiled parts"), compiled
-    else:
-        assert compiled == [], compiled
-    rows = json.loads((run_dir / "metrics.json").read_text())
-    assert len(rows) == 1 and rows[0]["loss"] > 0, rows
-
-
 def test_the_gpu_checks_rows_name_what_failed():
     results = {"3": {"Keras 3": {"exit": 0, "ranks_identical": True, "loss": 1.9,
                                  "samples_per_sec": 812.4, "xla": True},
-                     "Keras 3, mixed_float16 + fp16 allreduce": {
+                     "Keras 3, mixed_float16 + fp16 allreduce + accumulation": {
                          "exit": 0, "ranks_identical": False, "loss": 2.0,
                          "samples_per_sec": 1.0, "xla": False},
                      "Keras 3, steps_per_execution 4": {"error": "OpError: boom"},
@@ -231,7 +199,7 @@ def test_the_gpu_checks_rows_name_what_failed():
     rows = {row.check: (row.result, row.detail) for row in gpucheck.job_rows(results)}
     assert rows["job: Keras 3"] == ("pass", "812 samples/s, loss 1.900, ranks identical, step "
                                             "compiled with XLA")
-    assert rows["job: Keras 3, mixed_float16 + fp16 allreduce"] == (
+    assert rows["job: Keras 3, mixed_float16 + fp16 allreduce + accumulation"] == (
         "FAIL", "the ranks hold different weights")
     assert rows["job: Keras 3, steps_per_execution 4"] == ("FAIL", "OpError: boom")
     assert rows["job: Keras 3, XLA on"] == ("FAIL", "loss nan")
@@ -244,12 +212,26 @@ def test_the_gpu_checks_rows_name_what_failed():
 
 @integration
 @pytest.mark.timeout(900)
-def test_gpu_check_runs_here_and_says_what_it_could_not_check(tmp_path):
-    """The acceptance run on this machine: no GPU, so CPU ranks; every row passes or says it
-    could not be checked, and the table is printed and saved."""
+def test_gpu_check_runs_here_given_a_gpu_nodes_answer_and_says_what_it_could_not_check(
+        tmp_path):
+    """The acceptance run on this machine (no GPU: CPU ranks), with every interpreter it starts
+    given TensorFlow's GPU-node answer to Keras (tests/scripts/gpu_node_answer.py, through
+    --python). So Keras 3 compiles the step with XLA as on a GPU node, where the whole step
+    compiled failed at its first step ("No registered 'HorovodAllreduce' OpKernel for
+    XLA_CPU_JIT"; XLA_GPU_JIT on a GPU): 2 real ranks train with horovod's average between the
+    compiled parts under mixed_float16, fp16 allreduce, accumulation and steps_per_execution,
+    and tf_keras, which compiles no step, as before. Every row passes or says it could not be
+    checked, and the table is printed and saved."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$1" = "-m" ]; then exec {sys.executable} '
+                      f'{SCRIPTS / "gpu_node_answer.py"} "$@"; fi\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    (bin_dir / "horovodrun").symlink_to(VENV_BIN / "horovodrun")
     out = tmp_path / "check"
-    result = run_job([str(VENV_BIN / "hvdtrain"), "gpu-check", "--out", str(out)], timeout=800,
-                     check=False, env=clean_env())
+    result = run_job([str(python), "-m", "hvdtrain.gpucheck", "--python", str(python),
+                      "--out", str(out)], timeout=800, check=False, env=clean_env())
     assert result.returncode == 0, result.stdout[-4000:]
     saved = json.loads((out / "gpu-check.json").read_text())
     rows = {row["check"]: row for row in saved["rows"]}
@@ -259,7 +241,9 @@ def test_gpu_check_runs_here_and_says_what_it_could_not_check(tmp_path):
             and not name.startswith("GPU kernels")} == {"pass"}, saved
     assert rows["driver and GPUs"]["result"] == "not checked"
     assert rows["GPU kernels, NCCL, XLA on a GPU"]["result"] == "not checked"
-    assert "step compiled with XLA" in rows["job: Keras 3, XLA on"]["detail"]
+    compiled = {name for name, row in rows.items() if "step compiled with XLA" in row["detail"]}
+    assert compiled == {f"job: {name}" for name, keras, flags in gpucheck.VARIANTS
+                        if keras == "3" and "off" not in flags}, compiled
     assert "2 CPU rank(s): no GPU here" in saved["header"]
     assert "allreduce 16 MiB" in rows[
         "health: devices, numbers, allreduce values, fused group"]["detail"]

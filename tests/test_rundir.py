@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+import hvdtrain
+
 from conftest import VENV_BIN, clean_env, integration, one_error, run_job, small_disk_at
 from hvdtrain.data.listing import split_identity
 from hvdtrain.errors import UserError
@@ -563,6 +565,23 @@ def test_curves_are_redrawn_at_most_as_often_as_asked_and_always_at_the_end(tmp_
     assert (curves.stat().st_mtime_ns != seen[-1]) == (plot_every_seconds != 0)
 
 
+def train_in_this_process(*flags: str):
+    """hvdtrain.cnn's flags and training run in this pytest process (its Keras, a world of one):
+    no interpreter and no TensorFlow to start for each of a test's several short runs."""
+    from hvdtrain import train
+    from hvdtrain.cnn import PRESETS, PROGRAM, classifier
+    from hvdtrain.config import parse_config
+    from hvdtrain.runtime import make_runtime
+
+    config = parse_config(list(flags), PRESETS, prog=PROGRAM, description=None)
+    try:
+        return train.run(PROGRAM, config, make_runtime("single"), classifier(config.model))
+    finally:
+        import keras
+
+        keras.mixed_precision.set_global_policy("float32")  # global: don't leak it
+
+
 @integration
 @pytest.mark.timeout(600)
 def test_a_resume_of_another_split_or_labels_is_refused_and_the_folders_tfrecords_resume(
@@ -577,34 +596,30 @@ def test_a_resume_of_another_split_or_labels_is_refused_and_the_folders_tfrecord
     run_dir = tmp_path / "run"
     common = ["--image-size", "8", "--batch-size", "4", "--no-tensorboard", "--no-export",
               "--run-dir", str(run_dir)]
-
-    def job(*args: str):
-        return run_job([str(VENV_BIN / "hvdtrain"), "train", *args, *common], timeout=240,
-                       check=False, env=clean_env())
-
-    first = job("--data-dir", str(images), "--epochs", "1")
-    assert first.returncode == 0, first.stdout[-3000:]
+    train_in_this_process("--data-dir", str(images), "--epochs", "1", *common)
     before = everything_in(run_dir)
-    reseeded = job("--data-dir", str(images), "--epochs", "2", "--seed", "7")
-    line = one_error(reseeded)
+    with pytest.raises(UserError) as reseeded:
+        train_in_this_process("--data-dir", str(images), "--epochs", "2", "--seed", "7", *common)
     assert "holds another experiment (split: 0.2 of the files held out for validation, seed 7 " \
-           "was 0.2 of the files held out for validation, seed 42)" in line, line
-    assert "--accept-experiment-change" in line and everything_in(run_dir) == before
+           "was 0.2 of the files held out for validation, seed 42)" in str(reseeded.value)
+    assert "--accept-experiment-change" in str(reseeded.value)
+    assert everything_in(run_dir) == before
 
     (images / "zero").rename(images / "swap")
     (images / "one").rename(images / "zero")
     (images / "swap").rename(images / "one")
-    swapped = job("--data-dir", str(images), "--epochs", "2")
-    assert "(labels: (file, label) table " in one_error(swapped), swapped.stdout[-3000:]
+    with pytest.raises(UserError) as swapped:
+        train_in_this_process("--data-dir", str(images), "--epochs", "2", *common)
+    assert "(labels: (file, label) table " in str(swapped.value)
     (images / "one").rename(images / "swap")
     (images / "zero").rename(images / "one")
     (images / "swap").rename(images / "zero")
 
     convert(str(images), str(tmp_path / "shards"), shards=2, validation_shards=1,
             validation_fraction=0.2, seed=42, image_size=8)
-    resumed = job("--tfrecords", str(tmp_path / "shards"), "--epochs", "2")
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert "resuming from " in resumed.stdout and "1 epoch(s) done" in resumed.stdout
+    resumed = train_in_this_process("--tfrecords", str(tmp_path / "shards"), "--epochs", "2",
+                                    *common)
+    assert resumed.exit_code == 0 and resumed.initial_epoch == 1
     assert [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())] == [1, 2]
 
 
@@ -612,21 +627,24 @@ def test_a_resume_of_another_split_or_labels_is_refused_and_the_folders_tfrecord
 @pytest.mark.timeout(600)
 def test_a_resume_under_another_precision_or_keras_names_the_flag(tmp_path):
     """The checkpoint of a mixed_float16 run (its optimizer holds a loss scale) does not fit an
-    fp32 run's model, nor a Keras 3 one a Keras 2 run's: that was "cannot be read ... move the
+    fp32 run's model, nor a Keras 2 one a Keras 3 run's: that was "cannot be read ... move the
     run directory away", of a checkpoint that is fine. Now the line names the flag."""
     run_dir = tmp_path / "run"
-
-    def job(*args: str):
-        return run_job([str(VENV_BIN / "hvdtrain"), "train", "--preset", "tiny",
-                        "--steps-per-epoch", "2", "--no-tensorboard", "--no-export",
-                        "--run-dir", str(run_dir), *args], timeout=240, check=False,
-                       env=clean_env())
-
-    first = job("--epochs", "1", "--precision", "mixed_float16")
-    assert first.returncode == 0, first.stdout[-3000:]
-    line = one_error(job("--epochs", "2"))
-    assert "were written with --precision mixed_float16 and this run uses fp32" in line, line
-    assert "resume with --precision mixed_float16" in line, line
-    line = one_error(job("--epochs", "2", "--precision", "mixed_float16", "--keras", "2"))
-    assert "were written by Keras 3 and this run is Keras 2" in line, line
-    assert "resume with --keras 3" in line, line
+    common = ["--preset", "tiny", "--steps-per-epoch", "2", "--no-tensorboard", "--no-export",
+              "--run-dir", str(run_dir)]
+    train_in_this_process("--epochs", "1", "--precision", "mixed_float16", *common)
+    with pytest.raises(UserError) as refused:
+        train_in_this_process("--epochs", "2", *common)
+    assert "were written with --precision mixed_float16 and this run uses fp32" in \
+        str(refused.value) and "resume with --precision mixed_float16" in str(refused.value)
+    # This process's Keras wrote them; the other Keras, in a process of its own, on a copy
+    # (this process holds the run directory's lock until it ends).
+    this, other = hvdtrain.KERAS, "3" if hvdtrain.KERAS == "2" else "2"
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    line = one_error(run_job([str(VENV_BIN / "hvdtrain"), "train", "--epochs", "2",
+                              "--precision", "mixed_float16", "--keras", other, *common,
+                              "--run-dir", str(copy)], timeout=240, check=False,
+                             env=clean_env()))
+    assert f"were written by Keras {this} and this run is Keras {other}" in line, line
+    assert f"resume with --keras {this}" in line, line
