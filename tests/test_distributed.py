@@ -221,7 +221,7 @@ def test_xla_compiles_the_step_around_the_ranks_average(runtime, shared_dir):
     runtime.barrier()
     settings = dict(epochs=1, steps_per_epoch=4, precision="mixed_float16", fp16_allreduce=True,
                     grad_accum_steps=2, steps_per_execution=2, export=False,
-                    model=f"{shared_dir / 'no_dropout.py'}:build")
+                    validation_fraction=0.1, model=f"{shared_dir / 'no_dropout.py'}:build")
 
     def run(jit_compile):
         config = config_in(shared_dir / f"jit-{jit_compile}", jit_compile=jit_compile,
