@@ -30,6 +30,7 @@ import re
 import socket
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -144,10 +145,15 @@ def build_rows(python: str) -> tuple[list[Row], dict, list[str]]:
     answers, stderr = ask(python, ["build"], timeout=300,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     build = (answers or {}).get("build") or {"error": first_line(stderr) or "no answer"}
-    info = _run([python, "-c", "import json, tensorflow as tf; "
-                 "print(json.dumps({'version': tf.__version__, **tf.sysconfig.get_build_info()}))"],
+    # TensorFlow's build facts from the file tf.sysconfig.get_build_info() reads, as the probe
+    # reads them (launch/probe.py): no second import of TensorFlow.
+    info = _run([python, "-c", "import importlib.util, json, os; "
+                 "from hvdtrain.launch.probe import tensorflow_build_info; "
+                 "spec = importlib.util.find_spec('tensorflow'); "
+                 "print(json.dumps(spec and tensorflow_build_info(os.path.dirname(spec.origin))))"],
                 300)
-    tensorflow = json.loads(info.stdout.strip().splitlines()[-1]) if info.returncode == 0 else {}
+    facts = json.loads(info.stdout.strip().splitlines()[-1]) if info.returncode == 0 else None
+    tensorflow = {"version": build.get("tensorflow_version"), **facts} if facts else {}
     check = _run([os.path.join(os.path.dirname(python), "horovodrun"), "--check-build"], 300)
     built = checked_build(check.stdout)
     if build.get("error") or not tensorflow:
@@ -173,7 +179,7 @@ def build_rows(python: str) -> tuple[list[Row], dict, list[str]]:
     else:
         problems = gpu_build_problems(build.get("gpu_build") or {}, gpus)
         listed = "; ".join(f"{count} x {line}" for line, count in
-                           _counted(line.strip() for line in gpus))
+                           Counter(line.strip() for line in gpus).items())
         rows.append(Row("driver and GPUs", "FAIL" if problems else "pass",
                         "; ".join(problems) or listed))
         if build.get("gpus", 0) < len(gpus):
@@ -193,13 +199,6 @@ def checked_build(output: str) -> str:
         elif line.strip().startswith("[X]"):
             sections.setdefault(section, []).append(line.strip()[3:].strip())
     return "; ".join(f"{name} {', '.join(marked)}" for name, marked in sections.items())
-
-
-def _counted(lines) -> list[tuple[str, int]]:
-    counts: dict[str, int] = {}
-    for line in lines:
-        counts[line] = counts.get(line, 0) + 1
-    return list(counts.items())
 
 
 def launcher(python: str, np: int | None, *rest: str) -> list[str]:

@@ -148,15 +148,14 @@ def device_findings(reports: Sequence[RankReport], gpus_per_rank: int
     """(failures, warnings): nodes short of GPUs; nodes whose ranks have under half the median
     cores each."""
     failures, warnings = [], []
-    short: dict[str, RankReport] = {}
+    short: dict[str, tuple[RankReport, int]] = {}
     for report in reports:
         # A rank with a GPU of its own needs that one; ranks that share a node's GPUs need one
         # each of those they all see.
         needed = gpus_per_rank * (1 if report.gpu_of_its_own else report.local_size)
         if report.gpus < needed:
-            short.setdefault(report.host, report)
-    for host, report in short.items():
-        needed = gpus_per_rank * (1 if report.gpu_of_its_own else report.local_size)
+            short.setdefault(report.host, (report, needed))
+    for host, (report, needed) in short.items():
         whose = "its rank" if report.gpu_of_its_own else f"its {report.local_size} rank(s)"
         failures.append(f"{host} shows {report.gpus} GPU(s); {whose} need {needed} (a GPU "
                         "lost, or CUDA_VISIBLE_DEVICES?)")
