@@ -26,13 +26,17 @@ on a terminal, as a line every 10 s in a log file (``--quiet``: none).
 Interruptions: shards are written into ``O.partial/``, each under a temporary name renamed once
 complete, beside a ``plan.json`` of what defines the output (data folder, a fingerprint of its
 files and labels, split, shards). Rerunning the same command after Ctrl-C, a kill or a lost node
-keeps the complete shards and writes the rest; a rerun with other arguments or changed data is
-refused. At the end ``O.partial/`` becomes ``O``: ``O`` is either complete or absent.
+keeps the complete shards and writes the rest; a rerun with other arguments or changed data (the
+plan's fingerprint, and the size and modification time of every file of a complete shard, kept in
+its marker in ``done/``) is refused, and so is a second converter while one holds the directory's
+lock. At the end ``O.partial/`` becomes ``O``: ``O`` is either complete or absent.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import errno
+import fcntl
 import concurrent.futures
 import dataclasses
 import io
@@ -49,10 +53,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TextIO
 
-from hvdtrain.cli import usage_name
+from hvdtrain.cli import error_name, usage_name
 from hvdtrain.data.augment import CENTER_FRACTION
 from hvdtrain.data.folder import FolderListing, list_image_folder
-from hvdtrain.data.images import image_format_of_bytes
+from hvdtrain.data.images import converter_pixels_limit, image_format_of_bytes
 from hvdtrain.data.listing import DEFAULT_FILE_IMAGE_SIZE
 from hvdtrain.data.records import (METADATA, TRAIN, VALIDATION, serialize_example, shard_name,
                                    shorter_side_decoded)
@@ -87,6 +91,10 @@ DEFAULT_JPEG_QUALITY = 90
 
 class BadImageError(UserError):
     """A file that is no readable image, with --on-bad-image fail."""
+
+
+class TooManyPixels(Exception):
+    """An image whose decode for resizing would exceed the converter's pixel limit."""
 
 
 class _Stopped(Exception):
@@ -125,7 +133,9 @@ class MaxResolution:
 
     def stored(self, encoded: bytes, image_format: str) -> tuple[bytes, bool] | None:
         """(what a shard stores for a file of ``image_format``, whether it was resized); None
-        when its header or, for one to resize, its pixels do not decode.
+        when its header or, for one to resize, its pixels do not decode. TooManyPixels when the
+        pixels to decode for resizing it (a JPEG's at its DCT scale) are over
+        ``converter_pixels_limit``.
 
         Resized images become JPEGs, RGB or gray as their pixels are, whatever their format: what
         training decodes (1 or 3 channels) has no alpha, so alpha is dropped the way TensorFlow's
@@ -135,6 +145,10 @@ class MaxResolution:
         """
         from PIL import Image
 
+        # Pillow's own bound (its decompression bomb check, at open, on the full size) would
+        # refuse a large image that is kept as it is, or a JPEG that decodes scaled down: the
+        # pixels actually decoded are bounded below instead.
+        Image.MAX_IMAGE_PIXELS = None
         try:
             image = Image.open(io.BytesIO(encoded), formats=[image_format])
             width, height = image.size
@@ -145,6 +159,8 @@ class MaxResolution:
             # A JPEG decodes already scaled down by 2, 4 or 8 in the DCT (much less work), to
             # no less than twice the size, so the filter below still makes the last step.
             image.draft(None, (2 * size[0], 2 * size[1]))
+            if image.size[0] * image.size[1] > converter_pixels_limit(self.shorter_side):
+                raise TooManyPixels(f"{width}x{height}")
             # Pillow's bilinear filter widens with the scale (antialiased, torchvision's default
             # for Resize): 2.0 ms a 500x375 photo on one core where Lanczos took 3.7.
             pixels = _without_alpha(image).resize(size, Image.Resampling.BILINEAR)
@@ -181,6 +197,14 @@ class ShardDone:
     """The skipped path that sorts first (None when none was skipped)."""
     resized: int = 0
     """Records stored resized (see MaxResolution)."""
+    per_class: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Records of each label (its index, a string in JSON)."""
+    files: list | None = None
+    """Each path's [size, modification time in ns] when it was read (null: unreadable): a
+    resumed run refuses a shard whose files changed since."""
+    too_large: int = 0
+    """Files not written because resizing them decodes too many pixels (TooManyPixels)."""
+    first_too_large: str | None = None
 
 
 @dataclass(frozen=True)
@@ -248,13 +272,15 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
         raise UserError(f"--image-size must be at least 1, got {image_size}")
     limit = max_resolution_for(image_size, max_resolution, jpeg_quality)
     # The output checks are cheap, the listing is not: a mistyped --out fails first.
+    _check_out(out_dir, data_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; name a new directory")
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise UserError(f"--out {out_dir} exists and is not empty; choose a new directory")
     staging = staging_dir(out_dir)
-    if os.path.exists(staging) and not os.path.isdir(staging):
-        raise UserError(f"{staging} (where --out {out_dir} is written) is a file; remove it")
+    if os.path.islink(staging) or os.path.exists(staging) and not os.path.isdir(staging):
+        raise UserError(f"{staging} (where --out {out_dir} is written) is a "
+                        f"{'link' if os.path.islink(staging) else 'file'}; remove it")
     listing = list_image_folder(data_dir, image_size=image_size,
                                 validation_fraction=validation_fraction, seed=seed,
                                 on_bad_image=on_bad_image, channels=channels)
@@ -269,12 +295,27 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
             # The folder's (file, label) table (data.listing.label_table_digest): changed data
             # are refused on a resume, and training from the folder computes the same digest.
             "files_sha256": listing.identity["labels"]}
-    resumed = _open_staging(staging, plan, tasks, out_dir)
+    resumed, lock = _open_staging(staging, plan, tasks, out_dir)
+    try:
+        return _write_staged(listing, tasks, plan, staging, out_dir, resumed, limit=limit,
+                             on_bad_image=on_bad_image, workers=workers,
+                             progress_stream=progress_stream, notify=notify, started=started)
+    finally:
+        os.close(lock)
+
+
+def _write_staged(listing: FolderListing, tasks: list[ShardTask], plan: dict, staging: str,
+                  out_dir: str, resumed: dict[str, ShardDone], *, limit: MaxResolution | None,
+                  on_bad_image: str, workers: int | None, progress_stream: TextIO | None,
+                  notify: Callable[[str], None], started: float) -> Conversion:
+    """``write_dataset``'s work once it holds the staging directory's lock."""
+    data_dir = listing.root
     if resumed:
         notify(f"resuming {staging}: {len(resumed)} of {len(tasks)} shards were complete")
     to_write = [task for task in tasks if task.name not in resumed]
     progress = Progress(total=plan["samples"],
-                        done=sum(done.records + done.skipped for done in resumed.values()),
+                        done=sum(done.records + done.skipped + done.too_large
+                                 for done in resumed.values()),
                         stream=progress_stream)
     try:
         earlier_bad = sorted(done.first_skipped for done in resumed.values() if done.skipped)
@@ -288,9 +329,19 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
     finally:
         progress.close()
     complete = {**resumed, **{done.name: done for done in written}}
+    per_class = collections.Counter()
+    for done in complete.values():
+        per_class.update({int(label): count for label, count in done.per_class.items()})
+    empty = [name for label, name in enumerate(listing.class_names) if not per_class[label]]
+    if empty:
+        # Training would never see the class, yet count it among the classes it predicts.
+        shutil.rmtree(staging, ignore_errors=True)
+        more = f" (and {len(empty) - 1} other class(es))" if len(empty) > 1 else ""
+        raise UserError(f"no file of class folder {os.path.join(data_dir, empty[0])}{more} is a "
+                        "readable PNG/JPEG/GIF/BMP image; fix or remove its files")
     metadata = {"source": os.path.abspath(data_dir), "class_names": listing.class_names,
-                "image_size": image_size, "channels": channels, "seed": seed,
-                "validation_fraction": validation_fraction,
+                **{key: plan[key] for key in ("image_size", "channels", "seed",
+                                              "validation_fraction")},
                 "counts": {task.name: complete[task.name].records for task in tasks},
                 "files_sha256": plan["files_sha256"],
                 # Each shard's size: a reader finds a shard cut short (or grown) by its size, with
@@ -301,7 +352,11 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
                                    "resized": sum(done.resized for done in complete.values())
                                    } if limit else None,
                 "skipped": list(listing.notes) + _skipped_notes(complete.values(), data_dir)}
-    _finish(staging, out_dir, metadata)
+    try:
+        _finish(staging, out_dir, metadata)
+    except OSError as error:
+        raise UserError(f"cannot finish {out_dir}: {error.strerror or error}; rerun the same "
+                        "command to resume once that is fixed") from None
     return Conversion(metadata, resumed_shards=len(resumed),
                       records_written=sum(done.records for done in written),
                       seconds=time.monotonic() - started)
@@ -321,13 +376,55 @@ def _shard_tasks(listing: FolderListing, shards: int, validation_shards: int) ->
     return tasks
 
 
+def _check_out(out_dir: str, data_dir: str) -> None:
+    """--out, whole, before any work: the finished staging directory is renamed to it, so it must
+    be a name of its own (no link, not the directory this runs in or one holding it), outside
+    the data it is made from."""
+    if os.path.islink(out_dir):
+        raise UserError(f"--out {out_dir} is a link; name a new directory (the finished shards "
+                        "are renamed into place, which would replace the link)")
+    out, here = os.path.abspath(out_dir), os.getcwd()
+    if here == out or here.startswith(out.rstrip(os.sep) + os.sep):
+        raise UserError(f"--out {out_dir} is the directory this runs in, or holds it; name a new "
+                        "directory")
+    data, real_out = os.path.realpath(data_dir), os.path.realpath(out)
+    if real_out == data or real_out.startswith(data.rstrip(os.sep) + os.sep):
+        raise UserError(f"--out {out_dir} is inside --data-dir {data_dir}, where it would be "
+                        "listed as a class; write it elsewhere")
+
+
+def _locked(directory: str, staging: str) -> int:
+    """An open descriptor of ``directory`` holding its exclusive lock (released when closed or
+    when the process ends, however it ends), or one line when another converter holds it."""
+    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise UserError(f"another converter is writing {staging} now; wait for it to finish, "
+                        "or write elsewhere with another --out") from None
+    return descriptor
+
+
 def _open_staging(staging: str, plan: dict, tasks: list[ShardTask],
-                  out_dir: str) -> dict[str, ShardDone]:
-    """The shards an earlier run of the same plan completed in ``staging`` (none when it creates
-    the directory). Refuses a staging directory of another plan."""
+                  out_dir: str) -> tuple[dict[str, ShardDone], int]:
+    """(the shards an earlier run of the same plan completed in ``staging``, none when it creates
+    the directory; the descriptor holding its lock). Refuses a staging directory of another plan,
+    one another converter holds, and one whose complete shards were made of files that changed
+    since."""
     if not os.path.isdir(staging):
-        _create_staging(staging, plan, out_dir)
-        return {}
+        return {}, _create_staging(staging, plan, out_dir)
+    # Held from before the plan is read until the end: two identical commands at once would
+    # otherwise both "resume", each removing the other's shards in flight.
+    lock = _locked(staging, staging)
+    try:
+        return _complete_shards(staging, plan, tasks), lock
+    except BaseException:
+        os.close(lock)
+        raise
+
+
+def _complete_shards(staging: str, plan: dict, tasks: list[ShardTask]) -> dict[str, ShardDone]:
     try:
         with open(os.path.join(staging, PLAN)) as file:
             recorded = json.load(file)
@@ -347,11 +444,39 @@ def _open_staging(staging: str, plan: dict, tasks: list[ShardTask],
             os.remove(entry.path)
     complete = {}
     for task in tasks:
-        marker = os.path.join(staging, DONE_DIR, task.name + ".json")
-        if os.path.exists(marker) and os.path.exists(os.path.join(staging, task.name)):
-            with open(marker) as file:
-                complete[task.name] = ShardDone(**json.load(file))
+        done = _marker(os.path.join(staging, DONE_DIR, task.name + ".json"), task)
+        if done is None or not os.path.exists(os.path.join(staging, task.name)):
+            continue  # written again
+        changed = next((path for path, then in zip(task.paths, done.files)
+                        if then != _file_stat(path)), None)
+        if changed is not None:
+            raise UserError(f"{changed} changed (size or modification time) since the "
+                            f"interrupted run stored it in {staging}; delete {staging} to start "
+                            "over")
+        complete[task.name] = done
     return complete
+
+
+def _marker(path: str, task: ShardTask) -> ShardDone | None:
+    """A shard's done marker, or None when it is missing or unusable (empty after a full disk,
+    cut short, or written by a version that recorded no file stats): the shard is rewritten."""
+    try:
+        with open(path) as file:
+            done = ShardDone(**json.load(file))
+    except (OSError, ValueError, TypeError):
+        return None
+    if done.name != task.name or done.files is None or len(done.files) != len(task.paths):
+        return None
+    return done
+
+
+def _file_stat(path: str) -> list[int] | None:
+    """[size, modification time in ns] of a file (None: it cannot be read)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return [stat.st_size, stat.st_mtime_ns]
 
 
 def _difference(key: str, then: object, now: object) -> str:
@@ -360,24 +485,35 @@ def _difference(key: str, then: object, now: object) -> str:
     return f"{key} {'off' if then is None else then} then, {'off' if now is None else now} now"
 
 
-def _create_staging(staging: str, plan: dict, out_dir: str) -> None:
+def _create_staging(staging: str, plan: dict, out_dir: str) -> int:
     """Make ``staging`` with its plan and an empty DONE_DIR, all at once (built under a temporary
-    name): a staging directory without its plan is never left behind."""
+    name, locked before it gets its name): a staging directory without its plan is never left
+    behind, and no other converter can take it. Returns the lock's descriptor."""
     parent = os.path.dirname(staging)
     try:
         os.makedirs(parent, exist_ok=True)
         building = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(staging)}.")
     except OSError as error:
         raise UserError(f"--out {out_dir}: cannot create it ({error.strerror or error})") from None
+    lock = _locked(building, staging)
     try:
         # mkdtemp makes 0700; shards are for other users too.
         os.chmod(building, 0o777 & ~current_umask())
         os.mkdir(os.path.join(building, DONE_DIR))
         _write_json(os.path.join(building, PLAN), plan)
         os.rename(building, staging)
+    except OSError as error:
+        shutil.rmtree(building, ignore_errors=True)
+        os.close(lock)
+        if error.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise UserError(f"another converter is writing {staging} now; wait for it to "
+                            "finish, or write elsewhere with another --out") from None
+        raise UserError(f"cannot write {staging}: {error.strerror or error}") from None
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
+        os.close(lock)
         raise
+    return lock
 
 
 def _write_json(path: str, value: dict) -> None:
@@ -386,12 +522,26 @@ def _write_json(path: str, value: dict) -> None:
 
 
 def _skipped_notes(shards: Iterable[ShardDone], data_dir: str) -> list[str]:
+    shards = list(shards)
+    notes = []
     skipped = [done for done in shards if done.skipped]
-    if not skipped:
-        return []
-    first = min(done.first_skipped for done in skipped)
-    return [f"skipped {sum(done.skipped for done in skipped)} file(s) in {data_dir} that are not "
-            f"readable PNG/JPEG/GIF/BMP images (first: {first})"]
+    if skipped:
+        first = min(done.first_skipped for done in skipped)
+        notes.append(f"skipped {sum(done.skipped for done in skipped)} file(s) in {data_dir} that "
+                     f"are not readable PNG/JPEG/GIF/BMP images (first: {first})")
+    too_large = [done for done in shards if done.too_large]
+    if too_large:
+        first = min(done.first_too_large for done in too_large)
+        notes.append(f"skipped {sum(done.too_large for done in too_large)} file(s) in {data_dir} "
+                     "that decode to more pixels than the converter's limit to be resized "
+                     f"(first: {first}; see --max-resolution)")
+    return notes
+
+
+def _too_many_pixels(path: str, size: str, limit: MaxResolution) -> str:
+    return (f"{path} ({size}) decodes to more than {converter_pixels_limit(limit.shorter_side)} "
+            "pixels to be resized; shrink it, raise --max-resolution (the limit is 16 times its "
+            "square, at least 2^28) or pass --on-bad-image skip")
 
 
 def _not_an_image(path: str) -> str:
@@ -548,25 +698,40 @@ def write_shard(task: ShardTask, staging: str, *, max_resolution: MaxResolution 
     import tensorflow as tf
 
     final = os.path.join(staging, task.name)
-    records = skipped = resized = 0
+    records = skipped = resized = too_large = 0
+    first_too_large = None
+    per_class: collections.Counter = collections.Counter()
+    files = []
     first_skipped = None
     report(0)  # a worker told to stop does not start another shard
     unreported, reported_at = 0, time.monotonic()
 
     def write_records(temporary: str) -> None:
-        nonlocal records, skipped, resized, first_skipped, unreported, reported_at
+        nonlocal records, skipped, resized, first_skipped, unreported, reported_at, too_large
+        nonlocal first_too_large
         with tf.io.TFRecordWriter(temporary) as writer:
             for path, label in zip(task.paths, task.labels):
-                stored = _stored_image(path, max_resolution)
-                if stored is not None:
-                    writer.write(serialize_example(stored[0], label))
-                    records += 1
-                    resized += stored[1]
-                elif on_bad_image == "fail":
-                    raise BadImageError(_not_an_image(path))
+                # Before the read: a file changed while it is read is changed for a resume.
+                files.append(_file_stat(path))
+                try:
+                    stored = _stored_image(path, max_resolution)
+                except TooManyPixels as size:
+                    if on_bad_image == "fail":
+                        raise BadImageError(_too_many_pixels(path, str(size),
+                                                             max_resolution)) from None
+                    too_large += 1
+                    first_too_large = min(first_too_large or path, path)
                 else:
-                    skipped += 1
-                    first_skipped = path if first_skipped is None else min(first_skipped, path)
+                    if stored is not None:
+                        writer.write(serialize_example(stored[0], label))
+                        records += 1
+                        per_class[str(label)] += 1
+                        resized += stored[1]
+                    elif on_bad_image == "fail":
+                        raise BadImageError(_not_an_image(path))
+                    else:
+                        skipped += 1
+                        first_skipped = min(first_skipped or path, path)
                 unreported += 1
                 if time.monotonic() - reported_at >= REPORT_SECONDS:
                     report(unreported)
@@ -575,7 +740,8 @@ def write_shard(task: ShardTask, staging: str, *, max_resolution: MaxResolution 
     try:
         # A .tmp name: a resumed conversion removes those of the interrupted one.
         replace_atomically(final, write_records, suffix=".tmp")
-        done = ShardDone(task.name, records, skipped, first_skipped, resized)
+        done = ShardDone(task.name, records, skipped, first_skipped, resized, dict(per_class),
+                         files, too_large, first_too_large)
         _write_json(os.path.join(staging, DONE_DIR, task.name + ".json"), dataclasses.asdict(done))
     except (OSError, tf.errors.OpError) as error:
         # A full disk, a lost mount: the complete shards stay, a rerun writes the rest.
@@ -588,14 +754,16 @@ def write_shard(task: ShardTask, staging: str, *, max_resolution: MaxResolution 
 def _stored_image(path: str, max_resolution: MaxResolution | None) -> tuple[bytes, bool] | None:
     """(what a shard stores for the file, whether it was resized); None when the file is
     unreadable or no image (with a limit: also when its header, or the pixels of one to resize,
-    do not decode)."""
+    do not decode); TooManyPixels from ``MaxResolution.stored``. Its first bytes are checked
+    before the rest is read: a large file of another kind is never read whole."""
     try:
         with open(path, "rb") as file:
-            encoded = file.read()
+            head = file.read(16)
+            image_format = image_format_of_bytes(head)
+            if image_format is None:
+                return None
+            encoded = head + file.read()
     except OSError:
-        return None
-    image_format = image_format_of_bytes(encoded)
-    if image_format is None:
         return None
     if max_resolution is None:
         return encoded, False
@@ -754,7 +922,7 @@ def _pixels_or_off(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    with reported(PROGRAM):
+    with reported(error_name(PROGRAM)):
         sys.exit(run(argv))
 
 

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -226,7 +227,8 @@ def wait_until_group_ends(group: int) -> None:
         time.sleep(0.05)
 
 
-def test_interrupted_runs_resume_to_the_shards_of_a_clean_run(many_images, tmp_path, start):
+def test_interrupted_runs_resume_to_the_shards_of_a_clean_run(images, many_images, tmp_path,
+                                                               start):
     clean = run(converter(many_images, tmp_path / "clean", "--workers", "1", "--quiet"))
     assert clean.returncode == 0, clean.stderr
     assert clean.stderr == ""  # --quiet: no progress
@@ -246,10 +248,16 @@ def test_interrupted_runs_resume_to_the_shards_of_a_clean_run(many_images, tmp_p
     assert "Traceback" not in stderr
     wait_until_group_ends(process.pid)  # the workers, and multiprocessing's resource tracker
 
-    # SIGKILL of the converter alone: its workers notice and exit by themselves.
+    # SIGKILL of the converter alone: its workers notice and exit by themselves. Meanwhile the
+    # same command again is refused in one line: it used to "resume" the running one, removing
+    # the shards in flight.
     before = len(complete_shards(staging))
     process = start(converter(many_images, out, "--workers", "2"))
     wait_for_complete_shards(process, staging, more_than=before)
+    second = run(converter(many_images, out, "--workers", "1"))
+    assert second.returncode == 2 and second.stderr.splitlines() == [
+        f"hvdtrain.tfrecords: error: another converter is writing {staging} now; wait for it "
+        "to finish, or write elsewhere with another --out"], second.stderr
     process.kill()
     process.communicate(timeout=RUN_TIMEOUT)
     wait_until_group_ends(process.pid)
@@ -266,9 +274,27 @@ def test_interrupted_runs_resume_to_the_shards_of_a_clean_run(many_images, tmp_p
             f"or arguments ({difference}): rerun with the original arguments to resume it, or "
             f"delete {staging} to start over"]
 
+    # Images changed in place since the interrupted run stored them (here: every file's
+    # modification time, through the 120 originals the folder links): refused, naming one.
+    originals = {path: path.stat() for path in images.glob("*/*")}
+    for path, stat in originals.items():
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    changed = run(converter(many_images, out))
+    for path, stat in originals.items():
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert changed.returncode == 2 and re.fullmatch(
+        rf"hvdtrain.tfrecords: error: {re.escape(str(many_images))}/\w+/\d+\.(png|jpg) changed "
+        rf"\(size or modification time\) since the interrupted run stored it in "
+        rf"{re.escape(str(staging))}; delete {re.escape(str(staging))} to start over",
+        changed.stderr.strip()), changed.stderr
+    # A done marker left empty (a full disk as it was written): its shard is written again.
+    emptied = sorted(complete_shards(staging))[0]
+    (staging / DONE_DIR / f"{emptied}.json").write_text("")
+
     # The same command resumes: the complete shards stay as they are (same files), the rest are
     # written, and the result is byte for byte the clean run's.
-    kept = {name: (staging / name).stat().st_ino for name in complete_shards(staging)}
+    kept = {name: (staging / name).stat().st_ino for name in complete_shards(staging)
+            if name != emptied}
     assert 0 < len(kept) < 600
     resumed = run(converter(many_images, out, "--workers", "2"))
     assert resumed.returncode == 0, resumed.stderr
@@ -310,3 +336,147 @@ def test_a_shard_cut_short_is_refused_by_name_before_training(images, tmp_path):
     assert lines[0].startswith(f"hvdtrain.cnn: error: TFRecord shard {cut} is "), lines
     assert "as dataset.json records: cut short or changed" in lines[0], lines
     assert not run_dir.exists()
+
+
+def test_the_converters_edges_are_one_line_each_and_write_nothing(images, tmp_path,
+                                                                   monkeypatch):
+    """Each of these ran the whole conversion into a traceback, or wrote a wrong output with
+    exit 0: --out a link (to an empty folder, or dangling), the directory it runs in, a folder
+    inside the data; a class folder that links to another class (its images under two labels);
+    a class none of whose files is an image (a class of 0 records). Links that lead nowhere (a
+    loop, a missing target) are skipped and counted, by the converter and training alike."""
+    from hvdtrain.data.folder import list_image_folder
+
+    common = dict(shards=2, validation_shards=1, validation_fraction=0.2, seed=0, image_size=8,
+                  workers=1)
+    folder = tmp_path / "images"
+    for path in images.glob("*/*"):
+        (folder / path.parent.name).mkdir(parents=True, exist_ok=True)
+        os.link(path, folder / path.parent.name / path.name)
+    before = sorted(tmp_path.rglob("*"))
+
+    def refused(out, message: str) -> None:
+        with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+            convert(str(folder), str(out), **common)
+        assert sorted(tmp_path.rglob("*")) == before, "a refused convert wrote something"
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    before = sorted(tmp_path.rglob("*"))
+    for link in ("to-empty", "dangling"):
+        refused(tmp_path / link, f"--out {tmp_path / link} is a link; name a new directory")
+    monkeypatch.chdir(tmp_path / "empty")
+    for here in (".", ".."):
+        refused(here, f"--out {here} is the directory this runs in, or holds it")
+    monkeypatch.chdir(tmp_path)
+    refused(folder / "shards", f"--out {folder / 'shards'} is inside --data-dir {folder}")
+
+    # A class folder linked to another: one line, from the listing both commands share.
+    (folder / "zzz").symlink_to(folder / "one")
+    before = sorted(tmp_path.rglob("*"))
+    same = f"class folders one and zzz in {folder} are the same folder ({folder / 'one'})"
+    refused(tmp_path / "linked", same)
+    with pytest.raises(UserError, match=f"^{re.escape(same)}"):
+        list_image_folder(str(folder), image_size=8, validation_fraction=0.2, seed=0,
+                          on_bad_image="skip")
+    (folder / "zzz").unlink()
+
+    # A class whose files all carry an image's name and none is one: no output, one line.
+    (folder / "junk").mkdir()
+    for index in range(3):
+        (folder / "junk" / f"{index}.png").write_text("no image")
+    before = sorted(tmp_path.rglob("*"))
+    refused(tmp_path / "junk-out", f"no file of class folder {folder / 'junk'} is a readable "
+                                   "PNG/JPEG/GIF/BMP image; fix or remove its files")
+    shutil.rmtree(folder / "junk")
+
+    # A link to itself and a dangling link: skipped, counted and named, in both.
+    (folder / "one" / "loop.png").symlink_to("loop.png")
+    (folder / "two" / "gone.png").symlink_to(tmp_path / "gone.png")
+    note = (f"skipped 2 link(s) in {folder} lead to no file (a loop or a missing target; "
+            f"first: {folder / 'one' / 'loop.png'})")
+    metadata = convert(str(folder), str(tmp_path / "out"), **common)
+    assert sum(metadata["counts"].values()) == 120 and metadata["skipped"] == [note]
+    listing = list_image_folder(str(folder), image_size=8, validation_fraction=0.2, seed=0,
+                                on_bad_image="skip")
+    assert listing.notes == (note,)
+    with pytest.raises(UserError, match="lead to no file .*; remove them or pass --on-bad-image "
+                                        "skip$"):
+        convert(str(folder), str(tmp_path / "failed"), on_bad_image="fail", **common)
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_resumes(images, tmp_path):
+    """The disk fills while shards are written (a real tmpfs, too small): one line saying to rerun
+    once there is room, then the same command with room finishes, keeping the complete shards."""
+    from conftest import small_disk_at
+
+    common = dict(shards=8, validation_shards=2, validation_fraction=0.2, seed=0, image_size=40,
+                  workers=1)
+    with small_disk_at(tmp_path / "disk", "48k") as disk:
+        out = disk / "shards"
+        with pytest.raises(UserError, match=rf"^cannot write {re.escape(staging_dir(str(out)))}"
+                                            r"/\S+: .*No space left on device.*; rerun the same "
+                                            r"command to resume once that is fixed$"):
+            convert(str(images), str(out), **common)
+        complete = set(os.listdir(Path(staging_dir(str(out))) / DONE_DIR))
+        assert complete, "the small disk held no complete shard: make it larger"
+        subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
+        metadata = convert(str(images), str(out), **common)
+        assert sum(metadata["counts"].values()) == 120
+        assert sorted(os.listdir(out)) == sorted(["dataset.json", *metadata["counts"]])
+
+
+def bytes_read_by_this_process() -> int:
+    """What this process has read through read() so far (/proc/self/io's rchar)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_huge_images_are_bounded_and_a_large_file_of_another_kind_is_never_read_whole(
+        images, tmp_path):
+    """A 20000 x 20000 PNG (400 KB, 400 M pixels): Pillow's bomb check dropped it as "not
+    readable" even where it is kept as it is, and training decoded it whole (1.2 GB a decode).
+    Now the converter keeps it where --max-resolution keeps it, skips it with its own note where
+    resizing it would decode more than the limit, and training counts it as an image that does
+    not decode, before decoding any of it. A 2 GiB file named .jpg that is no image is skipped
+    after its first bytes, never read whole (it was: +2 GiB RSS)."""
+    import tensorflow as tf
+    from PIL import Image
+
+    from hvdtrain.data.images import DECODED_PIXELS_LIMIT, decode_image
+
+    folder = tmp_path / "images"
+    for path in images.glob("*/*"):
+        (folder / path.parent.name).mkdir(parents=True, exist_ok=True)
+        os.link(path, folder / path.parent.name / path.name)
+    huge = folder / "one" / "huge.png"
+    Image.new("L", (20000, 20000)).save(huge)
+    assert 20000 * 20000 > DECODED_PIXELS_LIMIT and huge.stat().st_size < 2 << 20
+    large = folder / "two" / "large.jpg"
+    with open(large, "wb") as file:
+        file.truncate(2 << 30)  # sparse: no disk used
+    common = dict(shards=2, validation_shards=1, validation_fraction=0.2, seed=0, image_size=8,
+                  workers=1)
+    read_before = bytes_read_by_this_process()
+    metadata = convert(str(folder), str(tmp_path / "resized"), **common)
+    assert bytes_read_by_this_process() - read_before < 100 << 20
+    assert sum(metadata["counts"].values()) == 120
+    assert metadata["skipped"] == [
+        f"skipped 1 file(s) in {folder} that are not readable PNG/JPEG/GIF/BMP images (first: "
+        f"{large})",
+        f"skipped 1 file(s) in {folder} that decode to more pixels than the converter's limit "
+        f"to be resized (first: {huge}; see --max-resolution)"]
+    large.unlink()
+    with pytest.raises(UserError, match=rf"^{re.escape(str(huge))} \(20000x20000\) decodes to "
+                                        rf"more than {DECODED_PIXELS_LIMIT} pixels to be resized"):
+        convert(str(folder), str(tmp_path / "failed"), on_bad_image="fail", **common)
+    kept = convert(str(folder), str(tmp_path / "kept"), max_resolution=20000, **common)
+    assert sum(kept["counts"].values()) == 121 and kept["skipped"] == []
+    # Training's decode refuses it from its header (an error the pipeline counts), at once.
+    started = time.monotonic()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="decoded pixels limit"):
+        decode_image(tf.constant(huge.read_bytes()), (8, 8, 1))
+    assert time.monotonic() - started < 5

@@ -151,8 +151,13 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
     if len(class_names) == 1:
         raise UserError(f"--data-dir {data_dir} has only one class folder ('{class_names[0]}'); "
                         "classification needs at least 2")
-    files_per_class = [sorted(entry.name for entry in _listed(os.path.join(data_dir, name))
-                              if entry.is_file()) for name in class_names]
+    _refuse_linked_classes(data_dir, class_names)
+    listed = [_files_and_dead_links(os.path.join(data_dir, name)) for name in class_names]
+    files_per_class = [files for files, _ in listed]
+    # A link that leads to no file (a loop, a missing target) is a file that cannot be read:
+    # skipped and counted like one, never a traceback from the listing.
+    dead_links = sorted(os.path.join(data_dir, class_name, name)
+                        for class_name, (_, dead) in zip(class_names, listed) for name in dead)
     # Names that are not UTF-8 (os.scandir gives them surrogate escapes) cannot go into the name
     # table, messages or JSON: skipped and counted like files that are not images.
     unnamed = [os.path.join(data_dir, class_name, name)
@@ -182,6 +187,12 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
         names += [(prefix + name).encode() for name in good]
         labels.append(np.full(len(good), label, dtype=np.int64))
     notes = ["skipped " + unnamed_note] if unnamed_note else []
+    if dead_links:
+        message = (f"{len(dead_links)} link(s) in {data_dir} lead to no file (a loop or a "
+                   f"missing target; first: {_printable(dead_links[0])})")
+        if on_bad_image == "fail":
+            raise UserError(message + "; remove them or pass --on-bad-image skip")
+        notes.append("skipped " + message)
     if bad:
         message = (f"{len(bad)} file(s) in {data_dir} are not PNG/JPEG/GIF/BMP images "
                    f"(first: {bad[0]})")
@@ -210,6 +221,32 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
         split_fraction=validation_fraction,
         split_seed=seed,
     )
+
+
+def _refuse_linked_classes(data_dir: str, class_names: list[str]) -> None:
+    """One line for two class folders that are one folder (a link to another class): its
+    images would train under two labels at once."""
+    seen: dict[str, str] = {}
+    for name in class_names:
+        real = os.path.realpath(os.path.join(data_dir, name))
+        if real in seen:
+            raise UserError(f"class folders {seen[real]} and {name} in {data_dir} are the same "
+                            f"folder ({real}): its images would have two labels; remove the link")
+        seen[real] = name
+
+
+def _files_and_dead_links(class_dir: str) -> tuple[list[str], list[str]]:
+    """The sorted names of a class folder's files, and of its links that lead to no file."""
+    files, dead = [], []
+    for entry in _listed(class_dir):
+        try:
+            if entry.is_file():
+                files.append(entry.name)
+            elif entry.is_symlink() and not os.path.exists(entry.path):
+                dead.append(entry.name)
+        except OSError:  # ELOOP: a link to itself, or a longer cycle
+            dead.append(entry.name)
+    return sorted(files), sorted(dead)
 
 
 def _not_images(paths: list[str]) -> list[str]:

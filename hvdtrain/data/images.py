@@ -16,6 +16,45 @@ _IMAGE_SIGNATURES = {
     b"BM": "BMP",
 }
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".gif", ".bmp"})
+DECODED_PIXELS_LIMIT = 1 << 28
+"""The most pixels hvdtrain decodes of one image (a 16384 x 16384 image; 768 MiB as RGB): a
+valid 110 KB PNG can hold 30000 x 30000 pixels, 2.7 GB decoded, in every parallel decode of
+every rank. Training counts a larger image with those that do not decode; the converter's limit
+grows with --max-resolution (``converter_pixels_limit``). A JPEG decoded at a DCT scale counts
+the pixels of that scale."""
+
+
+def converter_pixels_limit(max_resolution: int) -> int:
+    """The converter's limit for a --max-resolution of ``max_resolution`` pixels: the training
+    limit, or 16 times the square of that shorter side where that is more."""
+    return max(DECODED_PIXELS_LIMIT, 16 * max_resolution * max_resolution)
+
+
+def header_pixels(encoded):
+    """Width times height from a PNG's, GIF's or BMP's header (a tensor, int64; 0 for any other
+    bytes, a JPEG included: its decode is bounded by its DCT scale instead)."""
+    import tensorflow as tf
+
+    # The first 26 bytes hold each format's size; a header cut short reads as zeros.
+    header = tf.strings.join([tf.strings.substr(encoded, 0, 26), b"\0" * 26])
+
+    def number(begin: int, length: int, little_endian: bool):
+        digits = tf.cast(tf.io.decode_raw(tf.strings.substr(header, begin, length), tf.uint8),
+                         tf.int64)
+        weights = tf.constant([256 ** i for i in (range(length) if little_endian
+                                                  else reversed(range(length)))], tf.int64)
+        return tf.reduce_sum(digits * weights)
+
+    head = tf.strings.substr(encoded, 0, 3)
+    png = number(16, 4, False) * number(20, 4, False)
+    gif = number(6, 2, True) * number(8, 2, True)
+    # BMP: signed 32-bit width and height (a negative height is a top-down image).
+    bmp_height = number(22, 4, True)
+    bmp_height = tf.where(bmp_height >= 1 << 31, (1 << 32) - bmp_height, bmp_height)
+    bmp = number(18, 4, True) * bmp_height
+    return tf.case([(head == b"\x89PN", lambda: png), (head == b"GIF", lambda: gif),
+                    (tf.strings.substr(encoded, 0, 2) == b"BM", lambda: bmp)],
+                   default=lambda: tf.constant(0, tf.int64))
 
 
 def image_format(path: str) -> str | None:
@@ -41,9 +80,14 @@ def decode_pixels(encoded, channels: int):
 
     TensorFlow decodes GIF and BMP only to colour, so at 1 channel they decode to RGB and are
     converted to gray (``decode_image(channels=1)`` refuses them); PNG and JPEG decode to gray
-    directly, as before."""
+    directly, as before. An image over DECODED_PIXELS_LIMIT is an error, as one that does not
+    decode is (the pipeline counts both), before any of it is decoded."""
     import tensorflow as tf
 
+    with tf.control_dependencies([tf.debugging.assert_less_equal(
+            header_pixels(encoded), tf.constant(DECODED_PIXELS_LIMIT, tf.int64),
+            message="an image over hvdtrain's decoded pixels limit")]):
+        encoded = tf.identity(encoded)
     if channels != 1:
         return tf.io.decode_image(encoded, channels=channels, expand_animations=False)
     head = tf.strings.substr(encoded, 0, 3)
