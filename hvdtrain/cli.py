@@ -46,6 +46,12 @@ def usage_name(module: str) -> str:
     return _invoked_as.get(module, f"python -m {module}")
 
 
+def error_name(module: str) -> str:
+    """How a command's errors name it: `hvdtrain COMMAND` when started through this command,
+    else the module."""
+    return _invoked_as.get(module, module)
+
+
 def started_as_command(module: str) -> bool:
     return module in _invoked_as
 

@@ -11,6 +11,8 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import re
+import textwrap
 import typing
 from typing import Literal
 
@@ -52,6 +54,41 @@ class FlagHelpFormatter(argparse.HelpFormatter):
                 or isinstance(action.default, bool) or "(default" in help_text):
             return help_text
         return help_text + " (default: %(default)s)"
+
+
+class ProseHelpFormatter(FlagHelpFormatter):
+    """A command's description (its module docstring) as plain text filled to the terminal's
+    width: paragraphs and list items ("* " or "- ", continued by indented lines) re-wrapped,
+    other indented lines (commands) kept as written, the docstring's ``code`` and **bold**
+    marks left out."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = re.sub(r"``([^`]+)``|\*\*([^*]+)\*\*", lambda m: m.group(1) or m.group(2), text)
+        blocks = []
+        for paragraph in re.split(r"\n\s*\n", text.strip("\n")):
+            items: list[list[str]] = []  # each: a plain paragraph, a list item or a command
+            for line in paragraph.splitlines():
+                kind = "item" if re.match(r"[*-] ", line) else (
+                    "command" if line.startswith(" ") else "plain")
+                last = items and ("item" if re.match(r"[*-] ", items[-1][0]) else (
+                    "command" if items[-1][0].startswith(" ") else "plain"))
+                joins = (kind == "command" and last in ("item", "command")
+                         or kind == "plain" and last == "plain")
+                if joins:
+                    items[-1].append(line)
+                else:
+                    items.append([line])
+            for item in items:
+                first = item[0]
+                if first.startswith(" ") and not re.match(r"[*-] ", first):
+                    blocks.append("\n".join(indent + line for line in item))  # a command
+                    continue
+                bullet = "  " if re.match(r"[*-] ", first) else ""
+                blocks.append(textwrap.fill(" ".join(line.strip() for line in item), width,
+                                            initial_indent=indent,
+                                            subsequent_indent=indent + bullet))
+            blocks.append("")
+        return "\n".join(blocks).rstrip("\n")
 
 
 def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config_class: type,

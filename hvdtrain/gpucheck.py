@@ -22,7 +22,6 @@ It has never run on a GPU (docs/install.md).
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -34,8 +33,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from hvdtrain.cli import usage_name
-from hvdtrain.errors import EXIT_USAGE, first_line
+from hvdtrain.cli import error_name, usage_name
+from hvdtrain.errors import EXIT_USAGE, UserError, first_line
+from hvdtrain.flags import OneLineParser, ProseHelpFormatter
 from hvdtrain.gpus import NVIDIA_SMI_QUERY, gpu_build_problems
 
 PROGRAM = "hvdtrain.gpucheck"
@@ -250,8 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--ranks"] and len(argv) == 3:
         return run_variants(argv[1], argv[2])
-    parser = argparse.ArgumentParser(prog=usage_name(PROGRAM), description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog=usage_name(PROGRAM), description=__doc__,
+                           formatter_class=ProseHelpFormatter)
     parser.add_argument("--out", default=None,
                         help="directory for gpu-check.json and gpu-check.md and the jobs' run "
                              "directories (default: runs/gpu-check-DATE-TIME)")
@@ -260,12 +260,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "allocation's tasks; 2 CPU ranks on a node without GPUs)")
     parser.add_argument("--python", default=sys.executable,
                         help="the ranks' Python (default: this one)")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UserError as error:
+        print(f"{error_name(PROGRAM)}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     started = datetime.datetime.now(datetime.timezone.utc)
     out = os.path.abspath(args.out or os.path.join(
         "runs", f"gpu-check-{started.strftime('%Y%m%d-%H%M%S')}"))
     if os.path.exists(out) and os.listdir(out):
-        print(f"{PROGRAM}: error: --out {out} is not empty; name a new directory",
+        print(f"{error_name(PROGRAM)}: error: --out {out} is not empty; name a new directory",
               file=sys.stderr)
         return EXIT_USAGE
     os.makedirs(out, exist_ok=True)

@@ -39,8 +39,9 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from hvdtrain.cli import usage_name
+from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import as_one_line, reported
+from hvdtrain.flags import OneLineParser, ProseHelpFormatter
 from hvdtrain.gpus import gpu_of_its_own
 
 PROGRAM = "hvdtrain.health"
@@ -334,8 +335,8 @@ def check_fused_allreduce(runtime) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=usage_name(PROGRAM), description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog=usage_name(PROGRAM), description=__doc__,
+                           formatter_class=ProseHelpFormatter)
     parser.add_argument("--gpus-per-rank", type=int, default=0,
                         help="GPUs every rank needs (0: CPU nodes)")
     parser.add_argument("--link-megabytes", type=float, default=32.0,
@@ -344,10 +345,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="MiB of float32 every rank allreduces, three times (default: 16)")
     parser.add_argument("--slow-fraction", type=float, default=0.25,
                         help="a link below this fraction of the median is slow (default: 0.25)")
-    args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with reported(PROGRAM):
-        failed = check(args)
+    with reported(error_name(PROGRAM)):
+        failed = check(parser.parse_args(argv))
     if failed:
         sys.exit(EXIT_FAILED)
 

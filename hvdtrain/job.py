@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Callable, Mapping, Sequence
 
-from hvdtrain.cli import started_as_command, usage_name
+from hvdtrain.cli import error_name, started_as_command, usage_name
 from hvdtrain.config import ImageConfig, TrainConfig, parse_config
 from hvdtrain.data import disk_cache_failures_in_one_line
 from hvdtrain.errors import UserError, leave, reported
@@ -39,7 +39,7 @@ def main(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | 
     output is flushed, but threads the job left running are not waited for.
     """
     program = name or _program_name()
-    with reported(program):
+    with reported(error_name(program)):
         # This process is the job's: what it writes to temporary storage (a disk cache,
         # TensorFlow's autograph files) goes where it is removed however the process ends.
         use_rank_scratch()

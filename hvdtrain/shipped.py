@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Mapping, Sequence
 
-from hvdtrain.cli import usage_name
+from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import UserError, reported
 from hvdtrain.flags import OneLineParser
 
@@ -62,7 +62,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    with reported(PROGRAM):
+    with reported(error_name(PROGRAM)):
         sys.exit(run(argv))
 
 

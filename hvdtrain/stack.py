@@ -10,7 +10,6 @@ them; the rules (``problems``) are pure.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import shutil
@@ -18,8 +17,10 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from hvdtrain.cli import TENSORFLOW_DISTRIBUTIONS, first_installed, installed_version, usage_name
-from hvdtrain.errors import EXIT_USAGE
+from hvdtrain.cli import (TENSORFLOW_DISTRIBUTIONS, error_name, first_installed, installed_version,
+                          usage_name)
+from hvdtrain.errors import EXIT_USAGE, UserError
+from hvdtrain.flags import OneLineParser
 from hvdtrain.launch.probe import ask
 
 #: The TensorFlow minors horovod is built and hvdtrain tested on (docs/stack.md has the matrix:
@@ -139,13 +140,18 @@ def describe(stack: Stack) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=usage_name(PROGRAM),
         description="Check that this Python's TensorFlow, Keras, horovod (its TensorFlow "
                     "extension and controllers), MPI and GPUs work together for hvdtrain: one "
                     "line per problem and exit status 2, or one line saying what was found. "
                     "scripts/install.sh runs it on a stack it did not build "
-                    "(HVDTRAIN_STACK=existing).").parse_args(argv)
+                    "(HVDTRAIN_STACK=existing).")
+    try:
+        parser.parse_args(argv)
+    except UserError as error:
+        print(f"{error_name(PROGRAM)}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     stack = gather()
     found = problems(stack)
     for problem in found:

@@ -83,8 +83,15 @@ def _installed(distribution: str) -> bool:
 @pytest.mark.parametrize("args, line", [
     (["trian"], "hvdtrain: error: no command 'trian'; did you mean train? (commands: train, "
                 "autoencoder, launch, slurm, examples, convert, stack, health, gpu-check; hvdtrain --help)"),
-    (["train", "--epoch", "3"], "hvdtrain.cnn: error: unrecognized arguments: --epoch 3; did you "
-                                "mean --epochs? (see --help)"),
+    (["train", "--epoch", "3"], "hvdtrain train: error: unrecognized arguments: --epoch 3; did "
+                                "you mean --epochs? (see --help)"),
+    # The usage was printed above the error, and convert's errors named its module.
+    (["health", "--bogus"], "hvdtrain health: error: unrecognized arguments: --bogus (see --help)"),
+    (["stack", "--bogus"], "hvdtrain stack: error: unrecognized arguments: --bogus (see --help)"),
+    (["gpu-check", "--bogus"], "hvdtrain gpu-check: error: unrecognized arguments: --bogus (see "
+                               "--help)"),
+    (["convert", "--data-dir", "/nonexistent", "--out", "/nonexistent-out"],
+     "hvdtrain convert: error: --data-dir /nonexistent: no such directory"),
     (["launch", "--hostz", "a:1", "hvdtrain.cnn"], "hvdtrain.launch: error: unrecognized "
                                                    "arguments: --hostz; did you mean --hosts? "
                                                    "(see --help)"),
@@ -94,6 +101,20 @@ def test_a_mistyped_command_or_flag_is_one_line_with_what_was_meant(args, line,
     result = hvdtrain(*args, env=without_tensorflow)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == line + "\n", result.stderr
+
+
+def test_every_help_fits_the_terminal_without_markup(without_tensorflow):
+    """launch, health and gpu-check printed their docstrings as written: 100 columns whatever the
+    terminal, with ``code`` and **bold** marks."""
+    for name in COMMANDS:
+        result = hvdtrain(name, "--help", env={**without_tensorflow, "COLUMNS": "60"})
+        assert result.returncode == 0, result.stderr
+        body = result.stdout.split("\n\n", 1)[1]  # after the usage, which argparse lays out
+        assert "``" not in body and "**" not in body, (name, body)
+        # A flag and its metavar are never broken; nothing else passes the width.
+        too_wide = [line for line in body.splitlines()
+                    if len(line) > 60 and not re.fullmatch(r"  -[-\w]+ [A-Z_]+", line)]
+        assert not too_wide, (name, too_wide)
 
 
 def test_hvdtrain_alone_prints_its_commands_and_exits_2(without_tensorflow):

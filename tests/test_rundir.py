@@ -645,6 +645,6 @@ def test_a_resume_under_another_precision_or_keras_names_the_flag(tmp_path):
     line = one_error(run_job([str(VENV_BIN / "hvdtrain"), "train", "--epochs", "2",
                               "--precision", "mixed_float16", "--keras", other, *common,
                               "--run-dir", str(copy)], timeout=240, check=False,
-                             env=clean_env()))
+                             env=clean_env()), "hvdtrain train")
     assert f"were written by Keras {this} and this run is Keras {other}" in line, line
     assert f"resume with --keras {this}" in line, line

@@ -20,7 +20,7 @@ from typing import Literal, Mapping, Sequence
 from hvdtrain import default_keras
 from hvdtrain.cli import usage_name
 from hvdtrain.errors import UserError
-from hvdtrain.flags import FlagHelpFormatter, OneLineParser, add_flag, field_docs
+from hvdtrain.flags import OneLineParser, ProseHelpFormatter, add_flag, field_docs
 from hvdtrain.launch.console import PROGRAM
 from hvdtrain.launch.netcheck import is_interface_name
 
@@ -154,7 +154,7 @@ def shell_words(text: str, what: str) -> list[str]:
 
 def parse_options(argv: Sequence[str] | None, description: str) -> LaunchOptions:
     parser = OneLineParser(
-        prog=usage_name(PROGRAM), description=description, formatter_class=_HelpFormatter,
+        prog=usage_name(PROGRAM), description=description, formatter_class=ProseHelpFormatter,
         usage="%(prog)s [options] [--] MODULE|SCRIPT.py [arguments...]")
     docs = field_docs(LaunchOptions)
     section = parser
@@ -173,10 +173,6 @@ def parse_options(argv: Sequence[str] | None, description: str) -> LaunchOptions
             parser.error("the following arguments are required: MODULE|SCRIPT")
         args["program"] = HEALTH_PROGRAM
     return LaunchOptions(**{**args, "program_args": tuple(args["program_args"])})
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, FlagHelpFormatter):
-    """The launcher's docstring as written, the flags' defaults as every command shows them."""
 
 
 def check_options(options: LaunchOptions, allocation_hosts: Sequence[str] | None) -> None:

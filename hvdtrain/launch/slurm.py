@@ -20,7 +20,7 @@ import textwrap
 from dataclasses import MISSING, dataclass, fields
 from typing import Mapping, Sequence
 
-from hvdtrain.cli import usage_name
+from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import UserError, reported
 from hvdtrain.flags import FlagHelpFormatter, OneLineParser, field_docs
 from hvdtrain.launch.options import MODULE_NAME, VIAS
@@ -426,6 +426,6 @@ def write_templates(directory: str, python: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    with reported(PROGRAM):
+    with reported(error_name(PROGRAM)):
         sys.exit(run(argv))
 
