@@ -154,3 +154,25 @@ def test_keras_3_where_it_cannot_run_is_one_line(tmp_path, args, message):
     assert result.returncode == 2, result.stdout[-2000:]
     assert lines[-1] == f"hvdtrain.cnn: error: {message}", lines
     assert not (tmp_path / "r").exists()
+
+
+@integration
+def test_a_horovod_tensorflow_script_of_the_users_own_runs_on_keras_3():
+    """horovod's own TF2 pattern, with no hvdtrain in it (tests/scripts/horovod_tape_keras3.py):
+    DistributedGradientTape died at its first step on Keras 3 ("'Variable' object has no
+    attribute 'ref'", horovod#4290), hvd.DistributedOptimizer let every rank apply its own
+    gradient, SyncBatchNormalization refused to be built. Horovod patch 0005: every number below
+    is checked against one computed from every rank's data by hand."""
+    result = run_job(["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none",
+                      sys.executable, str(REPO / "tests" / "scripts" / "horovod_tape_keras3.py")],
+                     timeout=240, env=keras3_env(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="60"))
+    line = next((line for line in result.stdout.splitlines() if "RESULT " in line), None)
+    assert line, result.stdout[-3000:]
+    for rank, seen in enumerate(json.loads(line.split("RESULT ", 1)[1])):
+        assert seen["keras"].startswith("3."), seen
+        assert seen["broadcast_identical"] and seen["gradients_differ_between_ranks"], seen
+        for name in ("tape_error", "partial_error", "optimizer_error", "sync_bn_error",
+                     "sync_bn_moving_error"):
+            assert seen[name] < 1e-5, (rank, name, seen)
+        assert seen["fit_max_difference"] < 1e-6 and seen["optimizer_variables"] == 2, seen
+        assert seen["sync_bn_differs_from_local"] and not seen["sync_bn_model_supports_jit"], seen
