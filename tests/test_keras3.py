@@ -61,8 +61,19 @@ def test_a_script_on_horovods_keras_api_gets_keras_2_and_any_other_the_default(t
     assert f" -m hvdtrain.script {plain}" in " ".join(launch.argv), launch.argv
     assert any(note.startswith("Keras 2: ") and "horovod's Keras API or tf_keras" in note
                for note in launch.notes), launch.notes
+    # horovod's own TF2 examples (tensorflow2_mnist.py) broadcast opt.variables(): Keras 2's
+    # optimizer method, a list in Keras 3. Their horovod.tensorflow calls run on Keras 3 now.
+    examples_style = tmp_path / "tensorflow2_mnist.py"
+    examples_style.write_text("import horovod.tensorflow as hvd\n"
+                              "hvd.broadcast_variables(opt.variables(), root_rank=0)\n")
+    launch = build_launch(LaunchOptions(program=str(examples_style), hosts="node1:2"), None,
+                          gpus=0, environment={})
+    assert launch.env["HVDTRAIN_KERAS"] == "2"
+    assert f"Keras 2: {examples_style} calls variables(), Keras 2's optimizer method (a list in " \
+           "Keras 3) (--keras 3 to override)" in launch.notes, launch.notes
     other = tmp_path / "train.py"
-    other.write_text("import keras\nimport horovod.tensorflow as hvd\n")
+    other.write_text("import keras\nimport horovod.tensorflow as hvd\n"
+                     "hvd.broadcast_variables(model.variables, root_rank=0)\n")
     launch = build_launch(LaunchOptions(program=str(other), hosts="node1:2"), None, gpus=0,
                           environment={})
     assert launch.env["HVDTRAIN_KERAS"] == "3" and "hvdtrain.script" not in launch.argv

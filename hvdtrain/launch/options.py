@@ -280,26 +280,37 @@ def is_script_path(program: str) -> bool:
     return program.endswith(".py") or os.sep in program or os.path.isfile(program)
 
 
-#: What a script written for Keras 2 says: ``import horovod.tensorflow.keras as hvd``, ``from
-#: horovod.tensorflow.keras import ...``, ``import horovod.keras``, ``import tf_keras``.
-_KERAS_2_IMPORT = re.compile(
-    r"^\s*(?:import|from)\s+(?:horovod\.(?:tensorflow\.)?keras|tf_keras)\b", re.MULTILINE)
+#: What only Keras 2 runs in a script, and how the launcher's note says it: an import of horovod's
+#: Keras API (``import horovod.tensorflow.keras as hvd``, ``import horovod.keras``) or of tf_keras;
+#: a call of ``variables()``, a method of Keras 2's optimizers and a list in Keras 3 (horovod's
+#: own TF2 examples broadcast ``opt.variables()``). A horovod.tensorflow script without either
+#: runs on Keras 3 with hvdtrain's build of horovod (patch 0005).
+_KERAS_2_ONLY = (
+    (re.compile(r"^\s*(?:import|from)\s+(?:horovod\.(?:tensorflow\.)?keras|tf_keras)\b",
+                re.MULTILINE), "imports horovod's Keras API or tf_keras"),
+    (re.compile(r"\.variables\(\)"), "calls variables(), Keras 2's optimizer method (a list "
+                                       "in Keras 3)"),
+)
+
+
+def keras_2_reason(program: str) -> str | None:
+    """Why a script runs on Keras 2 only (see _KERAS_2_ONLY), or None."""
+    if not (is_script_path(program) and os.path.isfile(program)):
+        return None
+    try:
+        with open(program, encoding="utf-8", errors="replace") as script:
+            text = script.read()
+    except OSError:
+        return None  # check_options says why the script cannot be run
+    return next((reason for pattern, reason in _KERAS_2_ONLY if pattern.search(text)), None)
 
 
 def ranks_keras(options: LaunchOptions, env: Mapping[str, str]) -> str:
     """The Keras every rank selects ("2" or "3"): --keras, or for auto the script's own need
-    (horovod's Keras API runs on Keras 2 only; a script importing tf_keras is written for it),
-    else what ``import keras`` gives in ``env``."""
+    (``keras_2_reason``), else what ``import keras`` gives in ``env``."""
     if options.keras != "auto":
         return options.keras
-    if is_script_path(options.program) and os.path.isfile(options.program):
-        try:
-            with open(options.program, encoding="utf-8", errors="replace") as script:
-                if _KERAS_2_IMPORT.search(script.read()):
-                    return "2"
-        except OSError:
-            pass  # check_options says why the script cannot be run
-    return default_keras(env)
+    return "2" if keras_2_reason(options.program) else default_keras(env)
 
 
 def program_command(options: LaunchOptions, env: Mapping[str, str] = os.environ) -> list[str]:

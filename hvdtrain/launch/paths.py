@@ -17,8 +17,8 @@ from typing import Callable, Mapping
 from hvdtrain import default_keras
 from hvdtrain.credentials import without_userinfo
 from hvdtrain.launch import container
-from hvdtrain.launch.options import (LaunchOptions, host_slots, parse_hosts, program_command,
-                                     ranks_keras, shell_words)
+from hvdtrain.launch.options import (LaunchOptions, host_slots, keras_2_reason, parse_hosts,
+                                     program_command, ranks_keras, shell_words)
 from hvdtrain.launch.slurm import Allocation
 from hvdtrain.launcher_env import is_identity
 
@@ -183,7 +183,7 @@ def build_launch(options: LaunchOptions, allocation: Allocation | None, gpus: in
     launcher_env = os.environ if environment is None else environment
     env["HVDTRAIN_KERAS"] = ranks_keras(options, launcher_env)
     if options.keras == "auto" and env["HVDTRAIN_KERAS"] != default_keras(launcher_env):
-        notes.append(f"Keras 2: {options.program} imports horovod's Keras API or tf_keras "
+        notes.append(f"Keras 2: {options.program} {keras_2_reason(options.program)} "
                      "(--keras 3 to override)")
     interface_list = ",".join(interfaces) if interfaces else None
     if interface_list:
