@@ -31,6 +31,15 @@ def test_digits_are_real_embedded_data():
     assert len(listing.class_names) == 10
     assert listing.train.num_samples + listing.validation.num_samples == 1797
     assert listing.images.dtype == np.uint8 and listing.images.max() == 255
+    # Read from scikit-learn's file without importing it: what load_digits gives, exactly.
+    from sklearn.datasets import load_digits
+
+    from hvdtrain.data.embedded import load_embedded
+
+    digits, embedded = load_digits(), load_embedded("digits")
+    assert np.array_equal(embedded.labels, digits.target)
+    assert np.array_equal(embedded.images[..., 0],
+                          (digits.images * (255.0 / 16.0)).round().astype(np.uint8))
 
 
 def test_split_is_deterministic_disjoint_and_complete():
