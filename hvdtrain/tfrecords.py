@@ -281,21 +281,35 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
     if os.path.islink(staging) or os.path.exists(staging) and not os.path.isdir(staging):
         raise UserError(f"{staging} (where --out {out_dir} is written) is a "
                         f"{'link' if os.path.islink(staging) else 'file'}; remove it")
-    listing = list_image_folder(data_dir, image_size=image_size,
-                                validation_fraction=validation_fraction, seed=seed,
-                                on_bad_image=on_bad_image, channels=channels)
-    tasks = _shard_tasks(listing, shards, validation_shards)
-    plan = {"data_dir": os.path.abspath(data_dir),
-            "samples": sum(len(task.paths) for task in tasks), "shards": shards,
-            "validation_shards": validation_shards, "validation_fraction": validation_fraction,
-            "seed": seed, "image_size": image_size, "channels": channels,
-            # null (off) in both: a plan written before the limit existed stored originals too.
-            "max_resolution": limit.shorter_side if limit else None,
-            "jpeg_quality": limit.jpeg_quality if limit else None,
-            # The folder's (file, label) table (data.listing.label_table_digest): changed data
-            # are refused on a resume, and training from the folder computes the same digest.
-            "files_sha256": listing.identity["labels"]}
-    resumed, lock = _open_staging(staging, plan, tasks, out_dir)
+    # An unfinished conversion's directory is locked before the listing (minutes on a large
+    # folder): a second converter on it is refused at once.
+    # Held from here to the end: two identical commands at once would otherwise both "resume",
+    # each removing the other's shards in flight.
+    lock = _locked(staging, staging) if os.path.isdir(staging) else None
+    try:
+        listing = list_image_folder(data_dir, image_size=image_size,
+                                    validation_fraction=validation_fraction, seed=seed,
+                                    on_bad_image=on_bad_image, channels=channels)
+        tasks = _shard_tasks(listing, shards, validation_shards)
+        plan = {"data_dir": os.path.abspath(data_dir),
+                "samples": sum(len(task.paths) for task in tasks), "shards": shards,
+                "validation_shards": validation_shards,
+                "validation_fraction": validation_fraction, "seed": seed,
+                "image_size": image_size, "channels": channels,
+                # null (off) in both: a plan written before the limit existed stored originals.
+                "max_resolution": limit.shorter_side if limit else None,
+                "jpeg_quality": limit.jpeg_quality if limit else None,
+                # The folder's (file, label) table (data.listing.label_table_digest): changed
+                # data are refused on a resume, and training from the folder computes the same.
+                "files_sha256": listing.identity["labels"]}
+        if lock is None:
+            resumed, lock = {}, _create_staging(staging, plan, out_dir)
+        else:
+            resumed = _complete_shards(staging, plan, tasks)
+    except BaseException:
+        if lock is not None:
+            os.close(lock)
+        raise
     try:
         return _write_staged(listing, tasks, plan, staging, out_dir, resumed, limit=limit,
                              on_bad_image=on_bad_image, workers=workers,
@@ -406,25 +420,10 @@ def _locked(directory: str, staging: str) -> int:
     return descriptor
 
 
-def _open_staging(staging: str, plan: dict, tasks: list[ShardTask],
-                  out_dir: str) -> tuple[dict[str, ShardDone], int]:
-    """(the shards an earlier run of the same plan completed in ``staging``, none when it creates
-    the directory; the descriptor holding its lock). Refuses a staging directory of another plan,
-    one another converter holds, and one whose complete shards were made of files that changed
-    since."""
-    if not os.path.isdir(staging):
-        return {}, _create_staging(staging, plan, out_dir)
-    # Held from before the plan is read until the end: two identical commands at once would
-    # otherwise both "resume", each removing the other's shards in flight.
-    lock = _locked(staging, staging)
-    try:
-        return _complete_shards(staging, plan, tasks), lock
-    except BaseException:
-        os.close(lock)
-        raise
-
-
 def _complete_shards(staging: str, plan: dict, tasks: list[ShardTask]) -> dict[str, ShardDone]:
+    """The shards an earlier run of the same plan completed in ``staging`` (its lock held).
+    Refuses a staging directory of another plan, and one whose complete shards were made of
+    files that changed since."""
     try:
         with open(os.path.join(staging, PLAN)) as file:
             recorded = json.load(file)
