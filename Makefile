@@ -37,10 +37,11 @@ train: $(STAMP)
 # lane runs the rest (2026-11-26, a machine half as fast as earlier ones: 51:34 against 57:47
 # before test_keras3.py moved over; 2026-11-28: 44:21 and 45:40 before issue 46's tests, which
 # went mostly to the other lane; 2026-11-29, issue 57's faster starts, a fresh clone's .ci/run on
-# an Intel Xeon: [local] 32:06, [clusters] 30:34 + 1:14). Each lane prints whole lines under its
-# name, and its slowest tests.
+# an Intel Xeon: [local] 32:06, [clusters] 30:34 + 1:14; later that day, issues 58-60's tests
+# in: [local] 29:52, [clusters] 27:29 + 1:38, before test_health.py, ~20 s, moved over). Each
+# lane prints whole lines under its name, and its slowest tests.
 CLUSTER_LANE := tests/test_multinode.py tests/test_slurm.py tests/test_cluster_safety.py \
-  tests/test_faults.py tests/test_keras3.py tests/test_netcheck.py
+  tests/test_faults.py tests/test_keras3.py tests/test_netcheck.py tests/test_health.py
 # -u: pytest's lines reach the lane's prefixer as they are written, not in 8 KiB blocks.
 PYTEST := $(PYTHON) -u -m pytest
 PYTEST_MPI := $(MPIRUN) $(PYTHON) -u -m pytest tests/ -p no:cacheprovider --color=no $(PYTEST_ARGS)
