@@ -187,15 +187,15 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
         names += [(prefix + name).encode() for name in good]
         labels.append(np.full(len(good), label, dtype=np.int64))
     notes = ["skipped " + unnamed_note] if unnamed_note else []
+    # Files that cannot be read: one line with --on-bad-image fail, else skipped with a note.
+    unreadable = []
     if dead_links:
-        message = (f"{len(dead_links)} link(s) in {data_dir} lead to no file (a loop or a "
-                   f"missing target; first: {_printable(dead_links[0])})")
-        if on_bad_image == "fail":
-            raise UserError(message + "; remove them or pass --on-bad-image skip")
-        notes.append("skipped " + message)
+        unreadable.append(f"{len(dead_links)} link(s) in {data_dir} lead to no file (a loop or a "
+                          f"missing target; first: {_printable(dead_links[0])})")
     if bad:
-        message = (f"{len(bad)} file(s) in {data_dir} are not PNG/JPEG/GIF/BMP images "
-                   f"(first: {bad[0]})")
+        unreadable.append(f"{len(bad)} file(s) in {data_dir} are not PNG/JPEG/GIF/BMP images "
+                          f"(first: {bad[0]})")
+    for message in unreadable:
         if on_bad_image == "fail":
             raise UserError(message + "; remove them or pass --on-bad-image skip")
         notes.append("skipped " + message)
