@@ -41,12 +41,22 @@ class DecodeFailureReport(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         local = [counter.take_new() for counter in self.failures]
-        mine = (sum(count for count, _ in local), next((name for _, name in local if name), None))
+        miscounted = next(filter(None, (counter.miscounted_file() for counter in self.failures)),
+                          None)
+        mine = (sum(count for count, _ in local), next((name for _, name in local if name), None),
+                miscounted)
         everyone = self.runtime.allgather_object(mine)
-        skipped = sum(count for count, _ in everyone)
+        # Records missing from a file are no images that did not decode: whatever
+        # --on-bad-image says, every rank stops here, with the same line.
+        miscounted = next((file for _, _, file in everyone if file), None)
+        if miscounted:
+            raise UserError(f"TFRecord shard {miscounted} (cut short or changed since it was "
+                            "written: an interrupted copy?); copy the shards again, or convert "
+                            "the images again")
+        skipped = sum(count for count, _, _ in everyone)
         if not skipped:
             return
-        example = next(name for _, name in everyone if name)
+        example = next(name for _, name, _ in everyone if name)
         message = f"{skipped} sample(s) did not decode in epoch {epoch + 1} (e.g. {example})"
         if self.on_bad_image == "fail":
             raise UserError(f"{message}; remove them or pass --on-bad-image skip")

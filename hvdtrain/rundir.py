@@ -49,6 +49,9 @@ LOCK_FILE = ".lock"
 CONFIG_FILE = "config.json"
 TIMELINE_FILE = "timeline.json"
 FINGERPRINT = "fingerprint"
+FILES_FILE = "files.npz"
+"""The image folder's file table at the run's start (data.listing.FileTable): on a resume it
+tells files removed since from any other change of the data."""
 """config.json's record of what the run directory trains (``experiment_changes``)."""
 
 # How long a job refused by the lock waits for the holder to write its name into the lock file
@@ -234,15 +237,23 @@ class RunDir:
         if self.is_chief:
             self._atomic(name, writer, suffix)
 
-    def _read_text(self, name: str) -> str:
+    def write_bytes(self, name: str, data: bytes) -> None:
+        if self.is_chief:
+            self._atomic(name, data)
+
+    def read_bytes(self, name: str) -> bytes:
+        """The file's content; OSError when it cannot be read (missing, or a URL's error)."""
         if not self.remote:
-            return Path(self.file(name)).read_text()
+            return Path(self.file(name)).read_bytes()
         tf = _tensorflow()
         try:
-            with tf.io.gfile.GFile(self.file(name)) as file:
+            with tf.io.gfile.GFile(self.file(name), "rb") as file:
                 return file.read()
         except tf.errors.OpError as error:
             raise OSError(first_line(error)) from error
+
+    def _read_text(self, name: str) -> str:
+        return self.read_bytes(name).decode()
 
     def _atomic(self, name: str, content: bytes | Callable[[str], Any], suffix: str = "") -> None:
         if self.remote:
@@ -462,18 +473,29 @@ def _umask_at_import() -> int:
 _UMASK_AT_IMPORT = _umask_at_import()
 
 
+#: Fingerprint parts that files removed from an image folder change, and nothing else does
+#: when its file table shows only removals (``ensure_writable``).
+CHANGED_BY_REMOVED_FILES = ("data", "samples", "labels")
+
+
 def ensure_writable(run_dir: RunDir, runtime, bytes_needed: int, job: str | None = None,
-                    fingerprint: dict[str, str] | None = None,
-                    accept_change: bool = False) -> str | None:
+                    fingerprint: dict[str, str] | None = None, accept_change: bool = False,
+                    file_table=None) -> str | None:
     """Rank 0 checks the directory is this experiment's (when given its ``fingerprint``; with
     ``accept_change`` a changed one goes on, said in the note), that it can write here, and
-    takes the lock; every rank raises the same one-line error if any failed. Returns rank 0's
-    notes (None on other ranks, or when there is nothing to say)."""
+    takes the lock; every rank raises the same one-line error if any failed. ``file_table``
+    (an image folder's ``data.listing.FileTable``): files removed since the directory recorded
+    its table are no new experiment (each file's side of the split is its own), said in the
+    note. Returns rank 0's notes (None on other ranks, or when there is nothing to say)."""
     notes = []
 
     def check_and_lock() -> None:  # all checks, so the other ranks wait for one verdict
         # The experiment first: a refused run leaves the directory as it found it.
         changes = run_dir.other_experiment(fingerprint) if fingerprint else []
+        removed = _files_removed(run_dir, file_table) if changes and file_table else None
+        if removed:
+            changes = [change for change in changes
+                       if change.split(":", 1)[0] not in CHANGED_BY_REMOVED_FILES]
         if changes and not accept_change:
             raise UserError(f"run directory {run_dir.path} holds another experiment "
                             f"({'; '.join(changes)}): use another --run-dir, or "
@@ -481,11 +503,37 @@ def ensure_writable(run_dir: RunDir, runtime, bytes_needed: int, job: str | None
         problem = run_dir.problem(bytes_needed) or run_dir.lock(job)
         if problem:
             raise UserError(problem)
+        if removed:
+            notes.append(f"run directory {run_dir.path}: {removed} of its image folder's files "
+                         "are gone since it started (removed, as a file that does not decode "
+                         "may be); the others keep their side of the split, so it resumes")
         if changes:
             notes.append(f"run directory {run_dir.path}: its experiment changed "
                          f"({'; '.join(changes)}); going on from its checkpoint, as "
                          "--accept-experiment-change asks")
+        if file_table is not None and not removed and (changes or not _exists(run_dir,
+                                                                             FILES_FILE)):
+            # The table this experiment starts from (a resume that only lost files keeps the
+            # one it started with, so that files removed twice are still only removals).
+            run_dir.write_bytes(FILES_FILE, file_table.to_bytes())
 
     runtime.from_chief(check_and_lock)
     notes += [run_dir.lock_note] if run_dir.lock_note else []
     return "\n".join(notes) or None
+
+
+def _files_removed(run_dir: RunDir, file_table) -> int | None:
+    """How many files the table the directory recorded has that ``file_table`` lacks, when that
+    is the only difference (``FileTable.files_removed_since``); None otherwise, or when it
+    recorded none (a directory from before) or it cannot be read."""
+    try:
+        recorded = type(file_table).from_bytes(run_dir.read_bytes(FILES_FILE))
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+    return file_table.files_removed_since(recorded)
+
+
+def _exists(run_dir: RunDir, name: str) -> bool:
+    if not run_dir.remote:
+        return os.path.exists(run_dir.file(name))
+    return _tensorflow().io.gfile.exists(run_dir.file(name))

@@ -58,8 +58,8 @@ from hvdtrain.data.augment import CENTER_FRACTION
 from hvdtrain.data.folder import FolderListing, list_image_folder
 from hvdtrain.data.images import converter_pixels_limit, image_format_of_bytes
 from hvdtrain.data.listing import DEFAULT_FILE_IMAGE_SIZE
-from hvdtrain.data.records import (METADATA, TRAIN, VALIDATION, serialize_example, shard_name,
-                                   shorter_side_decoded)
+from hvdtrain.data.records import (METADATA, SPLIT_BY_NAME, TRAIN, VALIDATION,
+                                   serialize_example, shard_name, shorter_side_decoded)
 from hvdtrain.errors import UserError, first_line, reported
 from hvdtrain.flags import FlagHelpFormatter, OneLineParser
 from hvdtrain.rundir import current_umask, replace_atomically
@@ -295,6 +295,7 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
                 "samples": sum(len(task.paths) for task in tasks), "shards": shards,
                 "validation_shards": validation_shards,
                 "validation_fraction": validation_fraction, "seed": seed,
+                "split": SPLIT_BY_NAME,
                 "image_size": image_size, "channels": channels,
                 # null (off) in both: a plan written before the limit existed stored originals.
                 "max_resolution": limit.shorter_side if limit else None,
@@ -355,7 +356,7 @@ def _write_staged(listing: FolderListing, tasks: list[ShardTask], plan: dict, st
                         "readable PNG/JPEG/GIF/BMP image; fix or remove its files")
     metadata = {"source": os.path.abspath(data_dir), "class_names": listing.class_names,
                 **{key: plan[key] for key in ("image_size", "channels", "seed",
-                                              "validation_fraction")},
+                                              "validation_fraction", "split")},
                 "counts": {task.name: complete[task.name].records for task in tasks},
                 "files_sha256": plan["files_sha256"],
                 # Each shard's size: a reader finds a shard cut short (or grown) by its size, with

@@ -315,7 +315,8 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     timeline.mark("model_compiled")
     state_variables = training_state(model)
     experiment = fingerprint(program, config, datasets, plan)
-    run_dir = claim_run_dir(program, config, runtime, experiment, state_variables, banner_text)
+    run_dir = claim_run_dir(program, config, runtime, experiment, state_variables, banner_text,
+                            file_table=getattr(datasets, "identity", {}).get("files"))
     start = resume(config, runtime, plan, run_dir, model, state_variables, precision)
     tracker = record_start(program, config, runtime, plan, start, precision, experiment)
     callbacks = training_callbacks(config, runtime, plan, datasets, model, train, schedule, start,
@@ -353,7 +354,7 @@ def model_data(datasets: Datasets, task: Task
 
 def claim_run_dir(program: str, config: TrainConfig, runtime: Runtime,
                   experiment: dict[str, str], state_variables: list,
-                  banner_text: str) -> RunDir:
+                  banner_text: str, file_table=None) -> RunDir:
     """The run directory, checked and locked by rank 0 (every rank refused alike), and every
     rank's own log beside it."""
     world = runtime.world
@@ -365,7 +366,8 @@ def claim_run_dir(program: str, config: TrainConfig, runtime: Runtime,
     lock_note = ensure_writable(run_dir, runtime, bytes_needed=(config.keep_checkpoints + 1)
                                 * variables_bytes(state_variables) + 2**20,
                                 job=job_label(os.environ), fingerprint=experiment,
-                                accept_change=config.accept_experiment_change)
+                                accept_change=config.accept_experiment_change,
+                                file_table=file_table)
     if config.rank_logs and not is_url(run_dir.path):
         # Every rank's own output, kept beside the run: after a failure on another node the
         # launcher's terminal may be gone, and its stream interleaves all ranks.

@@ -51,6 +51,45 @@ def test_split_is_deterministic_disjoint_and_complete():
     assert not np.array_equal(train, split_indices(1000, 0.2, seed=8)[0])
 
 
+def test_files_are_split_by_name_so_a_removed_file_moves_no_other_across():
+    """Files were split by their place in the sorted list: deleting one (a file that did not
+    decode) reshuffled the rest, and a resume validated on files it had trained on. Now each
+    file's side comes from its name and the seed alone."""
+    from hvdtrain.data.listing import FileTable, held_out_by_name, name_hashes, split_by_mask
+
+    names = [f"class{i % 3}/{i:05d}.jpg".encode() for i in range(1000)]
+    labels = np.array([i % 3 for i in range(1000)], dtype=np.int64)
+
+    def sides(kept: list[int], seed: int = 7) -> tuple[set, set]:
+        held_out = held_out_by_name(name_hashes([names[i] for i in kept]), 0.2, seed)
+        train, validation = split_by_mask(held_out, seed)
+        return {kept[i] for i in train}, {kept[i] for i in validation}
+
+    train, validation = sides(list(range(1000)))
+    assert train.isdisjoint(validation) and len(train | validation) == 1000
+    assert 150 <= len(validation) <= 250  # 0.2 on average: 200 +- 13
+    removed = {3, 500, min(validation)}
+    kept_train, kept_validation = sides([i for i in range(1000) if i not in removed])
+    assert (kept_train, kept_validation) == (train - removed, validation - removed)
+    assert sides(list(range(1000)), seed=8) != (train, validation)
+    # At least one file on each side, however few.
+    assert [len(side) for side in sides([0, 1])] == [1, 1]
+
+    sized = {names[0].decode(): 10, names[1].decode(): 11}
+    table = FileTable.of(name_hashes(names), labels, sized)
+    stored = FileTable.from_bytes(table.to_bytes())
+    assert np.array_equal(stored.rows, table.rows) and stored.sized == sized
+    kept = [i for i in range(1000) if i not in removed]
+    fewer = FileTable.of(name_hashes([names[i] for i in kept]), labels[kept], sized)
+    assert fewer.files_removed_since(table) == 3
+    assert table.files_removed_since(fewer) is None  # files added
+    relabelled = labels.copy()
+    relabelled[10] = 2 if relabelled[10] != 2 else 0
+    assert FileTable.of(name_hashes(names), relabelled, sized).files_removed_since(table) is None
+    resized = FileTable.of(name_hashes(names[1:]), labels[1:], {names[1].decode(): 12})
+    assert resized.files_removed_since(table) is None  # a weighed file of another size
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_shards_are_disjoint_and_cover_the_split(size):
     listing = list_data(ImageConfig())
@@ -308,14 +347,19 @@ def test_tfrecords_round_trip_and_file_sharding(tmp_path):
         "one", "two", "zero"]
     listing = list_tfrecords(str(tmp_path / "records"), image_size=None)
     assert listing.image_shape == (16, 16, 3)
-    assert (listing.train.num_samples, listing.validation.num_samples) == (24, 6)
+    folder = list_image_folder(str(root), image_size=16, validation_fraction=0.2, seed=42,
+                               on_bad_image="skip")  # the split the converter wrote
+    assert (listing.train.num_samples, listing.validation.num_samples) == (
+        folder.train.num_samples, folder.validation.num_samples)
+    assert listing.train.num_samples + listing.validation.num_samples == 30
     # File sharding: 3 ranks, one whole shard each, all records read exactly once.
     seen = []
     for rank in range(3):
         records = listing.shard_records(listing.train, World(rank=rank, size=3), seed=0,
                                         by_file=True)
         seen.append(sum(1 for _ in records))
-    assert seen == [8, 8, 8]
+    assert sorted(seen) == sorted(listing.train.counts.tolist())
+    assert sum(seen) == listing.train.num_samples
     pipelines = build_pipelines(listing, World(rank=1, size=3), batch_size=4,
                                 validation_batch_size=2, validation_steps=1, seed=0)
     images, labels, weights = next(iter(pipelines.train))
@@ -440,7 +484,10 @@ def test_tfrecords_and_run_directory_on_a_url_file_system(tmp_path):
     for path in local.iterdir():
         tf.io.gfile.copy(str(path), f"{remote}/{path.name}", overwrite=True)
     listing = list_tfrecords(remote, image_size=None)
-    assert (listing.train.num_samples, listing.validation.num_samples) == (16, 4)
+    folder = list_image_folder(str(root), image_size=8, validation_fraction=0.2, seed=0,
+                               on_bad_image="skip")  # the split the converter wrote
+    assert (listing.train.num_samples, listing.validation.num_samples) == (
+        folder.train.num_samples, folder.validation.num_samples)
     assert all(str(path).startswith("ram://") for path in listing.train.sources)
 
     run_dir = f"ram://{tmp_path.name}/run"
@@ -576,7 +623,8 @@ def test_the_budget_decides_for_a_real_listing(tmp_path):
     listing = list_image_folder(str(root), image_size=32, validation_fraction=0.2, seed=0,
                                 on_bad_image="skip")
     world = World(rank=0, size=2, local_size=2)
-    decoded = 40 * 32 * 32 * 3 + 8 * 32 * 32 * 3  # this rank: 40 training + 8 validation
+    # This rank: every other training file, and 8 validation samples.
+    decoded = (len(listing.train.sources[0::2]) + 8) * 32 * 32 * 3
     auto = CacheSetting("auto")
     enough = choose_data_cache(listing, world, auto, budget_gb=2 * decoded / 1e9,
                                validation_samples=8)
@@ -596,8 +644,8 @@ def test_a_disk_cache_is_written_per_process(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, per_class=8)
     listing = list_image_folder(str(root), image_size=8, validation_fraction=0.25, seed=0,
                                 on_bad_image="skip")
-    pipelines = build_pipelines(listing, World(), batch_size=4, validation_batch_size=2,
-                                validation_steps=2, seed=0,
+    pipelines = build_pipelines(listing, World(), batch_size=4, validation_batch_size=1,
+                                validation_steps=listing.validation.num_samples, seed=0,
                                 cache=CacheChoice("disk", "test", str(tmp_path)))
     first = [batch[1].tolist() for batch in pipelines.train.take(3).as_numpy_iterator()]
     list(pipelines.validation.as_numpy_iterator())
@@ -626,10 +674,11 @@ def test_a_full_store_serves_new_orders_without_the_files(tmp_path, source, cach
         convert(str(root), str(tmp_path / "records"), shards=3, validation_shards=1,
                 validation_fraction=0.25, seed=0, image_size=8)
         listing = list_tfrecords(str(tmp_path / "records"), image_size=8)
-    pipelines = build_pipelines(listing, World(), batch_size=4, validation_batch_size=4,
-                                validation_steps=3, seed=0,
+    # Batches of one: a pass is then whole batches whatever the split's share.
+    pipelines = build_pipelines(listing, World(), batch_size=1, validation_batch_size=4,
+                                validation_steps=listing.validation.num_samples // 4, seed=0,
                                 cache=CacheChoice(cache, "test", str(tmp_path)))
-    per_pass = listing.train.num_samples // 4
+    per_pass = listing.train.num_samples
     batches = pipelines.train.as_numpy_iterator()
     # Pixels name a sample here: each pass's samples, summed pixel by pixel per image.
     first = [image.sum() for _ in range(per_pass) for image in next(batches)[0]]
@@ -718,13 +767,13 @@ def test_augmentation_crops_anew_every_epoch_and_rank_and_validation_never_chang
 
     def passes(rank: int, cache: str) -> tuple[list, list]:
         pipelines = build_pipelines(listing, World(rank=rank, size=2), batch_size=6,
-                                    validation_batch_size=2, validation_steps=1, seed=0,
+                                    validation_batch_size=1, validation_steps=1, seed=0,
                                     cache=CacheChoice(cache, "test", str(tmp_path)),
                                     augment=True)
         batches = pipelines.train.as_numpy_iterator()
-        train = [next(batches)[0] for _ in range(2)]  # a pass of 6 per rank, twice
+        train = [next(batches)[0] for _ in range(2)]  # two batches of 6 (a rank holds 6 or 7)
         validation = [batch[0] for batch in pipelines.validation.as_numpy_iterator()]
-        assert train[0].shape == (6, 16, 16, 3) and validation[0].shape == (2, 16, 16, 3)
+        assert train[0].shape == (6, 16, 16, 3) and validation[0].shape == (1, 16, 16, 3)
         return train, validation
 
     # Samples, passes and ranks all see different crops of the same picture: cut from the store,

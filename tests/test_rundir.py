@@ -585,11 +585,13 @@ def train_in_this_process(*flags: str):
 @integration
 @pytest.mark.timeout(600)
 def test_a_resume_of_another_split_or_labels_is_refused_and_the_folders_tfrecords_resume(
-        tmp_path):
+        tmp_path, capsys):
     """A resume under another seed validated on samples it had trained on (13 of 16), and one
     with two class folders swapped trained with the labels inverted, both without a word. Now
     both are refused in one line naming what changed; the TFRecords converted from the same
-    folder (same split, same (file, label) table) resume the run."""
+    folder (same split, same (file, label) table) resume the run, and so does the folder with
+    a file deleted (as the epoch line invites for one that does not decode), which was refused
+    as another experiment: it says so, and no remaining file changed sides."""
     from hvdtrain.tfrecords import convert
 
     images = make_image_folder(tmp_path / "images", classes=2, per_class=20)
@@ -600,8 +602,9 @@ def test_a_resume_of_another_split_or_labels_is_refused_and_the_folders_tfrecord
     before = everything_in(run_dir)
     with pytest.raises(UserError) as reseeded:
         train_in_this_process("--data-dir", str(images), "--epochs", "2", "--seed", "7", *common)
-    assert "holds another experiment (split: 0.2 of the files held out for validation, seed 7 " \
-           "was 0.2 of the files held out for validation, seed 42)" in str(reseeded.value)
+    assert "holds another experiment (split: 0.2 of the files held out for validation by their " \
+           "names, seed 7 was 0.2 of the files held out for validation by their names, seed 42)" \
+           in str(reseeded.value)
     assert "--accept-experiment-change" in str(reseeded.value)
     assert everything_in(run_dir) == before
 
@@ -621,6 +624,29 @@ def test_a_resume_of_another_split_or_labels_is_refused_and_the_folders_tfrecord
                                     *common)
     assert resumed.exit_code == 0 and resumed.initial_epoch == 1
     assert [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())] == [1, 2]
+
+    def sides(listing) -> tuple[set, set]:
+        return set(listing.train.sources.tolist()), set(listing.validation.sources.tolist())
+
+    from hvdtrain.data.folder import list_image_folder
+
+    split = dict(image_size=8, validation_fraction=0.2, seed=42, on_bad_image="skip")
+    train_before, validation_before = sides(list_image_folder(str(images), **split))
+    gone = sorted((images / "one").iterdir())[3]
+    gone.unlink()
+    capsys.readouterr()
+    resumed = train_in_this_process("--data-dir", str(images), "--epochs", "3", *common)
+    assert resumed.exit_code == 0 and resumed.initial_epoch == 2
+    assert (f"run directory {run_dir}: 1 of its image folder's files are gone since it started"
+            in capsys.readouterr().out)
+    train_after, validation_after = sides(list_image_folder(str(images), **split))
+    name = f"one/{gone.name}".encode()
+    assert train_after == train_before - {name} and validation_after == validation_before - {name}
+    # A relabelled file is no removal: refused as before.
+    (images / "one" / sorted((images / "one").iterdir())[0].name).rename(
+        images / "zero" / "moved.png")
+    with pytest.raises(UserError, match=r"holds another experiment \(labels: "):
+        train_in_this_process("--data-dir", str(images), "--epochs", "4", *common)
 
 
 @integration

@@ -338,6 +338,49 @@ def test_a_shard_cut_short_is_refused_by_name_before_training(images, tmp_path):
     assert not run_dir.exists()
 
 
+def test_a_shard_cut_short_without_a_recorded_size_is_named_at_its_first_pass(images,
+                                                                               tmp_path):
+    """Shards whose sizes dataset.json does not hold (an older conversion; counts written by
+    hand): the cut one's missing records were blanks "that did not decode", whatever
+    --on-bad-image said. Now the pass that reaches its end names it, and the epoch's report
+    stops every rank with that line (before the epoch's checkpoint)."""
+    from hvdtrain.callbacks import DecodeFailureReport
+    from hvdtrain.data.pipeline import build_pipelines
+    from hvdtrain.data.records import list_tfrecords
+    from hvdtrain.runtime.base import Devices, Runtime, World
+
+    out = tmp_path / "shards"
+    convert(str(images), str(out), shards=2, validation_shards=1, validation_fraction=0.2,
+            seed=3, image_size=16, workers=1)
+    metadata = json.loads((out / "dataset.json").read_text())
+    del metadata["bytes"]
+    (out / "dataset.json").write_text(json.dumps(metadata))
+    cut = out / "train-00001-of-00002.tfrecord"
+    recorded = metadata["counts"][cut.name]
+    cut.write_bytes(cut.read_bytes()[:int(cut.stat().st_size * 0.6)])
+    for sharding in ("file", "example"):
+        listing = list_tfrecords(str(out), image_size=16)
+        pipelines = build_pipelines(listing, World(rank=0, size=1), batch_size=4,
+                                    validation_batch_size=4, validation_steps=1, seed=0,
+                                    tfrecord_sharding=sharding)
+        planned = listing.train.num_samples
+        assert sum(1 for _ in pipelines.train.unbatch().take(planned)) == planned
+        training = pipelines.decode_failures[0]
+        found = re.fullmatch(rf"{re.escape(str(cut))} holds (\d+) records, not {recorded}",
+                             training.miscounted_file() or "")
+        assert found and int(found[1]) < recorded, (sharding, training.miscounted_file())
+        report = DecodeFailureReport(Runtime(World(), Devices("cpu", "test")),
+                                     pipelines.decode_failures, on_bad_image="skip")
+        with pytest.raises(UserError, match=rf"^TFRecord shard {re.escape(str(cut))} holds "):
+            report.on_epoch_end(0, {})
+    # Whole shards are not named: the validation shard, read to its end, is right.
+    listing = list_tfrecords(str(out), image_size=16)
+    pipelines = build_pipelines(listing, World(rank=0, size=1), batch_size=4,
+                                validation_batch_size=4, validation_steps=1, seed=0)
+    assert sum(1 for _ in pipelines.validation) == 1
+    assert pipelines.decode_failures[1].miscounted_file() is None
+
+
 def test_the_converters_edges_are_one_line_each_and_write_nothing(images, tmp_path,
                                                                    monkeypatch):
     """Each of these ran the whole conversion into a traceback, or wrote a wrong output with

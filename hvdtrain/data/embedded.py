@@ -80,7 +80,7 @@ class EmbeddedListing(Listing):
     in_memory: ClassVar[str | None] = "the embedded data is in memory already"
 
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
-                     by_file: bool, state: list) -> tf.data.Dataset:
+                     by_file: bool, state: list, failures=None) -> tf.data.Dataset:
         import tensorflow as tf
 
         rows, labels = (tf.constant(rank_share(values, world))

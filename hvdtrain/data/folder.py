@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from hvdtrain.data.images import IMAGE_EXTENSIONS, image_format
-from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, Listing, Split, label_table_digest,
-                                   positions_each_pass, split_identity, split_indices)
+from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, FileTable, Listing, Split,
+                                   held_out_by_name, label_table_digest, name_hashes,
+                                   positions_each_pass, split_by_mask, split_identity)
 from hvdtrain.data.shares import rank_share
 from hvdtrain.errors import UserError
 from hvdtrain.runtime.base import World
@@ -36,16 +37,19 @@ class FolderListing(Listing):
 
     root: str = ""
     """The image folder."""
-    split_fraction: float = 0.0
+    held_out: np.ndarray | None = None
+    """Which files, in the listing's order (class by class, names sorted), are held out for
+    validation (``held_out_by_name``)."""
     split_seed: int = 0
-    """How the files were split (the receivers redo it from the file table)."""
+    """The seed that ordered each side (``split_by_mask``): the receivers of the file table redo
+    the split from these two."""
 
     def path(self, source) -> str:
         """A sample's file path, for messages and tools."""
         return os.path.join(self.root, source.decode() if isinstance(source, bytes) else source)
 
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
-                     by_file: bool, state: list) -> tf.data.Dataset:
+                     by_file: bool, state: list, failures=None) -> tf.data.Dataset:
         """``(position, (path, label))``: the order is a permutation of positions, so a pass
         over a million files starts at once and holds no buffer of paths."""
         import tensorflow as tf
@@ -71,12 +75,15 @@ class FolderListing(Listing):
 
     def __getstate__(self) -> dict:
         # The folder travels to the ranks as its sorted file table, compressed (3.4 MB for
-        # ImageNet's 1.28 M names instead of ~175 MB of pickled paths); every rank redoes the
-        # seeded split itself.
+        # ImageNet's 1.28 M names instead of ~175 MB of pickled paths), and its split as a bit a
+        # file; every rank orders the sides itself.
         state = dict(self.__dict__)
-        # Undo the seeded split: the table in listing order (class by class, names sorted).
+        # Only rank 0 compares the run directory's file table (rundir.ensure_writable).
+        state["identity"] = {key: value for key, value in self.identity.items()
+                             if key != "files"}
+        # Undo the split: the table in listing order (class by class, names sorted).
         count = self.train.num_samples + self.validation.num_samples
-        train, validation = split_indices(count, self.split_fraction, self.split_seed)
+        train, validation = split_by_mask(self.held_out, self.split_seed)
         files = np.empty(count, dtype=self.train.sources.dtype)
         labels = np.empty(count, dtype=np.int32)
         files[train], files[validation] = self.train.sources, self.validation.sources
@@ -84,6 +91,7 @@ class FolderListing(Listing):
         joined = b"\n".join(files.tolist())
         if joined.count(b"\n") == count - 1:  # no file name holds a newline
             state["train"] = state["validation"] = None
+            state["held_out"] = (np.packbits(self.held_out), count)
             # Labels run class by class in listing order: the table keeps a count per class.
             state["_table"] = (zlib.compress(joined, 1),
                                np.bincount(labels, minlength=len(self.class_names)))
@@ -95,8 +103,9 @@ class FolderListing(Listing):
             compressed, per_class = table
             names = np.array(zlib.decompress(compressed).split(b"\n"))
             labels = np.repeat(np.arange(len(per_class), dtype=np.int64), per_class)
-            train, validation = split_indices(len(names), state["split_fraction"],
-                                              state["split_seed"])
+            bits, count = state["held_out"]
+            state["held_out"] = np.unpackbits(bits, count=count).astype(bool)
+            train, validation = split_by_mask(state["held_out"], state["split_seed"])
             state["train"] = Split(names[train], labels[train])
             state["validation"] = Split(names[validation], labels[validation])
         for name, value in state.items():
@@ -201,7 +210,12 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
         notes.append("skipped " + message)
     names_array = np.array(names)
     labels_array = np.concatenate(labels)
-    train, validation = split_indices(len(names), validation_fraction, seed)
+    hashes = name_hashes(names)
+    held_out = held_out_by_name(hashes, validation_fraction, seed)
+    train, validation = split_by_mask(held_out, seed)
+    sized: dict[str, int] = {}
+    digest = label_table_digest(names_array, labels_array,
+                                lambda name: os.stat(os.path.join(data_dir, name)).st_size, sized)
     size = image_size or DEFAULT_FILE_IMAGE_SIZE
     seconds = time.monotonic() - started
     return FolderListing(
@@ -214,11 +228,9 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
         validation=Split(names_array[validation], labels_array[validation]),
         notes=tuple(notes),
         identity={"split": split_identity("files", validation_fraction, seed),
-                  "labels": label_table_digest(
-                      names_array, labels_array,
-                      lambda name: os.stat(os.path.join(data_dir, name)).st_size)},
+                  "labels": digest, "files": FileTable.of(hashes, labels_array, sized)},
         root=data_dir,
-        split_fraction=validation_fraction,
+        held_out=held_out,
         split_seed=seed,
     )
 

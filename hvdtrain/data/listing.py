@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import io
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, ClassVar
 
@@ -21,6 +23,8 @@ from hvdtrain.runtime.base import World
 
 if TYPE_CHECKING:
     import tensorflow as tf
+
+    from hvdtrain.data.pipeline import DecodeFailures
 
 DEFAULT_FILE_IMAGE_SIZE = 64
 
@@ -59,13 +63,21 @@ class HeldOutRecords:
     """'train' keeps the records not held out, 'validation' the ones held out."""
     offsets: np.ndarray
     """Index of each shard's first record in the whole sequence."""
+    file_counts: np.ndarray
+    """Records each shard holds, held out or not."""
 
 
 def split_identity(kind: str, fraction: float, seed: int) -> str:
     """How a listing split its samples, as the run directory's fingerprint records it: the same
-    words for an image folder and the TFRecords the converter made of it with the same split."""
+    words for an image folder and the TFRecords the converter made of it with the same split.
+    ``kind`` "files" is ``split_by_name``'s split; "files by position" the one before it
+    (``split_indices`` over the sorted names), which TFRecords converted then still hold."""
     if fraction <= 0:
         return "no validation"
+    if kind == "files":
+        return f"{fraction:g} of the files held out for validation by their names, seed {seed}"
+    if kind == "files by position":
+        return f"{fraction:g} of the files held out for validation, seed {seed}"
     return f"{fraction:g} of the {kind} held out for validation, seed {seed}"
 
 
@@ -74,12 +86,13 @@ def split_identity(kind: str, fraction: float, seed: int) -> str:
 SIZED_PER_CLASS = 8
 
 
-def label_table_digest(names, labels, size_of: Callable[[str], int] | None = None) -> str:
+def label_table_digest(names, labels, size_of: Callable[[str], int] | None = None,
+                       sizes: dict[str, int] | None = None) -> str:
     """sha256 of the (relative name, label) table, sorted: which file has which label, with the
-    size of the first ``SIZED_PER_CLASS`` files of each class (``size_of(name)``). The same for an
-    image folder and for the TFRecords the converter made of it (it records this in
-    dataset.json), whatever the split; changed by a file added, removed, renamed or relabelled,
-    and by class folders swapped."""
+    size of the first ``SIZED_PER_CLASS`` files of each class (``size_of(name)``, also put into
+    ``sizes``). The same for an image folder and for the TFRecords the converter made of it (it
+    records this in dataset.json), whatever the split; changed by a file added, removed,
+    renamed or relabelled, and by class folders swapped."""
     # "name<TAB>label" strings: sorting them is ~3x faster than sorting (name, label) tuples.
     rows = sorted(f"{name.decode() if isinstance(name, bytes) else name}\t{label}"
                   for name, label in zip(names, labels))
@@ -89,8 +102,90 @@ def label_table_digest(names, labels, size_of: Callable[[str], int] | None = Non
             name, label = row.rsplit("\t", 1)
             if sized.get(label, 0) < SIZED_PER_CLASS:
                 sized[label] = sized.get(label, 0) + 1
-                rows[index] = f"{row}\t{size_of(name)}"
+                size = size_of(name)
+                rows[index] = f"{row}\t{size}"
+                if sizes is not None:
+                    sizes[name] = size
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()
+
+
+def name_hashes(names) -> np.ndarray:
+    """A 64-bit hash of each relative file name (bytes), the same in every process and
+    version: what a file's side of the split and its row in the FileTable come from."""
+    return np.fromiter((int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little")
+                        for name in names), dtype=np.uint64, count=len(names))
+
+
+def _mixed(values: np.ndarray, salt: int) -> np.ndarray:
+    """splitmix64's finalizer of ``values + salt``: uniform 64-bit outputs, vectorized."""
+    with np.errstate(over="ignore"):
+        z = values + np.uint64(salt % 2**64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def held_out_by_name(hashes: np.ndarray, validation_fraction: float, seed: int) -> np.ndarray:
+    """Which files are held out for validation, by their names' hashes: a file is when its
+    name's hash, mixed with the seed, falls in the lowest ``validation_fraction`` of the range.
+    So each file's side depends on its name alone: a file removed (one that did not decode) or
+    added moves no other file across the split, and a resume never validates on samples it
+    trained on. The share held out is ``validation_fraction`` on average (not exactly: with
+    1000 files and 0.2, 200 +- 13); at least one file on each side."""
+    keys = _mixed(hashes, seed)
+    held = keys.astype(np.float64) < validation_fraction * 2.0**64
+    if validation_fraction > 0 and len(keys) > 1:
+        if not held.any():
+            held[np.argmin(keys)] = True
+        elif held.all():
+            held[np.argmax(keys)] = False
+    return held
+
+
+def split_by_mask(held_out: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, validation indices) of the files ``held_out`` marks, each side in an
+    order shuffled with the seed (ranks take every size-th file of it, so each gets every
+    class, and a validation set cut short loses files at random, not the last class)."""
+    order = np.random.default_rng(seed).permutation(len(held_out))
+    held = held_out[order]
+    return order[~held], order[held]
+
+
+@dataclass(frozen=True, eq=False)
+class FileTable:
+    """Which files a folder listing holds and their labels, compactly (8 bytes a file), for
+    the run directory: on a resume it tells files removed (one that did not decode, deleted as
+    the epoch line invites) from any other change of the (file, label) table."""
+
+    rows: np.ndarray
+    """Sorted uint64, one per file: its name's hash mixed with its label."""
+    sized: dict[str, int]
+    """Sizes of the files ``label_table_digest`` weighs (two class folders swapped)."""
+
+    @classmethod
+    def of(cls, hashes: np.ndarray, labels: np.ndarray, sized: dict[str, int]) -> FileTable:
+        return cls(np.sort(_mixed(hashes ^ labels.astype(np.uint64), 0)), dict(sized))
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        np.savez(buffer, rows=self.rows, sized=np.array(json.dumps(self.sized)))
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> FileTable:
+        with np.load(io.BytesIO(data), allow_pickle=False) as stored:
+            return cls(stored["rows"], json.loads(str(stored["sized"])))
+
+    def files_removed_since(self, recorded: FileTable) -> int | None:
+        """How many of ``recorded``'s files are gone, when that is the only change (every file
+        here was there with the same label, and the weighed files both have are the same
+        size); None for any other change."""
+        if (len(self.rows) > len(recorded.rows)
+                or not np.isin(self.rows, recorded.rows, assume_unique=False).all()
+                or any(recorded.sized[name] != size for name, size in self.sized.items()
+                       if name in recorded.sized)):
+            return None
+        return len(recorded.rows) - len(self.rows)
 
 
 def held_out_counts(offsets: np.ndarray, counts: np.ndarray, fraction: float) -> np.ndarray:
@@ -112,7 +207,8 @@ class Listing(abc.ABC):
     identity: dict = field(default_factory=dict)
     """What the samples are beyond their count, for the run directory's fingerprint: how they
     were split ("split", ``split_identity``) and which file has which label ("labels",
-    ``label_table_digest``), where the source can tell."""
+    ``label_table_digest``), where the source can tell; an image folder adds its "files"
+    (``FileTable``)."""
 
     in_memory: ClassVar[str | None] = None
     """Why this source needs no cache and never fails to decode (its pixels are in memory), or
@@ -132,11 +228,13 @@ class Listing(abc.ABC):
 
     @abc.abstractmethod
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
-                     by_file: bool, state: list) -> tf.data.Dataset:
+                     by_file: bool, state: list,
+                     failures: DecodeFailures | None = None) -> tf.data.Dataset:
         """``(position, record)`` of this rank's records of ``split``, in a new random order every
         pass when ``shuffle``; ``position`` says which sample it is for ``sample_namer``. Any
         TensorFlow variable the order needs goes into ``state`` (it must live as long as the
-        pipeline)."""
+        pipeline). A source that knows how many records each file holds checks them with
+        ``failures.count_file``."""
 
     def reader(self) -> Callable:
         """``record -> (encoded image bytes, int64 label)``, for a source read from files."""

@@ -78,6 +78,10 @@ class DecodeFailures:
             self.last_position = tf.Variable(-1, dtype=tf.int64, trainable=False)
             self.positions = tf.Variable(tf.fill([POSITION_RING], tf.constant(-1, tf.int64)),
                                          trainable=False)
+            # A file that holds other records than its source said (a TFRecord shard cut
+            # short): its missing records are no undecodable images, and ignore_errors, which
+            # drops what fails to decode, also drops a read error. Set by ``count_file``.
+            self.miscounted = tf.Variable("", dtype=tf.string, trainable=False)
         self._reported = 0
 
     def take_new(self) -> tuple[int, str | None]:
@@ -85,6 +89,36 @@ class DecodeFailures:
         total = int(self.count.numpy())
         new, self._reported = total - self._reported, total
         return new, self.name_of(int(self.last_position.numpy())) if new else None
+
+    def miscounted_file(self) -> str | None:
+        """'<file> holds N records, not M' for the last file read whose count was wrong."""
+        return self.miscounted.numpy().decode() or None
+
+    def count_file(self, records: tf.data.Dataset, path, expected) -> tf.data.Dataset:
+        """``records`` of the file ``path``, which should hold ``expected`` of them: when it
+        ends with another count (read to its end, or to a read error, after which tf.data's
+        record reader goes on to its next file), ``miscounted`` names it. One comparison a
+        record; a file whose end is never reached (a validation ``take``) is not judged."""
+        import tensorflow as tf
+
+        ended = tf.data.Dataset.from_tensors((tf.constant(b""), tf.constant(True)))
+        marked = records.map(lambda record: (record, tf.constant(False))).concatenate(ended)
+
+        def judge(count):
+            message = tf.strings.join([path, " holds ", tf.strings.as_string(count),
+                                       " records, not ", tf.strings.as_string(expected)])
+            with tf.control_dependencies([self.miscounted.assign(message)]):
+                return tf.identity(count)
+
+        def step(count, element):
+            record, is_end = element
+            count = tf.cond(is_end & tf.not_equal(count, expected), lambda: judge(count),
+                            lambda: count)
+            return count + 1, element
+
+        return (marked.scan(tf.constant(0, tf.int64), step)
+                .filter(lambda record, is_end: tf.logical_not(is_end))
+                .map(lambda record, is_end: record))
 
     def remember(self, number, position):
         """tf.data step: sample ``number`` of this pass is ``position`` in the list."""
@@ -135,8 +169,13 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                 by_file: bool, crop: bool = False) -> tf.data.Dataset:
         """This rank's share of ``split``, decoded, in a new order every pass when ``shuffle``;
         ``crop``: random-resized crops cut while decoding (no store)."""
+        counter = None
+        if not listing.in_memory:
+            counter = DecodeFailures(split_name,
+                                     listing.sample_namer(split, world, by_file=by_file))
+            failures.append(counter)
         records = listing.rank_records(split, world, shuffle=shuffle, seed=seed,
-                                       by_file=by_file, state=state)
+                                       by_file=by_file, state=state, failures=counter)
         decode_to, image_shape = decode, shape
         if crop:
             read = listing.reader()
@@ -156,8 +195,6 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         if listing.in_memory:
             return records.map(lambda position, record: decode(*_as_tuple(record)),
                                num_parallel_calls=tf.data.AUTOTUNE)
-        counter = DecodeFailures(split_name, listing.sample_namer(split, world, by_file=by_file))
-        failures.append(counter)
         if cache.kind == "off":
             return _decode_or_blank(records, decode_to, counter, num_samples, image_shape)
         store = SampleStore(shape, os.path.join(cache_dir, split_name)

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 METADATA = "dataset.json"
 TRAIN, VALIDATION = "train", "validation"
 """Shard name prefixes of the two splits."""
+SPLIT_BY_NAME = "by name"
+"""dataset.json's "split" for shards whose validation files were chosen by name
+(data.listing.split_by_name); conversions without it chose them by position."""
 RAW_RECORD_SHUFFLE = 2_048
 """Undecoded records shuffled before decoding: a buffer of encoded bytes fills by reading, not
 decoding, so the first step does not wait for thousands of decodes."""
@@ -86,26 +89,28 @@ class TFRecordListing(Listing):
     run the same number of validation batches, and the set is small enough to read in full.
     """
 
-    def shard_records(self, split: Split, world: World, *, seed: int,
-                      by_file: bool = False) -> tf.data.Dataset:
+    def shard_records(self, split: Split, world: World, *, seed: int, by_file: bool = False,
+                      failures=None) -> tf.data.Dataset:
         import tensorflow as tf
 
+        files = (split.sources, _first_record_indices(split), _records_in_files(split))
         if by_file:
             order = file_order(split, seed)
-            files = tf.data.Dataset.from_tensor_slices(
-                (split.sources[order], _first_record_indices(split)[order]))
-            return files.shard(world.size, world.rank).interleave(
-                lambda path, first: _records_of(split, path, first), cycle_length=4,
-                num_parallel_calls=tf.data.AUTOTUNE)
-        return _records_of(split, tf.constant(split.sources), tf.constant(0, tf.int64)).shard(
-            world.size, world.rank)
+            return (tf.data.Dataset.from_tensor_slices(tuple(column[order] for column in files))
+                    .shard(world.size, world.rank)
+                    .interleave(lambda *file: _records_of(split, *file, failures),
+                                cycle_length=4, num_parallel_calls=tf.data.AUTOTUNE))
+        return (tf.data.Dataset.from_tensor_slices(files)
+                .flat_map(lambda *file: _records_of(split, *file, failures))
+                .shard(world.size, world.rank))
 
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
-                     by_file: bool, state: list) -> tf.data.Dataset:
+                     by_file: bool, state: list, failures=None) -> tf.data.Dataset:
         # A record's position is its place in this rank's reading order, which is the same on
         # every pass (files in the shared seed's order, interleaved deterministically): so a
         # store can keep it by position, and the shuffle comes after the numbering.
-        records = self.shard_records(split, world, seed=seed, by_file=by_file).enumerate()
+        records = self.shard_records(split, world, seed=seed, by_file=by_file,
+                                     failures=failures).enumerate()
         if shuffle:
             num_samples = self.samples_for_rank(split, world, seed=seed, by_file=by_file)
             records = records.shuffle(min(max(num_samples, 1), RAW_RECORD_SHUFFLE),
@@ -168,12 +173,23 @@ def _first_record_indices(split: Split) -> np.ndarray:
     return np.zeros(len(split.sources), dtype=np.int64)
 
 
-def _records_of(split: Split, paths, first_index) -> tf.data.Dataset:
-    """The records of TFRecord files that belong to ``split`` (all, unless it holds records out:
-    then the record's index in the whole sequence decides, see HeldOutRecords)."""
+def _records_in_files(split: Split) -> np.ndarray:
+    """Records each shard file holds, on both sides of a split that holds records out."""
+    return split.held_out.file_counts if split.held_out is not None else split.counts
+
+
+def _records_of(split: Split, path, first_index, expected, failures=None) -> tf.data.Dataset:
+    """The records of the TFRecord file ``path`` that belong to ``split`` (all, unless it holds
+    records out: then the record's index in the whole sequence decides, see HeldOutRecords).
+    With ``failures``, a file that does not hold the ``expected`` records (dataset.json's count,
+    or the one counted at start-up) is named at the end of its first pass
+    (``DecodeFailures.count_file``): a shard cut short whose size dataset.json did not record
+    (``check_sizes``) would otherwise train on with blanks for its missing records."""
     import tensorflow as tf
 
-    records = tf.data.TFRecordDataset(paths)
+    records = tf.data.TFRecordDataset(path)
+    if failures is not None:
+        records = failures.count_file(records, path, expected)
     held_out = split.held_out
     if held_out is None:
         return records
@@ -240,7 +256,9 @@ def list_tfrecords(location: str, *, image_size: int | None, channels: int | Non
         # the shards converted from it with the same split are one experiment.
         if isinstance(metadata.get("validation_fraction"), (int, float)) \
                 and isinstance(metadata.get("seed"), int):
-            identity["split"] = split_identity("files", metadata["validation_fraction"],
+            # Converted since files are split by name ("split"), or by position before.
+            kind = "files" if metadata.get("split") == SPLIT_BY_NAME else "files by position"
+            identity["split"] = split_identity(kind, metadata["validation_fraction"],
                                                metadata["seed"])
         else:
             identity["split"] = "validation shards"
@@ -300,9 +318,9 @@ def hold_out(shards: Split, fraction: float, seed: int) -> tuple[Split, Split, s
         return shards, Split(shards.sources[:0], None, shards.counts[:0]), \
             f"no validation ({shards.num_samples} records x {fraction:g} is under one)"
     return (Split(shards.sources, None, shards.counts - held_counts,
-                  HeldOutRecords(fraction, "train", offsets)),
-            Split(shards.sources, None, held_counts, HeldOutRecords(fraction, "validation",
-                                                                   offsets)),
+                  HeldOutRecords(fraction, "train", offsets, shards.counts)),
+            Split(shards.sources, None, held_counts,
+                  HeldOutRecords(fraction, "validation", offsets, shards.counts)),
             f"{int(held_counts.sum())} records held out for validation across the shards "
             f"(--validation-fraction {fraction:g}; too few shards to hold out whole ones)")
 
