@@ -323,14 +323,20 @@ fi
 # The constraints file pins every transitive version that was verified together.
 constraints=("-c" "$constraints_file")
 say "installing $tf_requirement, tf_keras, mpi4py and the rest of the pinned stack"
-# mlflow: for --track mlflow, and the tracking server its tests start (a user's own environment
-# needs only the client: pip install mlflow-skinny). mkdocs: `make docs` and tests/test_docs.py. The
-# constraints pin pymdown-extensions at 12.3: 13.x needs Python >= 3.11.5, and the image's Debian
-# Python (containers/build.sh) is 3.11.2.
+# mlflow-skinny: MLflow's client, for --track mlflow (the server its tests start has a venv of its
+# own, below). mkdocs: `make docs` and tests/test_docs.py. The constraints pin pymdown-extensions at
+# 12.3: 13.x needs Python >= 3.11.5, and the image's Debian Python (containers/build.sh) is 3.11.2.
 pip install "${constraints[@]}" "$tf_requirement" \
   mpi4py scikit-learn matplotlib pytest pytest-timeout \
-  packaging cloudpickle psutil pyyaml cffi mlflow tensorboard \
+  packaging cloudpickle psutil pyyaml cffi mlflow-skinny tensorboard \
   'mkdocs>=1.6,<2' 'pymdown-extensions>=10,<14'
+# The `mlflow server` of tests/test_tracking.py, in a venv of its own: full mlflow brings pandas
+# and pyarrow, and Keras 3 imports pandas wherever it is importable, 0.2 s of CPU at the start of
+# every rank (2.23-2.32 s against 2.04-2.08 s for a rank's imports, measured 2026-11-29).
+mlflow_server_venv=$venv/mlflow-server
+[[ -x $mlflow_server_venv/bin/python ]] || "$python" -m venv "$mlflow_server_venv"
+"$mlflow_server_venv/bin/python" -m pip --disable-pip-version-check --quiet install \
+  "${constraints[@]}" mlflow 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
 # tf_keras requires `tensorflow` by that name and nothing else; with the CPU wheel installed under
 # its own name, resolving that requirement would put the CUDA build over the same files.
 pip install "${constraints[@]}" --no-deps "tf_keras==$TF_KERAS_VERSION"
@@ -376,6 +382,8 @@ done
 sys.exit(recorded_build_checks("tensorflow") is None)' \
   || die "horovodrun --check-build wrote no build record beside horovod's TensorFlow extension (is $venv writable?)"
 "$venv/bin/python" -c 'import hvdtrain' || die "import hvdtrain failed in $venv"
+"$mlflow_server_venv/bin/mlflow" --version >/dev/null \
+  || die "the tests' MLflow server does not start in $mlflow_server_venv"
 # What was installed, for `make` (the file's age) and for tests (its contents).
 printf 'flavor=%s\ntensorflow=%s==%s\nhorovod=%s\n' \
   "$flavor" "$tf_distribution" "$TF_VERSION" "$key" >"$stamp"

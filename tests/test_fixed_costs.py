@@ -18,8 +18,10 @@ JOB_MODULES = ("hvdtrain.cnn", "hvdtrain.train", "hvdtrain.runtime.horovod",
                "hvdtrain.models.cnn")
 #: Loaded when a job asks for them (rank 0's curves.png, --tensorboard, --track mlflow, the
 #: embedded digits), never by importing it: Keras 3 imported the first and the last two on
-#: every rank before hvdtrain deferred them (see hvdtrain/__init__.py).
-HEAVY = ("matplotlib", "tensorboard", "mlflow", "sklearn", "scipy.stats")
+#: every rank before hvdtrain deferred them (see hvdtrain/__init__.py). Never pandas: Keras 3
+#: imports it wherever it is importable (0.2 s of a rank's start), and it came only with the
+#: tests' MLflow server, which has a venv of its own (scripts/install.sh).
+HEAVY = ("matplotlib", "tensorboard", "mlflow", "sklearn", "scipy.stats", "pandas")
 
 
 def test_phases_are_the_time_between_the_milestones_reached():

@@ -218,13 +218,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+#: The server has a venv of its own (scripts/install.sh): full mlflow brings pandas, which Keras 3
+#: imports at every rank's start wherever it is importable; the job's venv holds the client only.
+MLFLOW_SERVER = VENV_BIN.parent / "mlflow-server" / "bin" / "mlflow"
+
+
 @contextlib.contextmanager
 def running_server(home: Path, port: int) -> Iterator[tuple[str, subprocess.Popen]]:
     """A real `mlflow server` on 127.0.0.1:port (SQLite store and artifacts under ``home``):
     (its URI, its process)."""
     uri = f"http://127.0.0.1:{port}"
     with (home / "server.log").open("a") as log, process_group(
-            [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+            [str(MLFLOW_SERVER), "server", "--host", "127.0.0.1", "--port", str(port),
              "--backend-store-uri", f"sqlite:///{home}/mlflow.db",
              "--artifacts-destination", str(home / "artifacts"), "--workers", "1"],
             grace_seconds=20, stdout=log, stderr=subprocess.STDOUT, env=clean_env()) as server:
