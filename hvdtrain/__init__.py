@@ -7,10 +7,11 @@ which runs this file first.
 
 * **Keras 3** (the default, as ``import keras`` gives on TensorFlow >= 2.16): TensorFlow's own
   Keras, untouched; hvdtrain distributes it with its own integration on horovod's TensorFlow
-  collectives (``runtime/keras3.py``), because ``horovod.tensorflow.keras`` cannot run on it.
+  collectives (``runtime/keras3.py``): stock ``horovod.tensorflow.keras`` (0.28.1) cannot run on
+  it (horovod#4290; hvdtrain's build can, with patches 0005-0006, for users' scripts).
 * **Keras 2** (``--keras 2``, ``HVDTRAIN_KERAS=2``, or ``TF_USE_LEGACY_KERAS=1`` in the
-  environment, which asks the same of TensorFlow): ``horovod.tensorflow.keras`` (0.28.1) needs it
-  (it does ``from keras import backend`` and calls ``K.get_value``, which Keras 3 removed).
+  environment, which asks the same of TensorFlow): tf_keras, distributed by
+  ``horovod.tensorflow.keras``.
   ``TF_USE_LEGACY_KERAS=1`` makes ``tf.keras`` resolve to ``tf_keras``, and an import hook makes
   ``import keras`` (which horovod does) give ``tf_keras`` too. The hook rather than importing
   ``tf_keras`` here, so that tools which never touch Keras (the launcher, the Slurm renderer)

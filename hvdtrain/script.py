@@ -1,8 +1,9 @@
 """Run a user's script as one rank of a job: ``python -m hvdtrain.script train.py [args]``.
 
-``hvdtrain.launch`` starts every rank of a script this way (unless ``--keras 3``), so a horovod
-Keras script written for Keras 2 (``import horovod.tensorflow.keras as hvd``, ``tf.keras``) runs
-unchanged on a TensorFlow that ships Keras 3: importing this module imports ``hvdtrain`` first,
+``hvdtrain.launch`` starts every rank of a script that runs on Keras 2 only this way (``import
+tf_keras``, an optimizer's ``variables()`` called, ``experimental_run_tf_function``; or
+``--keras 2``), so it runs unchanged on a TensorFlow that ships Keras 3: importing this module
+imports ``hvdtrain`` first,
 which points ``import keras`` and ``tf.keras`` at tf_keras before the script imports TensorFlow.
 The script then runs as ``__main__`` with the ``sys.argv`` and ``sys.path[0]`` that
 ``python train.py args`` would give it.

@@ -51,12 +51,13 @@ class LaunchOptions:
     python: str = sys.executable
     """Interpreter of the ranks (default: this one)."""
     keras: Literal["auto", "2", "3"] = "auto"
-    """The Keras of the ranks: 3 (TensorFlow's own: a script runs as is, and hvdtrain's jobs use
-    hvdtrain's own horovod integration) or 2 (tf_keras, which horovod.tensorflow.keras needs: a
-    script runs through hvdtrain.script, which selects it). auto: 2 for a script that imports
-    horovod.tensorflow.keras, horovod.keras or tf_keras, else what `import keras` gives here (3,
-    or 2 under TF_USE_LEGACY_KERAS=1). Every rank gets HVDTRAIN_KERAS set to the choice,
-    whatever the launcher's environment holds."""
+    """The Keras of the ranks: 3 (TensorFlow's own: a script runs as is, horovod's TensorFlow
+    and Keras APIs with hvdtrain's build of horovod, and hvdtrain's jobs use hvdtrain's own
+    horovod integration) or 2 (tf_keras: a script runs through hvdtrain.script, which selects
+    it). auto: 2 for a script written for Keras 2 (it imports tf_keras or horovod.keras, calls
+    an optimizer's variables(), or passes experimental_run_tf_function), else what `import
+    keras` gives here (3, or 2 under TF_USE_LEGACY_KERAS=1). Every rank gets HVDTRAIN_KERAS set
+    to the choice, whatever the launcher's environment holds."""
     dry_run: bool = False
     """Print the command and environment, start nothing."""
     skip_preflight: bool = False
@@ -280,16 +281,20 @@ def is_script_path(program: str) -> bool:
     return program.endswith(".py") or os.sep in program or os.path.isfile(program)
 
 
-#: What only Keras 2 runs in a script, and how the launcher's note says it: an import of horovod's
-#: Keras API (``import horovod.tensorflow.keras as hvd``, ``import horovod.keras``) or of tf_keras;
-#: a call of ``variables()``, a method of Keras 2's optimizers and a list in Keras 3 (horovod's
-#: own TF2 examples broadcast ``opt.variables()``). A horovod.tensorflow script without either
-#: runs on Keras 3 with hvdtrain's build of horovod (patch 0005).
+#: What only Keras 2 runs in a script, and how the launcher's note says it: an import of tf_keras
+#: or of ``horovod.keras`` (horovod's API for the standalone keras 2 package); a call of
+#: ``variables()``, a method of Keras 2's optimizers and a list in Keras 3 (horovod's own TF2
+#: examples broadcast ``opt.variables()``); ``experimental_run_tf_function``, a Keras 2 compile
+#: argument that Keras 3's compile refuses (horovod's tensorflow2_keras_mnist.py passes it).
+#: horovod.tensorflow and horovod.tensorflow.keras scripts without any of these run on Keras 3
+#: with hvdtrain's build of horovod (patches 0005 and 0006).
 _KERAS_2_ONLY = (
-    (re.compile(r"^\s*(?:import|from)\s+(?:horovod\.(?:tensorflow\.)?keras|tf_keras)\b",
-                re.MULTILINE), "imports horovod's Keras API or tf_keras"),
+    (re.compile(r"^\s*(?:import|from)\s+(?:horovod\.keras|tf_keras)\b", re.MULTILINE),
+     "imports tf_keras or horovod.keras"),
     (re.compile(r"\.variables\(\)"), "calls variables(), Keras 2's optimizer method (a list "
                                        "in Keras 3)"),
+    (re.compile(r"\bexperimental_run_tf_function\b"), "passes experimental_run_tf_function, a "
+                                                        "Keras 2 compile argument"),
 )
 
 
@@ -324,8 +329,8 @@ def program_command(options: LaunchOptions, env: Mapping[str, str] = os.environ)
     if is_script_path(options.program):
         if ranks_keras(options, env) == "3":
             return [python, options.program, *options.program_args]
-        # horovod.tensorflow.keras needs Keras 2; hvdtrain.script selects it, then runs the
-        # script exactly as `python script.py args` would.
+        # A script written for Keras 2 (see _KERAS_2_ONLY): hvdtrain.script selects it, then
+        # runs the script exactly as `python script.py args` would.
         return [python, "-m", "hvdtrain.script", options.program, *options.program_args]
     return [python, "-m", options.program, *options.program_args]
 

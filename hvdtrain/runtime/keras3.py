@@ -1,7 +1,8 @@
 """hvdtrain's own horovod integration for Keras 3 (``--keras 3``), on collectives passed in.
 
-``horovod.tensorflow.keras`` works only with Keras 2 (horovod issue 4290), so for Keras 3 the
-horovod backend (``runtime/horovod.py``, still the only module that imports horovod) hands the
+Stock ``horovod.tensorflow.keras`` works only with Keras 2 (horovod issue 4290; hvdtrain's
+build runs it on Keras 3 for users' scripts, patches 0005-0006, but hvdtrain's jobs keep the
+integration they were built and measured with), so for Keras 3 the horovod backend (``runtime/horovod.py``, still the only module that imports horovod) hands the
 two pieces below its TensorFlow allreduce. They do what horovod's Keras API does for Keras 2:
 
 * ``distribute_optimizer``: the optimizer averages every gradient over the ranks before it

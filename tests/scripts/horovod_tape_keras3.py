@@ -11,7 +11,11 @@ from every rank's local gradients (gathered with allgather_object):
 - hvd.DistributedOptimizer around a Keras 3 optimizer: apply_gradients and model.fit apply the
   averaged gradient (before horovod patch 0005 each rank applied its own, silently);
 - hvd.SyncBatchNormalization: a rank's output and the moving statistics are those of one
-  BatchNormalization over every rank's batch at once.
+  BatchNormalization over every rank's batch at once;
+- horovod.tensorflow.keras: DistributedOptimizer and the broadcast, metric-average and warm-up
+  callbacks in model.fit keep the ranks equal and warm the rate up by horovod's formula, and
+  load_model gives the model back with its optimizer distributed and its state.
+The first argument: a directory every rank can read, for load_model's file.
 """
 import json
 
@@ -126,6 +130,57 @@ result["sync_bn_model_supports_jit"] = model_supports_jit(keras.Sequential(
     [keras.Input((5,)), hvd.SyncBatchNormalization(), keras.layers.Dense(2)]))
 local_only = keras.layers.BatchNormalization()(every_batch[rank], training=True).numpy()
 result["sync_bn_differs_from_local"] = bool(np.max(np.abs(local_only - mine)) > 0.1)
+
+# 7. horovod.tensorflow.keras, as horovod's Keras examples use it (horovod patch 0006): its
+# callbacks in model.fit, then hvd.load_model of the saved model. Each rank starts from its own
+# weights and trains on its own data: only the broadcast and the averages keep them equal.
+import horovod.tensorflow.keras as hvd_keras  # noqa: E402
+import sys  # noqa: E402
+
+
+class Seen(keras.callbacks.Callback):
+    """After horovod's callbacks: the logs each epoch ends with, and the rate of each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses, self.rates = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.rates.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+keras_model = new_model(seed=10 + rank)
+keras_model.compile(optimizer=hvd_keras.DistributedOptimizer(
+    keras.optimizers.SGD(0.02 * size, momentum=0.9)), loss=loss_fn)
+seen = Seen()
+warmup = hvd_keras.callbacks.LearningRateWarmupCallback(initial_lr=0.02 * size, warmup_epochs=2,
+                                                        steps_per_epoch=2)
+keras_model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[
+    hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+    hvd_keras.callbacks.MetricAverageCallback(), warmup, seen])
+weights = hvd.allgather_object([v.numpy() for v in keras_model.weights])
+result["keras_fit_max_difference"] = max(float(np.max(np.abs(a - b))) for ranks in
+                                         zip(*weights) for a, b in zip(ranks, ranks[1:]))
+result["keras_losses"] = seen.losses  # averaged by MetricAverageCallback: equal on every rank
+# The warm-up: from initial_lr / size at the first batch up to initial_lr over 2 epochs.
+expected_rates = [0.02 * size / size * ((epoch + (batch + 1) / 2) * (size - 1) / 2 + 1)
+                  for epoch in range(2) for batch in range(2)]
+result["warmup_error"] = max(abs(r - e) for r, e in zip(seen.rates[:4], expected_rates))
+result["rate_after_warmup"] = seen.rates[-1]
+saved = sys.argv[1] + "/model.keras"
+if rank == 0:
+    keras_model.save(saved)
+hvd.allreduce(tf.constant(0))  # the file is whole before any rank reads it
+loaded = hvd_keras.load_model(saved)
+result["loaded_optimizer"] = type(loaded.optimizer).__module__
+result["loaded_iterations"] = int(loaded.optimizer.iterations.numpy())
+loaded.fit(x, y, batch_size=4, epochs=1, verbose=0)
+weights = hvd.allgather_object([v.numpy() for v in loaded.weights])
+result["loaded_fit_max_difference"] = max(float(np.max(np.abs(a - b))) for ranks in
+                                          zip(*weights) for a, b in zip(ranks, ranks[1:]))
 
 every = hvd.allgather_object(result)
 if rank == 0:
