@@ -49,10 +49,10 @@ LOCK_FILE = ".lock"
 CONFIG_FILE = "config.json"
 TIMELINE_FILE = "timeline.json"
 FINGERPRINT = "fingerprint"
+"""config.json's record of what the run directory trains (``experiment_changes``)."""
 FILES_FILE = "files.npz"
 """The image folder's file table at the run's start (data.listing.FileTable): on a resume it
 tells files removed since from any other change of the data."""
-"""config.json's record of what the run directory trains (``experiment_changes``)."""
 
 # How long a job refused by the lock waits for the holder to write its name into the lock file
 # (the holder writes it just after taking the lock): seconds.
@@ -254,6 +254,11 @@ class RunDir:
 
     def _read_text(self, name: str) -> str:
         return self.read_bytes(name).decode()
+
+    def exists(self, name: str) -> bool:
+        if not self.remote:
+            return os.path.exists(self.file(name))
+        return _tensorflow().io.gfile.exists(self.file(name))
 
     def _atomic(self, name: str, content: bytes | Callable[[str], Any], suffix: str = "") -> None:
         if self.remote:
@@ -511,8 +516,7 @@ def ensure_writable(run_dir: RunDir, runtime, bytes_needed: int, job: str | None
             notes.append(f"run directory {run_dir.path}: its experiment changed "
                          f"({'; '.join(changes)}); going on from its checkpoint, as "
                          "--accept-experiment-change asks")
-        if file_table is not None and not removed and (changes or not _exists(run_dir,
-                                                                             FILES_FILE)):
+        if file_table is not None and not removed and (changes or not run_dir.exists(FILES_FILE)):
             # The table this experiment starts from (a resume that only lost files keeps the
             # one it started with, so that files removed twice are still only removals).
             run_dir.write_bytes(FILES_FILE, file_table.to_bytes())
@@ -531,9 +535,3 @@ def _files_removed(run_dir: RunDir, file_table) -> int | None:
     except (OSError, ValueError, KeyError, EOFError):
         return None
     return file_table.files_removed_since(recorded)
-
-
-def _exists(run_dir: RunDir, name: str) -> bool:
-    if not run_dir.remote:
-        return os.path.exists(run_dir.file(name))
-    return _tensorflow().io.gfile.exists(run_dir.file(name))

@@ -563,8 +563,7 @@ def fingerprint(program: str, config: TrainConfig, datasets: Datasets,
 
 def exported(run_dir: RunDir) -> str | None:
     """The file an earlier export wrote (model.keras or the weights), or None."""
-    return next((name for name in (MODEL_FILE, WEIGHTS_FILE)
-                 if tf.io.gfile.exists(run_dir.file(name))), None)
+    return next((name for name in (MODEL_FILE, WEIGHTS_FILE) if run_dir.exists(name)), None)
 
 
 def export(model: keras.Model, run_dir: RunDir) -> str | None:

@@ -70,7 +70,7 @@ class HeldOutRecords:
 def split_identity(kind: str, fraction: float, seed: int) -> str:
     """How a listing split its samples, as the run directory's fingerprint records it: the same
     words for an image folder and the TFRecords the converter made of it with the same split.
-    ``kind`` "files" is ``split_by_name``'s split; "files by position" the one before it
+    ``kind`` "files" is ``held_out_by_name``'s split; "files by position" the one before it
     (``split_indices`` over the sorted names), which TFRecords converted then still hold."""
     if fraction <= 0:
         return "no validation"

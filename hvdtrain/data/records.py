@@ -40,7 +40,7 @@ TRAIN, VALIDATION = "train", "validation"
 """Shard name prefixes of the two splits."""
 SPLIT_BY_NAME = "by name"
 """dataset.json's "split" for shards whose validation files were chosen by name
-(data.listing.split_by_name); conversions without it chose them by position."""
+(data.listing.held_out_by_name); conversions without it chose them by position."""
 RAW_RECORD_SHUFFLE = 2_048
 """Undecoded records shuffled before decoding: a buffer of encoded bytes fills by reading, not
 decoding, so the first step does not wait for thousands of decodes."""
