@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Iterator
 
+import numpy as np
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain import ranklog
@@ -373,12 +374,20 @@ class StallWatchdog(keras.callbacks.Callback):
 
 
 class LearningRateLog(keras.callbacks.Callback):
+    """The rate at the epoch's end into its logs: the schedule's at the step reached, or the
+    optimizer's own when the rate is a plain number (which a callback such as ReduceLROnPlateau
+    may have changed)."""
+
     def __init__(self, schedule):
         super().__init__()
         self.schedule = schedule
 
     def on_epoch_end(self, epoch, logs=None):
-        logs["learning_rate"] = float(self.schedule(self.model.optimizer.iterations))
+        optimizer = self.model.optimizer
+        if isinstance(self.schedule, keras.optimizers.schedules.LearningRateSchedule):
+            logs["learning_rate"] = float(self.schedule(optimizer.iterations))
+        else:
+            logs["learning_rate"] = float(np.asarray(optimizer.learning_rate))
 
 
 class MetricsLog(keras.callbacks.Callback):

@@ -182,7 +182,9 @@ class SaveCheckpoint(keras.callbacks.Callback):
         self.request = request
 
     def on_epoch_end(self, epoch, logs=None):
-        if not self.request.saved:
+        # A stop the job's callbacks made mid-epoch (TerminateOnNaN) keeps the last whole
+        # epoch's checkpoint: these weights are no epoch's (and may be NaN).
+        if not self.request.saved and not (self.request.by_job and self.request.mid_epoch):
             self.checkpoints.save(resume_epoch=epoch + 1)
 
 

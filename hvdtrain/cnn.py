@@ -29,9 +29,14 @@ class ClassifierConfig(ImageConfig):
     (Keras applications, untrained, sized from the data; images of at least 32x32), or
     'FILE.py:FUNCTION', your own FUNCTION(input_shape, num_classes) returning a keras.Model that
     maps uint8 images to class logits."""
+    label_smoothing: float = 0.0
+    """Train towards 1 - this for the true class and this / classes for every class (Szegedy et
+    al.; the ResNet recipe's 0.1). 0: the plain cross-entropy."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.model not in CLASSIFIERS and not is_user_model(self.model):
             raise ValueError(f"--model must be one of {', '.join(CLASSIFIERS)} or "
                              f"FILE.py:FUNCTION, got {self.model!r}")
@@ -52,19 +57,30 @@ def tiny() -> ClassifierConfig:
 PRESETS: Mapping[str, Callable[[], ClassifierConfig]] = {"default": default, "tiny": tiny}
 
 
-def classifier(model: str = "cnn") -> Task:
+def classifier(model: str = "cnn", label_smoothing: float = 0.0) -> Task:
     """Image classification with ``--model``: a built-in network or the user's own file."""
     return Task(
         build_model=lambda data: build_classifier(model, data.image_shape, len(data.class_names)),
-        loss=_logits_crossentropy,
+        loss=lambda: _logits_crossentropy(label_smoothing),
         metrics=lambda: ["accuracy"],
     )
 
 
-def _logits_crossentropy():
+def _logits_crossentropy(label_smoothing: float = 0.0):
     import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if not label_smoothing:
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    import tensorflow as tf
+
+    def smoothed_crossentropy(labels, logits):
+        # Keras' sparse cross-entropy has no smoothing: its one-hot form has.
+        targets = tf.one_hot(tf.reshape(tf.cast(labels, tf.int32), [-1]),
+                             tf.shape(logits)[-1], dtype=logits.dtype)
+        return keras.losses.categorical_crossentropy(targets, logits, from_logits=True,
+                                                     label_smoothing=label_smoothing)
+
+    return smoothed_crossentropy
 
 
 CLASSIFIER = classifier()
@@ -72,7 +88,8 @@ CLASSIFIER = classifier()
 
 def main(argv: Sequence[str] | None = None) -> None:
     # The flags choose the network, so the task is made from the parsed config.
-    job.main(lambda config: classifier(config.model), argv, name=PROGRAM, presets=PRESETS)
+    job.main(lambda config: classifier(config.model, config.label_smoothing), argv,
+             name=PROGRAM, presets=PRESETS)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ from hvdtrain.tracking import check_track
 Backend = Literal["auto", "horovod", "tpu", "mirrored", "single"]
 BatchPolicy = Literal["per-worker", "global"]
 LrScaling = Literal["linear", "sqrt", "none"]
-LrDecay = Literal["cosine", "constant"]
+LrDecay = Literal["cosine", "constant", "step"]
+OptimizerName = Literal["adam", "adamw", "sgd", "rmsprop"]
 Precision = Literal["auto", "fp32", "mixed_float16", "mixed_bfloat16"]
 JitCompile = Literal["auto", "on", "off"]
 BadImagePolicy = Literal["skip", "fail"]
@@ -102,17 +103,49 @@ class TrainConfig:
     """Epochs over which the learning rate ramps linearly from the base to the scaled value
     (Goyal et al.: large scaled rates diverge without it). 0 disables warm-up."""
     lr_decay: LrDecay = "cosine"
-    """After warm-up: 'cosine' decays to zero by the last epoch, 'constant' keeps the scaled rate."""
+    """After warm-up: 'cosine' decays to zero by the last epoch, 'constant' keeps the scaled rate,
+    'step' multiplies it by --lr-gamma at each of --lr-milestones."""
+    lr_milestones: str | None = None
+    """With --lr-decay step: the epochs at which the rate is multiplied by --lr-gamma, comma
+    separated and increasing (30,60,80: the ResNet recipe's). In epochs, so a resume on another
+    world size keeps them where they were."""
+    lr_gamma: float = 0.1
+    """With --lr-decay step: the factor the rate is multiplied by at each milestone."""
     grad_accum_steps: int = 1
     """Backward passes accumulated per optimizer update (horovod backward_passes_per_step): the
     update sees batch x workers x this many samples while memory holds one batch."""
 
+    # --- optimizer ------------------------------------------------------------------------------
+    optimizer: OptimizerName = "adam"
+    """The optimizer horovod wraps (each rank's gradients are averaged before it sees them):
+    'adam', 'adamw' (Adam with decoupled weight decay), 'sgd' or 'rmsprop', Keras' own."""
+    momentum: float | None = None
+    """Momentum of 'sgd' (default 0.9) and 'rmsprop' (default 0); Adam's is its beta_1."""
+    nesterov: bool = False
+    """Nesterov momentum, for 'sgd'."""
+    weight_decay: float | None = None
+    """Decoupled weight decay (Keras': each step every decayed weight shrinks by learning rate x
+    this), for 'adamw' (default 0.004, Keras'), 'sgd' and 'rmsprop' (default 0). Biases and
+    normalization weights (every weight of fewer than 2 dimensions) are left undecayed, as
+    published recipes do; --decay-all-weights decays them too. Adam with decay is 'adamw'."""
+    decay_all_weights: bool = False
+    """Decay biases and normalization weights too (see --weight-decay)."""
+    clipnorm: float | None = None
+    """Clip each weight's gradient to this L2 norm, after the ranks' average (so every rank
+    clips alike)."""
+    global_clipnorm: float | None = None
+    """Clip the gradients of all weights together to this L2 norm (a transformer fine-tune's
+    1.0), after the ranks' average (so every rank clips alike)."""
     # --- training -------------------------------------------------------------------------------
     epochs: int = 12
     """Total number of epochs (a resumed run continues up to this number)."""
     steps_per_epoch: int | None = None
     """Batches per worker per epoch. Default: the training set divided by the global batch, the
     same on every rank so that uneven shards never leave a rank waiting."""
+    early_stopping: int | None = None
+    """Stop when the validation loss (the training loss without validation) has not improved for
+    this many epochs (Keras' EarlyStopping, on the metrics averaged over the ranks, so every rank
+    stops at the same epoch); the run ends with its checkpoint and model and says why."""
     seed: int = 42
     """Seed for the train/validation split, the file order shared by all ranks, and model init."""
     precision: Precision = "auto"
@@ -215,6 +248,10 @@ class TrainConfig:
             raise ValueError(f"--progress-seconds must be >= 0, got {self.progress_seconds}")
         if self.warmup_epochs < 0:
             raise ValueError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
+        self.milestone_epochs()  # --lr-milestones' own checks
+        if self.lr_gamma <= 0:
+            raise ValueError(f"--lr-gamma must be positive, got {self.lr_gamma}")
+        _check_optimizer(self)
         if not self.run_dir:
             raise ValueError("--run-dir must not be empty")
         check_track(self.track)
@@ -224,6 +261,28 @@ class TrainConfig:
         for field in dataclasses.fields(self):
             if not (isinstance(field.default, float) and not math.isfinite(field.default)):
                 _check_number(field.name, getattr(self, field.name))  # (inf by default: inf ok)
+
+    def milestone_epochs(self) -> tuple[float, ...]:
+        """--lr-milestones as epochs (ValueError, one line, when they do not go with
+        --lr-decay)."""
+        if self.lr_decay != "step":
+            if self.lr_milestones:
+                raise ValueError(f"--lr-milestones are for --lr-decay step, not "
+                                 f"{self.lr_decay}")
+            return ()
+        if not self.lr_milestones:
+            raise ValueError("--lr-decay step needs --lr-milestones, the epochs at which the "
+                             "rate drops (e.g. 30,60,80)")
+        try:
+            epochs = tuple(float(part) for part in self.lr_milestones.split(","))
+        except ValueError:
+            raise ValueError(f"--lr-milestones must be epochs separated by commas (30,60,80), "
+                             f"got {self.lr_milestones!r}") from None
+        if any(not math.isfinite(epoch) or epoch <= 0 for epoch in epochs) \
+                or list(epochs) != sorted(set(epochs)):
+            raise ValueError(f"--lr-milestones must be positive epochs in increasing order, "
+                             f"got {self.lr_milestones!r}")
+        return epochs
 
     def default_run_dir(self) -> str:
         """The run directory when --run-dir is not given (see its help)."""
@@ -332,6 +391,33 @@ class ImageConfig(TrainConfig):
             digest = hashlib.sha256(source.encode()).hexdigest()[:6]
             return f"{self.run_dir}-{name or 'data'}-{digest}"
         return f"{self.run_dir}-synthetic" if self.data == "synthetic" else self.run_dir
+
+
+def _check_optimizer(config: TrainConfig) -> None:
+    """The optimizer flags that mean nothing for the chosen optimizer are refused, not ignored."""
+    name = config.optimizer
+    if config.momentum is not None and name not in ("sgd", "rmsprop"):
+        raise ValueError(f"--momentum is for --optimizer sgd or rmsprop; {name}'s momentum is "
+                         "its beta_1")
+    if config.momentum is not None and not 0 <= config.momentum < 1:
+        raise ValueError(f"--momentum must be in [0, 1), got {config.momentum}")
+    if config.nesterov and name != "sgd":
+        raise ValueError(f"--nesterov is for --optimizer sgd, not {name}")
+    if config.weight_decay is not None:
+        if name == "adam" and config.weight_decay:
+            raise ValueError("Adam with decoupled weight decay is AdamW: pass --optimizer adamw")
+        if config.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {config.weight_decay}")
+    if config.clipnorm is not None and config.global_clipnorm is not None:
+        raise ValueError("give --clipnorm (each weight's gradient) or --global-clipnorm (all "
+                         "of them together), not both")
+    for flag, value in (("--clipnorm", config.clipnorm),
+                        ("--global-clipnorm", config.global_clipnorm)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    if config.early_stopping is not None and config.early_stopping < 1:
+        raise ValueError(f"--early-stopping must be at least 1 epoch, got "
+                         f"{config.early_stopping}")
 
 
 LARGEST_INT = 2**31 - 1

@@ -55,6 +55,12 @@ class TrainingPlan:
     """Validation batches per worker per epoch; 0 means no validation."""
     num_train_samples: int
     num_validation_samples: int
+    lr_decay: str = "cosine"
+    """After warm-up: 'cosine' (to zero at total_steps), 'constant' or 'step'."""
+    lr_milestone_steps: tuple[int, ...] = ()
+    """'step': the steps at which the rate is multiplied by ``lr_gamma`` (the milestone epochs
+    times this plan's steps per epoch, so they stay at their epochs on any world size)."""
+    lr_gamma: float = 0.1
 
     @property
     def samples_per_epoch(self) -> int:
@@ -70,7 +76,8 @@ class TrainingPlan:
                "samples per update" if self.grad_accum_steps > 1 else ""),
             f"learning rate: {self.base_learning_rate:g} x {self.lr_scale_factor:g} = "
             f"{self.learning_rate:g}"
-            + (f", warm-up over {self.warmup_steps} steps" if self.warmup_steps else ""),
+            + (f", warm-up over {self.warmup_steps} steps" if self.warmup_steps else "")
+            + f", then {self.describe_decay()}",
             f"steps per epoch: {self.steps_per_epoch} ({self.samples_per_epoch} of "
             f"{self.num_train_samples} training samples)",
         ]
@@ -82,6 +89,17 @@ class TrainingPlan:
         else:
             lines.append("validation: none (no held-out samples)")
         return lines
+
+    def describe_decay(self) -> str:
+        """'cosine to 0 at step 360', 'constant', 'x0.1 at steps 300, 600 (epochs 30, 60)'."""
+        if self.lr_decay == "cosine":
+            return f"cosine to 0 at step {self.total_steps}"
+        if self.lr_decay == "step":
+            epochs = ", ".join(f"{step / self.steps_per_epoch:g}"
+                               for step in self.lr_milestone_steps)
+            return (f"x{self.lr_gamma:g} at steps "
+                    f"{', '.join(map(str, self.lr_milestone_steps))} (epochs {epochs})")
+        return "constant"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -122,7 +140,8 @@ def per_worker_batch(batch_size: int, batch_policy: str, num_workers: int) -> in
 def make_plan(*, batch_size: int, batch_policy: str, learning_rate: float, lr_scaling: str,
               warmup_epochs: float, grad_accum_steps: int, epochs: int, num_workers: int,
               num_train_samples: int, num_validation_samples: int,
-              steps_per_epoch: int | None = None) -> TrainingPlan:
+              steps_per_epoch: int | None = None, lr_decay: str = "cosine",
+              lr_milestones: tuple[float, ...] = (), lr_gamma: float = 0.1) -> TrainingPlan:
     """Derive everything the job needs from the user's numbers; ``ValueError`` when impossible."""
     per_worker_batch_size = per_worker_batch(batch_size, batch_policy, num_workers)
     global_batch_size = per_worker_batch_size * num_workers
@@ -165,4 +184,8 @@ def make_plan(*, batch_size: int, batch_policy: str, learning_rate: float, lr_sc
         validation_steps=validation_steps,
         num_train_samples=num_train_samples,
         num_validation_samples=num_validation_samples,
+        lr_decay=lr_decay,
+        # Epochs to steps of this plan: a milestone stays at its epoch whatever the world size.
+        lr_milestone_steps=tuple(round(epoch * steps) for epoch in lr_milestones),
+        lr_gamma=lr_gamma,
     )

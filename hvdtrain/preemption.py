@@ -37,6 +37,9 @@ class StopRequest:
     """True when steps of that epoch were left undone (it is re-run on resume)."""
     saved: bool = False
     """Rank 0 already wrote the checkpoint for this stop."""
+    by_job: bool = False
+    """The ranks agreed to stop because the job's own callbacks asked to (EarlyStopping,
+    TerminateOnNaN, ...), on some rank: the run ends there, exit 0, no requeue."""
 
 
 class StopSignals:
@@ -82,16 +85,23 @@ class StopSignals:
 
 
 class PreemptionCheck(keras.callbacks.Callback):
-    """Stop all ranks at the same step when any rank caught a stop signal.
+    """Stop all ranks at the same step when any rank caught a stop signal, or when the job's own
+    callbacks asked one rank to stop (``model.stop_training``).
 
     Every ``check_every`` batches the ranks agree on ``request.received`` with one small
     collective, so they all leave ``fit`` after the same step and no rank is left waiting in an
     allreduce. On agreement ``on_stop(epoch, mid_epoch)`` runs at once (rank 0 writes the
     checkpoint there, before Keras' end-of-epoch validation eats into Slurm's warning time).
+
+    Last of the callbacks, so it sees what the job's callbacks decided: Keras leaves ``fit`` as
+    soon as ``stop_training`` is set, so a stop set on one rank in a batch is held back here and
+    agreed on at the next check (the same collective carries it); with ``agree_at_epoch_end``
+    the ranks also agree once per epoch on a stop set at the epoch's end (a callback reading
+    rank-local state may decide differently on different ranks).
     """
 
     def __init__(self, runtime, request: StopRequest, check_every: int,
-                 on_stop: Callable[[int, bool], None]):
+                 on_stop: Callable[[int, bool], None], agree_at_epoch_end: bool = False):
         super().__init__()
         # Reads no metrics per batch: Keras then need not copy them out of the step every batch.
         self._supports_tf_logs = True
@@ -99,12 +109,18 @@ class PreemptionCheck(keras.callbacks.Callback):
         self.request = request
         self.check_every = check_every
         self.on_stop = on_stop
+        self.agree_at_epoch_end = agree_at_epoch_end
         self.next_check = check_every
+        self.job_asked = False
 
     def on_epoch_begin(self, epoch, logs=None):
         self.request.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        if self.model.stop_training and not self.request.agreed and not self.request.by_job:
+            # Held back until the ranks agree (below): this rank alone leaving fit would leave
+            # the others in the next allreduce.
+            self.job_asked, self.model.stop_training = True, False
         # Counted in batches, not calls: with steps_per_execution one call covers many batches.
         # Every rank sees the same batch numbers, so every rank checks at the same steps.
         steps = self.params["steps"]
@@ -112,12 +128,25 @@ class PreemptionCheck(keras.callbacks.Callback):
         if done < self.next_check:
             return
         self.next_check = done + self.check_every
-        agreed = self.runtime.max_over_ranks(self.request.received)
-        if agreed:
-            self.request.agreed = agreed
+        # One collective for both: the largest signal caught (x2), or 1 when only a job asked.
+        agreed = self.runtime.max_over_ranks(self.request.received * 2 + self.job_asked)
+        if agreed >= 2:
+            self.request.agreed = agreed // 2
             self.request.mid_epoch = batch + 1 < steps
             self.model.stop_training = True
             self.on_stop(self.request.epoch, self.request.mid_epoch)
+        elif agreed:
+            self.request.by_job = True
+            self.request.mid_epoch = batch + 1 < steps
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not self.agree_at_epoch_end or self.request.agreed or self.request.by_job:
+            return
+        asked = bool(self.model.stop_training or self.job_asked)
+        if self.runtime.max_over_ranks(int(asked)):
+            self.request.by_job = True
+            self.model.stop_training = True
 
 
 def describe_stop(request: StopRequest) -> str:

@@ -84,3 +84,13 @@ class Task:
     to_pairs: Callable | None = None
     """For the image data hvdtrain reads: map batched ``(images, labels)`` to
     ``(inputs, targets)`` (an autoencoder's targets are its inputs). None keeps them."""
+    optimizer: Callable[[Any], Any] | None = None
+    """``optimizer(learning_rate) -> keras optimizer``: the job's own (any Keras optimizer, with
+    its clipping, weight decay, EMA), given hvdtrain's scaled and scheduled rate (a
+    ``LearningRateSchedule``, or a number with no warm-up and ``--lr-decay constant``); horovod
+    averages the gradients before it sees them. None: the one ``--optimizer`` names."""
+    callbacks: Callable[[], list] | None = None
+    """Returns the job's own Keras callbacks (EarlyStopping, ReduceLROnPlateau, TerminateOnNaN,
+    your own), made on every rank and run after the epoch's metrics are averaged over the ranks,
+    so a decision on them is the same everywhere. A stop asked for on some ranks only (a callback
+    reading rank-local state) stops every rank at the same step."""

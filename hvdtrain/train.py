@@ -42,6 +42,8 @@ from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
 from hvdtrain.task import Datasets, Shard, Task
 from hvdtrain.timeline import Timeline
 from hvdtrain.tracking import Tracker
+from hvdtrain.training.optimizers import (build_optimizer, describe_optimizer,
+                                          learning_rate_schedule)
 
 #: What rank 0 exports for a model that cannot be rebuilt from its config (``export``).
 WEIGHTS_FILE = "model.weights.h5"
@@ -256,7 +258,8 @@ def plan_for(config: TrainConfig, runtime: Runtime, num_train_samples: int,
             warmup_epochs=config.warmup_epochs, grad_accum_steps=config.grad_accum_steps,
             epochs=config.epochs, num_workers=runtime.world.num_replicas,
             num_train_samples=num_train_samples, num_validation_samples=num_validation_samples,
-            steps_per_epoch=config.steps_per_epoch)
+            steps_per_epoch=config.steps_per_epoch, lr_decay=config.lr_decay,
+            lr_milestones=config.milestone_epochs(), lr_gamma=config.lr_gamma)
     except ValueError as error:
         raise UserError(str(error)) from None
 
@@ -271,22 +274,6 @@ def banner(program: str, runtime: Runtime, datasets: Datasets, notes: tuple[str,
              f"data: {datasets.description}", *notes, *plan.describe(),
              f"run dir: {config.run_dir}"]
     return "\n".join(lines)
-
-
-def learning_rate_schedule(plan: TrainingPlan, decay: str):
-    """Linear warm-up from the base to the scaled rate (Goyal et al.), then cosine or constant.
-
-    Keras' CosineDecay does both; alpha=1 turns its decay into a constant. A schedule runs inside
-    the compiled step, unlike horovod's LearningRateWarmupCallback, a Python call per batch.
-    """
-    warmup = plan.warmup_steps
-    return keras.optimizers.schedules.CosineDecay(
-        initial_learning_rate=plan.base_learning_rate if warmup else plan.learning_rate,
-        decay_steps=max(1, plan.total_steps - warmup),
-        alpha=0.0 if decay == "cosine" else 1.0,
-        warmup_target=plan.learning_rate if warmup else None,
-        warmup_steps=warmup,
-    )
 
 
 @dataclass
@@ -310,7 +297,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     every rank (each step's collectives are entered by all of them)."""
     precision = seed_and_precision(config, runtime)
     train, validation = model_data(datasets, task)
-    schedule = learning_rate_schedule(plan, config.lr_decay)
+    schedule = learning_rate_schedule(plan)
     model = build_and_compile(config, runtime, task, datasets, train.element_spec, schedule)
     timeline.mark("model_compiled")
     state_variables = training_state(model)
@@ -319,15 +306,16 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
                             file_table=getattr(datasets, "identity", {}).get("files"))
     start = resume(config, runtime, plan, run_dir, model, state_variables, precision)
     tracker = record_start(program, config, runtime, plan, start, precision, experiment)
+    job_callbacks = make_job_callbacks(config, task, validation is not None)
     callbacks = training_callbacks(config, runtime, plan, datasets, model, train, schedule, start,
-                                   tracker, request, timeline)
+                                   tracker, request, timeline, job_callbacks)
     timeline.mark("run_dir_ready")
     trains = train_epochs(config, runtime, plan, model, train, validation, callbacks,
                           start.initial_epoch, tracker, request)
     if timeline.seconds("training_done") is not None:  # fit ran (rank 0's Progress saw it end)
         timeline.mark("fit_returned")
     return finish_run(config, runtime, plan, datasets, model, start, tracker, request, trains,
-                      timeline)
+                      timeline, job_callbacks)
 
 
 def seed_and_precision(config: TrainConfig, runtime: Runtime) -> str:
@@ -439,7 +427,7 @@ def record_start(program: str, config: TrainConfig, runtime: Runtime, plan: Trai
 def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
                        datasets: Datasets, model: keras.Model, train: tf.data.Dataset, schedule,
                        start: RunStart, tracker: Tracker, request: StopRequest,
-                       timeline: Timeline) -> list:
+                       timeline: Timeline, job_callbacks: list) -> list:
     """Keras' callbacks, in the order they must run."""
     world = runtime.world
     throughput = Throughput(plan.global_batch_size, plan.num_workers)
@@ -447,8 +435,6 @@ def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan
         *runtime.sync_callbacks(),  # first: the callbacks after it read averaged metrics
         throughput,
         LearningRateLog(schedule),
-        PreemptionCheck(runtime, request, config.signal_check_every_steps,
-                        SaveOnStop(start.checkpoints, request, world.is_chief)),
     ]
     stall_limit = runtime.stall_limit_seconds()
     if stall_limit:
@@ -463,6 +449,9 @@ def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan
     decode_failures = getattr(datasets, "decode_failures", ())
     if decode_failures:
         callbacks.append(DecodeFailureReport(runtime, decode_failures, config.on_bad_image))
+    # The job's own, after the average (and the skipped samples' count): every rank's
+    # EarlyStopping or ReduceLROnPlateau then reads the same numbers and decides the same.
+    callbacks += job_callbacks
     if world.is_chief:
         callbacks.append(Progress(plan.global_batch_size, plan.steps_per_epoch, config.epochs,
                                   config.progress_seconds if _verbosity(world) == 2 else 0,
@@ -475,7 +464,43 @@ def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan
                       TrackEpochs(tracker, start.rows, request)]
         if config.tensorboard:
             callbacks.append(TensorBoardLog(start.run_dir.tensorboard, profile_batch=0))
+    # Last: it holds back a stop the job's callbacks set on one rank until all agree.
+    callbacks.append(PreemptionCheck(runtime, request, config.signal_check_every_steps,
+                                     SaveOnStop(start.checkpoints, request, world.is_chief),
+                                     agree_at_epoch_end=bool(job_callbacks)))
     return callbacks
+
+
+def make_job_callbacks(config: TrainConfig, task: Task, has_validation: bool) -> list:
+    """The job's own callbacks (``Task.callbacks``) and --early-stopping's, on every rank."""
+    callbacks = list(task.callbacks()) if task.callbacks is not None else []
+    for callback in callbacks:
+        if not isinstance(callback, keras.callbacks.Callback):
+            raise UserError(f"the task's callbacks builder must return Keras callbacks, got a "
+                            f"{type(callback).__name__}")
+    if config.early_stopping:
+        callbacks.append(keras.callbacks.EarlyStopping(
+            monitor="val_loss" if has_validation else "loss", patience=config.early_stopping))
+    return callbacks
+
+
+def describe_job_stop(request: StopRequest, callbacks: list) -> str:
+    """Rank 0's line for a run the job's callbacks ended: which, and what it keeps."""
+    epoch = request.epoch + 1
+    reasons = []
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.EarlyStopping) and callback.stopped_epoch:
+            reasons.append(f"{callback.monitor} did not improve for {callback.patience} "
+                           f"epoch(s) (EarlyStopping; best {float(callback.best):.4g})")
+        elif isinstance(callback, keras.callbacks.TerminateOnNaN) and request.mid_epoch:
+            reasons.append("the loss became NaN or infinite (TerminateOnNaN)")
+    if not reasons:
+        names = ", ".join(sorted({type(callback).__name__ for callback in callbacks}))
+        reasons.append(f"the job's callbacks asked to stop ({names})")
+    if request.mid_epoch:
+        return (f"stopped in epoch {epoch}: {'; '.join(reasons)}; the epoch was cut short, so "
+                f"the run keeps the checkpoint of epoch {epoch - 1} and exports no model")
+    return f"stopped after epoch {epoch}: {'; '.join(reasons)}"
 
 
 def train_epochs(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, model: keras.Model,
@@ -501,7 +526,7 @@ def train_epochs(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, mode
 
 def finish_run(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, datasets: Datasets,
                model: keras.Model, start: RunStart, tracker: Tracker, request: StopRequest,
-               trained: bool, timeline: Timeline) -> TrainingResult:
+               trained: bool, timeline: Timeline, job_callbacks: list = ()) -> TrainingResult:
     """A stopped run's exit status once its checkpoint is written; a finished one's model
     exported. The tracker learns either end."""
     world, run_dir = runtime.world, start.run_dir
@@ -513,9 +538,14 @@ def finish_run(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, datase
         runtime.barrier()
         return TrainingResult(model, plan, datasets, run_dir, start.initial_epoch, start.rows,
                               stop_status(request.agreed))
+    if request.by_job:
+        runtime.print0(describe_job_stop(request, job_callbacks))
     # A resumed run that found every epoch done has nothing new to export either (an earlier run
-    # wrote it); one whose export is missing (it ended before) writes it now.
-    if config.export and world.is_chief and (trained or not exported(run_dir)):
+    # wrote it); one whose export is missing (it ended before) writes it now. A run its job's
+    # callbacks cut short mid-epoch (a NaN loss) exports nothing: its weights are no epoch's.
+    cut_short = request.by_job and request.mid_epoch
+    if config.export and world.is_chief and not cut_short and (trained
+                                                               or not exported(run_dir)):
         note = export(model, run_dir)
         if note:
             runtime.print0(note)
@@ -628,7 +658,8 @@ def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, dataset
             raise UserError(f"the task's build_model must return a keras.Model, got "
                             f"{type(model).__name__}")
         create_variables(model, element_spec[0])
-        optimizer = keras.optimizers.Adam(learning_rate=schedule)
+        optimizer = build_optimizer(config, schedule, model, task.optimizer)
+        runtime.print0(describe_optimizer(config, model, own=task.optimizer is not None))
         if KERAS == "3" and keras.mixed_precision.global_policy().name == "mixed_float16":
             # Keras 3's compile would wrap the distributed optimizer in a LossScaleOptimizer,
             # whose inf/NaN check would then come before the ranks' average (see

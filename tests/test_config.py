@@ -129,7 +129,7 @@ def test_a_run_directorys_config_json_replays_the_run_and_the_flags_given_win(tm
     ('{"epoch": 3}', "no flag --epoch; did you mean --epochs?"),
     ('{"epochs": "three"}', '--epochs must be an integer, got "three"'),
     ('{"augment": 1}', "--augment must be true or false, got 1"),
-    ('{"lr_decay": "linear"}', '--lr-decay must be one of cosine, constant, got "linear"'),
+    ('{"lr_decay": "linear"}', '--lr-decay must be one of cosine, constant, step, got "linear"'),
     ('{"epochs": 0}', "--epochs must be at least 1, got 0"),
     ('{"cache": "ram"}', "--cache must be memory, disk, disk:DIR, off or auto, got 'ram'"),
     ('{"cache": 3}', "--cache must be a string, got 3"),
@@ -161,3 +161,58 @@ def test_a_config_that_is_no_regular_file_or_too_big_is_one_line_and_never_waits
     binary.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(UserError, match="is not text"):
         parse("--config", str(binary))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--momentum", "0.9"], "--momentum is for --optimizer sgd or rmsprop; adam's momentum is "
+                            "its beta_1"),
+    (["--optimizer", "adamw", "--nesterov"], "--nesterov is for --optimizer sgd, not adamw"),
+    (["--weight-decay", "1e-4"], "Adam with decoupled weight decay is AdamW: pass --optimizer "
+                                 "adamw"),
+    (["--optimizer", "sgd", "--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
+    (["--optimizer", "sgd", "--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
+    (["--clipnorm", "1", "--global-clipnorm", "1"], "give --clipnorm (each weight's gradient) "
+                                                    "or --global-clipnorm (all of them "
+                                                    "together), not both"),
+    (["--global-clipnorm", "0"], "--global-clipnorm must be positive, got 0.0"),
+    (["--lr-decay", "step"], "--lr-decay step needs --lr-milestones, the epochs at which the "
+                             "rate drops (e.g. 30,60,80)"),
+    (["--lr-milestones", "30,60"], "--lr-milestones are for --lr-decay step, not cosine"),
+    (["--lr-decay", "step", "--lr-milestones", "60,30"],
+     "--lr-milestones must be positive epochs in increasing order, got '60,30'"),
+    (["--lr-decay", "step", "--lr-milestones", "30;60"],
+     "--lr-milestones must be epochs separated by commas (30,60,80), got '30;60'"),
+    (["--lr-decay", "step", "--lr-milestones", "3", "--lr-gamma", "0"],
+     "--lr-gamma must be positive, got 0.0"),
+    (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1.0"),
+    (["--early-stopping", "0"], "--early-stopping must be at least 1 epoch, got 0"),
+])
+def test_optimizer_flags_that_mean_nothing_for_the_choice_are_one_line(flags, message):
+    with pytest.raises(UserError) as error:
+        parse(*flags)
+    assert str(error.value) == message
+
+
+def test_the_resnet_recipe_parses_and_its_milestones_follow_the_epochs():
+    from hvdtrain.plan import make_plan
+    from hvdtrain.training.optimizers import WarmupThenSteps
+
+    config = parse("--optimizer", "sgd", "--nesterov", "--weight-decay", "5e-5",
+                   "--label-smoothing", "0.1", "--lr-decay", "step", "--lr-milestones",
+                   "30,60,80", "--epochs", "90")
+    assert config.milestone_epochs() == (30.0, 60.0, 80.0)
+    plans = [make_plan(batch_size=32, batch_policy="per-worker", learning_rate=0.1,
+                       lr_scaling="linear", warmup_epochs=5, grad_accum_steps=1, epochs=90,
+                       num_workers=workers, num_train_samples=128_000,
+                       num_validation_samples=0, lr_decay="step",
+                       lr_milestones=config.milestone_epochs())
+             for workers in (1, 4)]
+    assert [plan.lr_milestone_steps for plan in plans] == [(120_000, 240_000, 320_000),
+                                                           (30_000, 60_000, 80_000)]
+    assert "then x0.1 at steps 30000, 60000, 80000 (epochs 30, 60, 80)" in plans[1].describe()[2]
+    plan = plans[1]
+    schedule = WarmupThenSteps(plan.base_learning_rate, plan.learning_rate, plan.warmup_steps,
+                               plan.lr_milestone_steps, plan.lr_gamma)
+    rates = [float(schedule(step)) for step in (0, plan.warmup_steps // 2, plan.warmup_steps,
+                                                 29_999, 30_000, 60_000, 80_000, 89_999)]
+    assert rates == pytest.approx([0.1, 0.25, 0.4, 0.4, 0.04, 0.004, 0.0004, 0.0004])

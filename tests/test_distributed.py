@@ -28,6 +28,7 @@ from hvdtrain.data import build_pipelines, list_data
 from hvdtrain.errors import UserError
 from hvdtrain.models.cnn import build_cnn
 from hvdtrain.plan import make_plan
+from hvdtrain.training.optimizers import learning_rate_schedule
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -185,7 +186,7 @@ def test_compression_accumulation_and_mixed_precision_keep_ranks_in_step(runtime
         finally:
             runtime.devices = devices
             keras.mixed_precision.set_global_policy("float32")  # global: don't leak it
-        schedule = train.learning_rate_schedule(result.plan, config.lr_decay)
+        schedule = learning_rate_schedule(result.plan)
         return (state_of(result.model), [row["loss"] for row in result.rows],
                 int(result.model.optimizer.iterations.numpy()), result.plan,
                 float(schedule(result.plan.warmup_steps)))
@@ -417,3 +418,112 @@ def test_a_stall_ends_the_job_by_default(runtime):
 
     limits = gather_checked(runtime, lambda: os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"])
     assert limits == [str(STALL_SHUTDOWN_SECONDS)] * runtime.world.size
+
+
+def test_the_recipe_clips_and_decays_the_ranks_averaged_gradient(runtime):
+    """--global-clipnorm and --weight-decay act on the gradient averaged over the ranks, in the
+    compiled step Keras' fit runs: one step of SGD from rank 0's weights, each rank on its own
+    batch, moves the kernel by exactly lr x clip x (mean gradient / its norm) plus the kernel's
+    own decay; the bias, which is not decayed, by its share of the clipped gradient only.
+    Clipped before the average, the step would be shorter (the ranks' gradients differ)."""
+    from hvdtrain.training.optimizers import build_optimizer
+
+    rate, clip, decay = 0.1, 1e-3, 0.5
+    config = dataclasses.replace(tiny(), optimizer="sgd", momentum=0.0, weight_decay=decay,
+                                 global_clipnorm=clip)
+
+    def one_step():
+        keras.utils.set_random_seed(7 + runtime.world.rank)  # different data per rank
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = runtime.distribute_optimizer(build_optimizer(config, rate, model),
+                                                 fp16_allreduce=False, grad_accum_steps=1)
+        model.compile(optimizer=optimizer, loss="mse")
+        model.optimizer.build(model.trainable_variables)
+        runtime.broadcast_variables(checkpoint.training_state(model))
+        inputs = np.random.default_rng(runtime.world.rank).normal(size=(8, 3)).astype("float32")
+        targets = np.random.default_rng(50 + runtime.world.rank).normal(size=(8, 2)).astype(
+            "float32")
+        before = [v.numpy() for v in model.trainable_variables]
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(targets, model(inputs))
+        mine = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+        gathered = runtime.allgather_object(mine)
+        model.train_on_batch(inputs, targets)
+        mean = [np.mean([rank[i] for rank in gathered], axis=0) for i in range(2)]
+        scale = min(1.0, clip / np.sqrt(sum(float(np.sum(g * g)) for g in mean)))
+        kernel, bias = before
+        expected = [kernel - rate * decay * kernel - rate * scale * mean[0],
+                    bias - rate * scale * mean[1]]
+        after = [v.numpy() for v in model.trainable_variables]
+        return [float(np.max(np.abs(a - e))) for a, e in zip(after, expected)], scale
+
+    results = gather_checked(runtime, one_step)
+    for errors, scale in results:
+        assert scale < 1, "the gradient was not clipped: the test checks nothing"
+        assert max(errors) < 1e-6, results
+
+
+class StopOnOneRank(keras.callbacks.Callback):
+    """A job's callback that reads rank-local state: it asks the last rank alone to stop, in
+    the given epoch's batch (0-based)."""
+
+    def __init__(self, rank: int, size: int, epoch: int, batch: int):
+        super().__init__()
+        self.asks = rank == size - 1
+        self.epoch, self.batch, self.current = epoch, batch, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.asks and self.current == self.epoch and batch == self.batch:
+            self.model.stop_training = True
+
+
+def test_a_stop_the_jobs_callbacks_ask_for_ends_every_rank_together(runtime, tmp_path, capsys):
+    """Task(callbacks=...): a stop asked for in a batch by one rank's callback stops every rank
+    after the same step (none is left in an allreduce), keeps the last whole epoch's checkpoint
+    and exports nothing; EarlyStopping, on the averaged metrics, ends the run after its epoch
+    with the checkpoint, the model and a line saying why."""
+    shared = runtime.broadcast_object(str(tmp_path))
+    size = runtime.world.size
+
+    def run(name, callbacks, epochs=4):
+        task = dataclasses.replace(CLASSIFIER, callbacks=callbacks)
+        config = config_in(f"{shared}/{name}", epochs=epochs, signal_check_every_steps=4)
+        result = train.run("test", config, runtime, task)
+        outputs = sorted(os.listdir(result.run_dir.path)) if runtime.world.is_chief else []
+        return (int(result.model.optimizer.iterations.numpy()), result.plan.steps_per_epoch,
+                [row["epoch"] for row in result.rows], result.exit_code, outputs,
+                checkpoint_epoch(result.run_dir.checkpoints) if runtime.world.is_chief else None)
+
+    def checkpoint_epoch(directory):
+        import tensorflow as tf
+
+        return int(tf.train.load_variable(tf.train.latest_checkpoint(directory),
+                                          "resume_epoch/.ATTRIBUTES/VARIABLE_VALUE"))
+
+    cut = gather_checked(runtime, lambda: run(
+        "cut", lambda: [StopOnOneRank(runtime.world.rank, size, epoch=1, batch=1)]))
+    iterations, steps, epochs, exit_code, outputs, saved_epoch = cut[0]
+    assert len({result[0] for result in cut}) == 1, cut  # every rank stopped at the same step
+    # The first check (every 4 steps of the run) at or after epoch 2's second batch.
+    assert iterations == -(-(steps + 2) // 4) * 4, cut
+    assert epochs == [1] and exit_code == 0 and saved_epoch == 1, cut
+    assert "model.keras" not in outputs, outputs
+
+    early = gather_checked(runtime, lambda: run("early", lambda: [
+        keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=100)]))
+    iterations, steps, epochs, exit_code, outputs, saved_epoch = early[0]
+    assert len({result[0] for result in early}) == 1, early
+    assert iterations == 2 * steps and epochs == [1, 2] and saved_epoch == 2, early
+    assert exit_code == 0 and "model.keras" in outputs, early
+    printed = capsys.readouterr().out
+    if runtime.world.is_chief:
+        assert ("stopped in epoch 2: the job's callbacks asked to stop (StopOnOneRank); the "
+                "epoch was cut short, so the run keeps the checkpoint of epoch 1 and exports "
+                "no model") in printed, printed
+        assert "stopped after epoch 2: val_loss did not improve for 1 epoch(s) (EarlyStopping" \
+            in printed, printed
