@@ -43,7 +43,7 @@ from hvdtrain.task import Datasets, Shard, Task
 from hvdtrain.timeline import Timeline
 from hvdtrain.tracking import Tracker
 from hvdtrain.training.optimizers import (build_optimizer, describe_optimizer,
-                                          learning_rate_schedule)
+                                          learning_rate_schedule, rate_factor, rescale_rate)
 
 #: What rank 0 exports for a model that cannot be rebuilt from its config (``export``).
 WEIGHTS_FILE = "model.weights.h5"
@@ -304,7 +304,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     experiment = fingerprint(program, config, datasets, plan)
     run_dir = claim_run_dir(program, config, runtime, experiment, state_variables, banner_text,
                             file_table=getattr(datasets, "identity", {}).get("files"))
-    start = resume(config, runtime, plan, run_dir, model, state_variables, precision)
+    start = resume(config, runtime, plan, run_dir, model, state_variables, precision, schedule)
     tracker = record_start(program, config, runtime, plan, start, precision, experiment)
     job_callbacks = make_job_callbacks(config, task, validation is not None)
     callbacks = training_callbacks(config, runtime, plan, datasets, model, train, schedule, start,
@@ -367,7 +367,7 @@ def claim_run_dir(program: str, config: TrainConfig, runtime: Runtime,
 
 
 def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: RunDir,
-           model: keras.Model, state_variables: list, precision: str) -> RunStart:
+           model: keras.Model, state_variables: list, precision: str, schedule) -> RunStart:
     """Every rank at the newest checkpoint's state (rank 0's, broadcast), or at the start."""
     world = runtime.world
     checkpoints = Checkpoints(run_dir, model, config.keep_checkpoints)
@@ -383,6 +383,12 @@ def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: R
         # node, a requeue into a bigger allocation) says what moved with it.
         earlier = run_dir.read_json(CONFIG_FILE, {}) if world.is_chief else {}
         resized = resize_notes(earlier.get("plan"), plan)
+        if not isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+            # A plain rate is the optimizer's own variable, restored with it (as a callback such
+            # as ReduceLROnPlateau left it): scaled by the new plan's rate over the old one's,
+            # it is what a fresh start at this size would have had after the same reductions.
+            rescale_rate(model.optimizer, runtime.from_chief(
+                lambda: rate_factor(earlier.get("plan"), plan)))
         runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done"
                        + (f"; resized: {', '.join(resized)} (the schedule follows the epochs)"
                           if resized else ""))

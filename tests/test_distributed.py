@@ -7,6 +7,7 @@ Under plain `pytest` the same tests run as a world of one, except those that onl
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -527,3 +528,35 @@ def test_a_stop_the_jobs_callbacks_ask_for_ends_every_rank_together(runtime, tmp
                 "no model") in printed, printed
         assert "stopped after epoch 2: val_loss did not improve for 1 epoch(s) (EarlyStopping" \
             in printed, printed
+
+
+def test_a_rate_reduced_on_plateau_survives_a_resume_rescaled_to_the_new_plan(runtime,
+                                                                                tmp_path):
+    """With no warm-up and --lr-decay constant the rate is the optimizer's own variable, which
+    ReduceLROnPlateau sets on every rank alike (it reads the averaged val_loss); the checkpoint
+    keeps it, and a resume under a plan of another scaled rate (another world size: config.json's
+    plan is what the checkpoint was written under) scales it by new rate / old rate."""
+    shared = runtime.broadcast_object(str(tmp_path))
+    config = config_in(f"{shared}/plateau", epochs=2, warmup_epochs=0, lr_decay="constant")
+    task = dataclasses.replace(CLASSIFIER, callbacks=lambda: [
+        keras.callbacks.ReduceLROnPlateau(factor=0.5, patience=0, min_delta=100)])
+
+    def first():
+        result = train.run("test", config, runtime, task)
+        return float(np.asarray(result.model.optimizer.learning_rate)), result.plan.learning_rate
+
+    reduced = gather_checked(runtime, first)
+    assert [rate for rate, _ in reduced] == pytest.approx(  # epoch 2 reduced it, everywhere
+        [reduced[0][1] * 0.5] * runtime.world.size), reduced
+    if runtime.world.is_chief:  # as if the checkpoint were written by half as many workers
+        recorded = json.loads((tmp_path / "plateau" / "config.json").read_text())
+        recorded["plan"]["learning_rate"] /= 2
+        (tmp_path / "plateau" / "config.json").write_text(json.dumps(recorded))
+    runtime.barrier()
+
+    def resumed():
+        result = train.run("test", dataclasses.replace(config, epochs=3), runtime, CLASSIFIER)
+        return result.initial_epoch, float(np.asarray(result.model.optimizer.learning_rate))
+
+    outcomes = gather_checked(runtime, resumed)
+    assert outcomes == [(2, pytest.approx(reduced[0][1]))] * runtime.world.size, outcomes

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
@@ -54,6 +55,19 @@ def rate_at(schedule, step) -> float:
     if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
         return float(schedule(step))
     return float(schedule)
+
+
+def rate_factor(previous_plan: dict | None, plan: TrainingPlan) -> float:
+    """This plan's scaled rate over the one a checkpoint was written under (1 when unknown)."""
+    previous = (previous_plan or {}).get("learning_rate")
+    return plan.learning_rate / previous if previous else 1.0
+
+
+def rescale_rate(optimizer, factor: float) -> None:
+    """Multiply an optimizer's plain (non-schedule) learning rate by ``factor``, on every rank
+    alike (the factor is rank 0's)."""
+    if factor != 1.0:
+        optimizer.learning_rate = float(np.asarray(optimizer.learning_rate)) * factor
 
 
 class WarmupThenSteps(keras.optimizers.schedules.LearningRateSchedule):
