@@ -180,30 +180,45 @@ class Throughput(keras.callbacks.Callback):
     """Per-epoch wall time, process CPU time and global samples per second of the training part,
     and the world size the epoch ran on (a resumed run may run on another)."""
 
-    def __init__(self, global_batch_size: int, num_workers: int = 1):
+    def __init__(self, global_batch_size: int, num_workers: int = 1, input_wait=None):
         super().__init__()
         self._supports_tf_logs = True  # as PreemptionCheck: batch hooks read no metrics
         self.global_batch_size = global_batch_size
         self.num_workers = num_workers
+        self.input_wait = input_wait
+        """An ``InputWait`` (training/profile.py): the steps' wait for their batches."""
         self.timings: dict[str, float] = {}
 
     def on_epoch_begin(self, epoch, logs=None):
         self.start, self.cpu_start, self.steps, self.train_end = (
             time.perf_counter(), time.process_time(), 0, None)
+        self.wait_start = self.input_wait.seconds() if self.input_wait else 0.0
+        self.waited = None
 
     def on_train_batch_end(self, batch, logs=None):
         self.steps = batch + 1  # batch index of the last step run (steps_per_execution aware)
 
     def on_test_begin(self, logs=None):
         self.train_end = time.perf_counter()
+        self._read_wait()  # before the batch-norm pass, which reads training batches too
+
+    def _read_wait(self) -> None:
+        if self.input_wait is not None and self.waited is None:
+            self.waited = self.input_wait.seconds() - self.wait_start
 
     def on_epoch_end(self, epoch, logs=None):
         now = time.perf_counter()
+        self._read_wait()
         train_seconds = (self.train_end or now) - self.start
         logs["samples_per_sec"] = self.steps * self.global_batch_size / max(train_seconds, 1e-9)
         # Timings go to metrics.csv, not the progress line.
         self.timings = {"train_seconds": train_seconds, "epoch_seconds": now - self.start,
                         "cpu_seconds": time.process_time() - self.cpu_start}
+        if self.waited is not None:
+            # Rank 0's steps: waiting for their batches, and everything else (the compute, the
+            # average, the callbacks).
+            self.timings["input_wait_seconds"] = self.waited
+            self.timings["compute_seconds"] = max(train_seconds - self.waited, 0.0)
         resident = resident_megabytes()
         if resident is not None:
             # Rank 0's own memory now: flat over epochs unless something (a cache) keeps growing.

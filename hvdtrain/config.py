@@ -207,6 +207,11 @@ class TrainConfig:
     """Number of most recent checkpoints kept."""
     tensorboard: bool = True
     """Write TensorBoard logs (rank 0 only) under <run_dir>/tensorboard."""
+    profile_steps: str | None = None
+    """FIRST:LAST: rank 0 writes a TensorFlow profile of these steps of the run (counted from 1
+    in each run, a resumed one too) into <run_dir>/tensorboard (the TensorBoard profiler: open
+    its Profile tab; needs tensorboard-plugin-profile to view, not to write). Every epoch's row
+    in metrics.json says how long the steps waited for their batches either way."""
     export: bool = True
     """Save the trained model (without optimizer state) as <run_dir>/model.keras at the end."""
     track: str = "off"
@@ -249,6 +254,7 @@ class TrainConfig:
         if self.warmup_epochs < 0:
             raise ValueError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
         self.milestone_epochs()  # --lr-milestones' own checks
+        self.profile_step_range()
         if self.lr_gamma <= 0:
             raise ValueError(f"--lr-gamma must be positive, got {self.lr_gamma}")
         _check_optimizer(self)
@@ -261,6 +267,21 @@ class TrainConfig:
         for field in dataclasses.fields(self):
             if not (isinstance(field.default, float) and not math.isfinite(field.default)):
                 _check_number(field.name, getattr(self, field.name))  # (inf by default: inf ok)
+
+    def profile_step_range(self) -> tuple[int, int] | None:
+        """--profile-steps as (first, last), or None; ValueError (one line) when malformed."""
+        if not self.profile_steps:
+            return None
+        first, _, last = self.profile_steps.partition(":")
+        try:
+            steps = (int(first), int(last or first))
+        except ValueError:
+            raise ValueError(f"--profile-steps must be FIRST:LAST steps of the run (10:20), "
+                             f"got {self.profile_steps!r}") from None
+        if not 1 <= steps[0] <= steps[1]:
+            raise ValueError(f"--profile-steps must be FIRST:LAST with 1 <= FIRST <= LAST, got "
+                             f"{self.profile_steps!r}")
+        return steps
 
     def milestone_epochs(self) -> tuple[float, ...]:
         """--lr-milestones as epochs (ValueError, one line, when they do not go with

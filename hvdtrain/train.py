@@ -42,6 +42,7 @@ from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
 from hvdtrain.task import Datasets, Shard, Task
 from hvdtrain.timeline import Timeline
 from hvdtrain.tracking import Tracker
+from hvdtrain.training.profile import InputWait, input_bound_note
 from hvdtrain.training.optimizers import (build_optimizer, describe_optimizer,
                                           learning_rate_schedule, rate_factor, rescale_rate)
 
@@ -104,20 +105,22 @@ def run(program: str, config: TrainConfig, runtime: Runtime, task: Task,
     check_keras(config)
     tracking.check(config, runtime)  # before the data is read and the run directory made
     request = StopRequest()
+    input_wait = InputWait()
     with StopSignals(runtime.world.rank, request):  # a stop signal is recorded, never fatal
         if task.datasets is None:
-            plan, datasets, notes = image_data(config, runtime, timeline)
+            plan, datasets, notes = image_data(config, runtime, timeline, input_wait)
         else:
-            plan, datasets, notes = task_data(config, runtime, task)
+            plan, datasets, notes = task_data(config, runtime, task, input_wait)
             timeline.mark("data_listed")
         summary_lines = banner(program, runtime, datasets, notes, plan, config)
         runtime.print0(summary_lines)
         timeline.mark("pipelines_built")
         return fit(program, config, runtime, plan, datasets, task, request, timeline,
-                   summary_lines)
+                   summary_lines, input_wait)
 
 
-def image_data(config: TrainConfig, runtime: Runtime, timeline: Timeline
+def image_data(config: TrainConfig, runtime: Runtime, timeline: Timeline,
+               input_wait: InputWait | None = None
                ) -> tuple[TrainingPlan, ImageDatasets, tuple[str, ...]]:
     """The image data the flags name: rank 0 lists and checks it, everyone plans and shards."""
     if not isinstance(config, ImageConfig):
@@ -142,11 +145,13 @@ def image_data(config: TrainConfig, runtime: Runtime, timeline: Timeline
         validation_batch_size=validation_batch_size,
         validation_steps=plan.validation_steps, seed=config.seed, cache=cache,
         tfrecord_sharding=config.tfrecord_sharding, augment=config.augment,
-        threads=runtime.devices.threads, prefetch_to=runtime.devices.prefetch_to)
+        threads=runtime.devices.threads, prefetch_to=runtime.devices.prefetch_to,
+        input_wait=input_wait)
     return plan, datasets, (*listing.notes, cache.describe())
 
 
-def task_data(config: TrainConfig, runtime: Runtime, task: Task
+def task_data(config: TrainConfig, runtime: Runtime, task: Task,
+              input_wait: InputWait | None = None
               ) -> tuple[TrainingPlan, Datasets, tuple[str, ...]]:
     """A job's own datasets: built per rank for the planned batch, then counted and agreed on."""
     world = runtime.world
@@ -169,6 +174,8 @@ def task_data(config: TrainConfig, runtime: Runtime, task: Task
     # Endless, so that every epoch (Keras stops each after steps_per_epoch) has its batches.
     train = datasets.train if datasets.train.cardinality() == tf.data.INFINITE_CARDINALITY \
         else datasets.train.repeat()
+    if input_wait is not None:
+        train = input_wait.timed(train)
     validation = datasets.validation if validation_steps else None
     return plan, dataclasses.replace(datasets, train=train, validation=validation), ()
 
@@ -292,7 +299,7 @@ class RunStart:
 
 def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
         datasets: Datasets, task: Task, request: StopRequest, timeline: Timeline,
-        banner_text: str = "") -> TrainingResult:
+        banner_text: str = "", input_wait: InputWait | None = None) -> TrainingResult:
     """Model -> run directory -> resume -> tracker -> callbacks -> model.fit -> finish, on
     every rank (each step's collectives are entered by all of them)."""
     precision = seed_and_precision(config, runtime)
@@ -308,7 +315,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     tracker = record_start(program, config, runtime, plan, start, precision, experiment)
     job_callbacks = make_job_callbacks(config, task, validation is not None)
     callbacks = training_callbacks(config, runtime, plan, datasets, model, train, schedule, start,
-                                   tracker, request, timeline, job_callbacks)
+                                   tracker, request, timeline, job_callbacks, input_wait)
     timeline.mark("run_dir_ready")
     trains = train_epochs(config, runtime, plan, model, train, validation, callbacks,
                           start.initial_epoch, tracker, request)
@@ -433,10 +440,11 @@ def record_start(program: str, config: TrainConfig, runtime: Runtime, plan: Trai
 def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
                        datasets: Datasets, model: keras.Model, train: tf.data.Dataset, schedule,
                        start: RunStart, tracker: Tracker, request: StopRequest,
-                       timeline: Timeline, job_callbacks: list) -> list:
+                       timeline: Timeline, job_callbacks: list,
+                       input_wait: InputWait | None = None) -> list:
     """Keras' callbacks, in the order they must run."""
     world = runtime.world
-    throughput = Throughput(plan.global_batch_size, plan.num_workers)
+    throughput = Throughput(plan.global_batch_size, plan.num_workers, input_wait)
     callbacks = [
         *runtime.sync_callbacks(),  # first: the callbacks after it read averaged metrics
         throughput,
@@ -468,8 +476,11 @@ def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan
                       SaveCheckpoint(start.checkpoints, request),
                       # After the checkpoint: the tracker holds checkpointed epochs only.
                       TrackEpochs(tracker, start.rows, request)]
-        if config.tensorboard:
-            callbacks.append(TensorBoardLog(start.run_dir.tensorboard, profile_batch=0))
+        profile = config.profile_step_range()
+        if config.tensorboard or profile:
+            # Keras' profile_batch counts the steps of this fit call from 1.
+            callbacks.append(TensorBoardLog(start.run_dir.tensorboard,
+                                            profile_batch=profile or 0))
     # Last: it holds back a stop the job's callbacks set on one rank until all agree.
     callbacks.append(PreemptionCheck(runtime, request, config.signal_check_every_steps,
                                      SaveOnStop(start.checkpoints, request, world.is_chief),
@@ -738,8 +749,9 @@ def summary(result: TrainingResult) -> str:
     shown = ", ".join(f"{name} {last[name]:.4g}" for name in
                       ("loss", "accuracy", "val_loss", "val_accuracy", "samples_per_sec")
                       if name in last)
+    bound = input_bound_note(last)
     return f"done: {len(result.rows)} epoch(s){': ' + shown if shown else ''}; outputs in " \
-           f"{result.run_dir.path}"
+           f"{result.run_dir.path}" + (f"\n{bound}" if bound else "")
 
 
 def _verbosity(world) -> int:

@@ -186,6 +186,10 @@ def test_a_config_that_is_no_regular_file_or_too_big_is_one_line_and_never_waits
      "--lr-gamma must be positive, got 0.0"),
     (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1.0"),
     (["--early-stopping", "0"], "--early-stopping must be at least 1 epoch, got 0"),
+    (["--profile-steps", "5:3"], "--profile-steps must be FIRST:LAST with 1 <= FIRST <= LAST, "
+                                 "got '5:3'"),
+    (["--profile-steps", "a:b"], "--profile-steps must be FIRST:LAST steps of the run (10:20), "
+                                 "got 'a:b'"),
 ])
 def test_optimizer_flags_that_mean_nothing_for_the_choice_are_one_line(flags, message):
     with pytest.raises(UserError) as error:

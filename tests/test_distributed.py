@@ -560,3 +560,47 @@ def test_a_rate_reduced_on_plateau_survives_a_resume_rescaled_to_the_new_plan(ru
 
     outcomes = gather_checked(runtime, resumed)
     assert outcomes == [(2, pytest.approx(reduced[0][1]))] * runtime.world.size, outcomes
+
+
+def test_each_epoch_says_how_long_its_steps_waited_for_their_batches(runtime, tmp_path):
+    """metrics.json splits every epoch's training time into the steps' wait for their batches
+    and the rest; a pipeline slower than the step (50 ms a batch against a step of a few) is
+    input-bound, and the summary line says so; the embedded digits, decoded in memory, are not.
+    """
+    import time as clock
+
+    import tensorflow as tf
+
+    shared = runtime.broadcast_object(str(tmp_path))
+
+    def slow_batches(shard: hvdtrain.Shard) -> hvdtrain.Datasets:
+        def slowly(images, labels):
+            # A decode that takes 50 ms a batch, against a step of a few: whatever prefetch
+            # Keras adds overlaps one step's worth of it.
+            tf.py_function(lambda: clock.sleep(0.05), [], [])
+            return images, labels
+
+        images = np.zeros((6 * shard.batch_size, 8, 8, 1), np.uint8)
+        labels = np.zeros((6 * shard.batch_size,), np.int64)
+        train_set = (tf.data.Dataset.from_tensor_slices((images, labels))
+                     .batch(shard.batch_size, drop_remainder=True).map(slowly))
+        return hvdtrain.Datasets(train_set)
+
+    def run(name, task):
+        # Two epochs: the first one's time is mostly the step's compilation.
+        config = config_in(f"{shared}/{name}", epochs=2, warmup_epochs=0)
+        result = train.run("test", config, runtime, task)
+        return result.rows[-1] if result.rows else {}, train.summary(result)
+
+    slow = gather_checked(runtime, lambda: run("slow", dataclasses.replace(
+        CLASSIFIER, datasets=slow_batches,
+        build_model=lambda data: build_cnn((8, 8, 1), 10))))[0]
+    quick = gather_checked(runtime, lambda: run("quick", CLASSIFIER))[0]
+    row, summary_line = slow
+    assert row["input_wait_seconds"] >= 6 * 0.05 * 0.5, row
+    assert row["compute_seconds"] == pytest.approx(row["train_seconds"]
+                                                   - row["input_wait_seconds"]), row
+    assert "\ninput-bound: the last epoch's steps waited" in summary_line, summary_line
+    row, summary_line = quick
+    assert 0 <= row["input_wait_seconds"] < 0.25 * row["train_seconds"], row
+    assert "input-bound" not in summary_line, summary_line

@@ -138,8 +138,8 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                     validation_batch_size: int, validation_steps: int, seed: int,
                     cache: CacheChoice = CacheChoice("memory", "default"),
                     tfrecord_sharding: str = "file", augment: bool = False,
-                    threads: int | None = None, prefetch_to: str | None = None
-                    ) -> ImageDatasets:
+                    threads: int | None = None, prefetch_to: str | None = None,
+                    input_wait=None) -> ImageDatasets:
     """``batch_size`` and ``validation_batch_size`` are what this process feeds per step: a
     worker's batch for a horovod rank, all of its replicas' batches under a tf.distribute
     strategy (Keras splits them).
@@ -149,7 +149,8 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     data set's size; once stored, every pass is a new permutation of the store. ``augment``:
     random-resized crops and flips after the store (augment.py). ``prefetch_to``: the device
     training batches are prefetched to (a GPU rank's GPU), so that each batch's copy from host
-    memory overlaps the step before it instead of starting it.
+    memory overlaps the step before it instead of starting it. ``input_wait``: an
+    ``InputWait`` that sums how long the training batches kept their consumer waiting.
     """
     import tensorflow as tf
 
@@ -233,6 +234,9 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         options.threading.private_threadpool_size = max(2, threads)
     train = train.with_options(options)
     validation = validation.with_options(options) if validation is not None else None
+    if input_wait is not None:
+        # How long each step waits for its batch (training/profile.py); before the device copy.
+        train = input_wait.timed(train)
     if prefetch_to:
         # Last, as tf.data requires. Training batches only: their dataset is endless and Keras
         # stops it by steps, while the copy loses the validation set's asserted length, which
