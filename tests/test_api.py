@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import hvdtrain
 from conftest import LAUNCHED_RANKS, REPO, VENV_BIN, clean_env, gather_checked, integration, \
-    run_job
+    mpirun_ranks, run_job
 from hvdtrain.train import agreed_batches
 from hvdtrain.errors import UserError
 
@@ -138,6 +138,33 @@ def test_diabetes_regression_through_the_api_learns_and_resumes(tmp_path):
     assert re.search(r"resuming from \S+: 60 epoch\(s\) done", more), more[-3000:]
     rows = json.loads((run_dir / "metrics.json").read_text())
     assert [row["epoch"] for row in rows] == list(range(1, 63))
+
+
+@integration
+@pytest.mark.timeout(300)
+def test_the_resnet_recipe_example_trains_on_two_ranks_as_its_paper_schedules_it(tmp_path):
+    """examples/resnet_recipe.py --preset tiny: SGD with Nesterov momentum, decoupled weight
+    decay without the biases and norm weights, label smoothing, warm-up then x0.1 at epochs 2 and
+    3, early stopping armed; with a profile of steps 3-4 on rank 0. Started as horovodrun would
+    (mpirun_ranks: the recipe, not horovodrun, is the subject)."""
+    run_dir = tmp_path / "run"
+    output = run_job([*mpirun_ranks(2), sys.executable, str(REPO / "examples" / "resnet_recipe.py"),
+                      "--preset", "tiny", "--run-dir", str(run_dir), "--profile-steps", "3:4"],
+                     timeout=240).stdout
+    assert ("optimizer: SGD, momentum 0.9 (Nesterov), weight decay 0.001 (decoupled; 4 "
+            "bias/norm weight(s) not decayed), label smoothing 0.1") in output, output[-3000:]
+    assert ("learning rate: 0.05 x 2 = 0.1, warm-up over 22 steps, then x0.1 at steps 44, 66 "
+            "(epochs 2, 3)") in output, output[-3000:]
+    rows = json.loads((run_dir / "metrics.json").read_text())
+    # The rate each epoch ends at: the peak after warm-up, then a tenth at each milestone.
+    assert [row["learning_rate"] for row in rows] == pytest.approx([0.1, 0.01, 0.001, 0.001])
+    assert rows[-1]["val_accuracy"] > 0.9, rows[-1]
+    for row in rows:  # every epoch splits its time into the input's wait and the rest
+        assert 0 <= row["input_wait_seconds"] <= row["train_seconds"], row
+    profiles = list((run_dir / "tensorboard").rglob("*.xplane.pb"))
+    assert len(profiles) == 1, profiles  # rank 0's, of the steps asked for
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["plan"]["lr_milestone_steps"] == [44, 66], config["plan"]
 
 
 @integration

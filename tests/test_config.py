@@ -220,3 +220,21 @@ def test_the_resnet_recipe_parses_and_its_milestones_follow_the_epochs():
     rates = [float(schedule(step)) for step in (0, plan.warmup_steps // 2, plan.warmup_steps,
                                                  29_999, 30_000, 60_000, 80_000, 89_999)]
     assert rates == pytest.approx([0.1, 0.25, 0.4, 0.4, 0.04, 0.004, 0.0004, 0.0004])
+
+
+def test_a_jobs_own_optimizer_refuses_the_flags_that_shape_the_built_in_one():
+    import keras
+
+    from hvdtrain.training.optimizers import build_optimizer
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    config = parse("--optimizer", "sgd", "--global-clipnorm", "1")
+    with pytest.raises(UserError) as error:
+        build_optimizer(config, 0.1, model, task_optimizer=keras.optimizers.SGD)
+    assert str(error.value) == (
+        "the job builds its own optimizer (Task.optimizer); --optimizer, --global-clipnorm "
+        "shape(s) the built-in one: set it in the job's optimizer instead")
+    with pytest.raises(UserError, match="must return a Keras optimizer, got str"):
+        build_optimizer(parse(), 0.1, model, task_optimizer=lambda rate: "sgd")
+    assert isinstance(build_optimizer(parse(), 0.1, model, task_optimizer=keras.optimizers.SGD),
+                      keras.optimizers.SGD)

@@ -483,22 +483,24 @@ class StopOnOneRank(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+@multi_rank
 def test_a_stop_the_jobs_callbacks_ask_for_ends_every_rank_together(runtime, tmp_path, capsys):
     """Task(callbacks=...): a stop asked for in a batch by one rank's callback stops every rank
     after the same step (none is left in an allreduce), keeps the last whole epoch's checkpoint
     and exports nothing; EarlyStopping, on the averaged metrics, ends the run after its epoch
-    with the checkpoint, the model and a line saying why."""
+    with the checkpoint, the model and a line saying why (that run with Task(optimizer=...))."""
     shared = runtime.broadcast_object(str(tmp_path))
     size = runtime.world.size
 
-    def run(name, callbacks, epochs=4):
-        task = dataclasses.replace(CLASSIFIER, callbacks=callbacks)
+    def run(name, callbacks, epochs=4, optimizer=None):
+        task = dataclasses.replace(CLASSIFIER, callbacks=callbacks, optimizer=optimizer)
         config = config_in(f"{shared}/{name}", epochs=epochs, signal_check_every_steps=4)
         result = train.run("test", config, runtime, task)
         outputs = sorted(os.listdir(result.run_dir.path)) if runtime.world.is_chief else []
         return (int(result.model.optimizer.iterations.numpy()), result.plan.steps_per_epoch,
                 [row["epoch"] for row in result.rows], result.exit_code, outputs,
-                checkpoint_epoch(result.run_dir.checkpoints) if runtime.world.is_chief else None)
+                checkpoint_epoch(result.run_dir.checkpoints) if runtime.world.is_chief else None,
+                type(result.model.optimizer).__mro__, state_of(result.model))
 
     def checkpoint_epoch(directory):
         import tensorflow as tf
@@ -508,16 +510,20 @@ def test_a_stop_the_jobs_callbacks_ask_for_ends_every_rank_together(runtime, tmp
 
     cut = gather_checked(runtime, lambda: run(
         "cut", lambda: [StopOnOneRank(runtime.world.rank, size, epoch=1, batch=1)]))
-    iterations, steps, epochs, exit_code, outputs, saved_epoch = cut[0]
+    iterations, steps, epochs, exit_code, outputs, saved_epoch, _, _ = cut[0]
     assert len({result[0] for result in cut}) == 1, cut  # every rank stopped at the same step
     # The first check (every 4 steps of the run) at or after epoch 2's second batch.
     assert iterations == -(-(steps + 2) // 4) * 4, cut
     assert epochs == [1] and exit_code == 0 and saved_epoch == 1, cut
     assert "model.keras" not in outputs, outputs
 
+    # With the job's own optimizer (Task.optimizer), given hvdtrain's scheduled rate.
     early = gather_checked(runtime, lambda: run("early", lambda: [
-        keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=100)]))
-    iterations, steps, epochs, exit_code, outputs, saved_epoch = early[0]
+        keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=100)],
+        optimizer=lambda rate: keras.optimizers.SGD(rate, momentum=0.9)))
+    iterations, steps, epochs, exit_code, outputs, saved_epoch, classes, _ = early[0]
+    assert keras.optimizers.SGD in classes, classes
+    assert_same_on_all_ranks([result[-1] for result in early], "the job's own optimizer")
     assert len({result[0] for result in early}) == 1, early
     assert iterations == 2 * steps and epochs == [1, 2] and saved_epoch == 2, early
     assert exit_code == 0 and "model.keras" in outputs, early
