@@ -203,7 +203,7 @@ class Throughput(keras.callbacks.Callback):
         self._read_wait()  # before the batch-norm pass, which reads training batches too
 
     def _read_wait(self) -> None:
-        if self.input_wait is not None and self.waited is None:
+        if self.input_wait is not None and self.input_wait.measured and self.waited is None:
             self.waited = self.input_wait.seconds() - self.wait_start
 
     def on_epoch_end(self, epoch, logs=None):

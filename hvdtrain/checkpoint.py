@@ -5,9 +5,10 @@
 * A checkpoint holds the model, the optimizer (slots, step counter, loss scale) and the epoch to
   resume at. ``restore_or_start`` reads the newest loadable one on rank 0 and broadcasts every
   variable of it, so all ranks continue from identical state.
-* ``SaveCheckpoint`` writes one after every completed epoch; a preemption stop writes its own
-  at once (``SaveOnStop``, called by ``preemption.PreemptionCheck``), so an epoch cut short is
-  re-run from its start.
+* ``SaveCheckpoint`` writes one after every completed epoch and, when asked, every N steps or
+  minutes within one; a preemption stop writes its own at once (``SaveOnStop``, called by
+  ``preemption.PreemptionCheck``). A run resumed from one written within an epoch goes on at its
+  next step when the data can start there (hvdtrain's image data), else it re-runs that epoch.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import logging
 import posixpath
 import re
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import tensorflow as tf
@@ -151,41 +153,91 @@ def training_state(model: keras.Model) -> list[tf.Variable]:
     return list(unique.values())
 
 
+@dataclass(frozen=True)
+class StartPoint:
+    """Where every rank starts: the epoch, and the steps of it already trained."""
+
+    epoch: int
+    """Whole epochs done."""
+    step: int = 0
+    """Steps of the next epoch done (a checkpoint written within an epoch); 0 at its start."""
+    checkpoint: str | None = None
+    """The checkpoint it came from, or None for a fresh start."""
+
+
 def restore_or_start(checkpoints: Checkpoints, runtime, state_variables: list,
                       steps_per_epoch: int,
-                      written_otherwise: Callable[[], str | None] = lambda: None
-                      ) -> tuple[int, str | None]:
-    """(epoch to start at, checkpoint it came from or None), the same on every rank, and every
-    rank holding the state to start from: rank 0's restored (or freshly initialised) variables."""
-    def restore() -> tuple[int, str | None]:
-        epoch, path = checkpoints.restore_latest(written_otherwise)
-        # A run stopped mid-epoch re-runs that epoch; restart its step count there too, so the
-        # schedule follows the epochs (and a resume on another world size stays right).
-        checkpoints.model.optimizer.iterations.assign(epoch * steps_per_epoch)
-        return epoch, path
+                      written_otherwise: Callable[[], str | None] = lambda: None,
+                      steps_then: Callable[[], int | None] = lambda: None,
+                      exact_position: bool = False) -> StartPoint:
+    """Where to start, the same on every rank, and every rank holding the state to start from:
+    rank 0's restored (or freshly initialised) variables.
 
-    # Rank 0 alone reads the checkpoint; everyone learns the epoch, and the broadcast hands its
-    # weights and optimizer state to every rank (fresh random initialisations differ per rank).
-    # No other rank opens a checkpoint, so the ranks cannot resume from different ones, however
-    # many rank 0 finds damaged and skips.
-    initial_epoch, restored_from = runtime.from_chief(restore)
+    A checkpoint written within an epoch (every N steps, or at a stop) holds the step count
+    ``iterations`` of that moment: with ``exact_position`` (the data can start at any step) and
+    the same steps per epoch as when it was written (``steps_then()``, from config.json), the run
+    goes on at the next step; otherwise that epoch starts again (its step count set to its start,
+    so the schedule follows the epochs, and a resume on another world size stays right)."""
+    def restore() -> StartPoint:
+        epoch, path = checkpoints.restore_latest(written_otherwise)
+        iterations = checkpoints.model.optimizer.iterations
+        step = int(iterations.numpy()) - epoch * steps_per_epoch if path else 0
+        if not (exact_position and 0 < step < steps_per_epoch
+                and steps_then() in (None, steps_per_epoch)):
+            step = 0
+        iterations.assign(epoch * steps_per_epoch + step)
+        return StartPoint(epoch, step, path)
+
+    # Rank 0 alone reads the checkpoint; everyone learns where to start, and the broadcast hands
+    # its weights and optimizer state to every rank (fresh random initialisations differ per
+    # rank). No other rank opens a checkpoint, so the ranks cannot resume from different ones,
+    # however many rank 0 finds damaged and skips.
+    start = runtime.from_chief(restore)
     runtime.broadcast_variables(state_variables)
-    return initial_epoch, restored_from
+    return start
 
 
 class SaveCheckpoint(keras.callbacks.Callback):
-    """Rank 0: a checkpoint after every completed epoch (a stop writes its own: SaveOnStop)."""
+    """Rank 0: a checkpoint after every completed epoch (a stop writes its own: SaveOnStop), and
+    within epochs every ``every_steps`` steps or ``every_minutes`` minutes.
 
-    def __init__(self, checkpoints: Checkpoints, request: StopRequest):
+    One written within an epoch holds that epoch as the one to resume at, and the optimizer's
+    step count, from which ``restore_or_start`` finds the step."""
+
+    def __init__(self, checkpoints: Checkpoints, request: StopRequest,
+                 every_steps: int | None = None, every_minutes: float | None = None):
         super().__init__()
+        self._supports_tf_logs = True  # its batch hook reads no metrics
         self.checkpoints = checkpoints
         self.request = request
+        self.every_steps = every_steps
+        self.every_seconds = every_minutes * 60 if every_minutes else None
+        self.steps_since, self.saved_at, self.last_batch = 0, time.monotonic(), 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.last_batch = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not (self.every_steps or self.every_seconds):
+            return
+        # Counted in batches, not calls: with steps_per_execution one call covers many.
+        self.steps_since += batch + 1 - self.last_batch
+        self.last_batch = batch + 1
+        if batch + 1 >= self.params["steps"] or self.request.agreed or self.request.by_job:
+            return  # the epoch's end (or the stop) writes its own
+        if (self.every_steps and self.steps_since >= self.every_steps) or (
+                self.every_seconds and time.monotonic() - self.saved_at >= self.every_seconds):
+            self._save(resume_epoch=self.request.epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         # A stop the job's callbacks made mid-epoch (TerminateOnNaN) keeps the last whole
         # epoch's checkpoint: these weights are no epoch's (and may be NaN).
         if not self.request.saved and not (self.request.by_job and self.request.mid_epoch):
-            self.checkpoints.save(resume_epoch=epoch + 1)
+            self._save(resume_epoch=epoch + 1)
+
+    def _save(self, resume_epoch: int) -> None:
+        self.checkpoints.save(resume_epoch=resume_epoch)
+        self.steps_since, self.saved_at = 0, time.monotonic()
 
 
 class SaveOnStop:

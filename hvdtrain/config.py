@@ -204,7 +204,15 @@ class TrainConfig:
     """Every rank also copies its output into <run_dir>/logs/rank-K.log (from the moment the run
     directory is checked and locked), so a failure on another node can be read afterwards."""
     keep_checkpoints: int = 3
-    """Number of most recent checkpoints kept."""
+    """Number of most recent checkpoints kept (those written within epochs count too)."""
+    checkpoint_every_steps: int | None = None
+    """Rank 0 also writes a checkpoint every this many steps within an epoch (an epoch of
+    ImageNet is an hour: a crash then costs at most these steps, not the epoch). A run resumed
+    from one continues at the next step of that epoch, with the data where it stopped (hvdtrain's
+    image data; a job's own datasets restart the epoch)."""
+    checkpoint_every_minutes: float | None = None
+    """Rank 0 also writes a checkpoint within an epoch when this many minutes passed since the
+    last one (rank 0's clock: only rank 0 writes, the others wait for it at the next step)."""
     tensorboard: bool = True
     """Write TensorBoard logs (rank 0 only) under <run_dir>/tensorboard."""
     profile_steps: str | None = None
@@ -242,7 +250,8 @@ class TrainConfig:
                                  f"got {value!r}")
         positive = ["batch_size", "epochs", "grad_accum_steps", "keep_checkpoints",
                     "signal_check_every_steps"]
-        optional_positive = ["steps_per_epoch", "steps_per_execution", "threads_per_worker"]
+        optional_positive = ["steps_per_epoch", "steps_per_execution", "threads_per_worker",
+                             "checkpoint_every_steps"]
         _check_at_least_one(self, positive, optional_positive)
         if self.bn_recompute_batches < 0:
             raise ValueError(f"--bn-recompute-batches must be >= 0, got "
@@ -255,6 +264,9 @@ class TrainConfig:
             raise ValueError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
         self.milestone_epochs()  # --lr-milestones' own checks
         self.profile_step_range()
+        if self.checkpoint_every_minutes is not None and self.checkpoint_every_minutes <= 0:
+            raise ValueError(f"--checkpoint-every-minutes must be positive, got "
+                             f"{self.checkpoint_every_minutes}")
         if self.lr_gamma <= 0:
             raise ValueError(f"--lr-gamma must be positive, got {self.lr_gamma}")
         _check_optimizer(self)

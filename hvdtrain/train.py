@@ -291,6 +291,8 @@ class RunStart:
     checkpoints: Checkpoints
     initial_epoch: int
     """Epochs already completed (from a checkpoint)."""
+    initial_step: int
+    """Steps of the next epoch already trained (a checkpoint written within it), else 0."""
     restored_from: str | None
     """The checkpoint this run resumed from, or None."""
     rows: list[dict]
@@ -311,14 +313,15 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     experiment = fingerprint(program, config, datasets, plan)
     run_dir = claim_run_dir(program, config, runtime, experiment, state_variables, banner_text,
                             file_table=getattr(datasets, "identity", {}).get("files"))
-    start = resume(config, runtime, plan, run_dir, model, state_variables, precision, schedule)
+    start = resume(config, runtime, plan, run_dir, model, state_variables, precision, schedule,
+                   datasets)
     tracker = record_start(program, config, runtime, plan, start, precision, experiment)
     job_callbacks = make_job_callbacks(config, task, validation is not None)
     callbacks = training_callbacks(config, runtime, plan, datasets, model, train, schedule, start,
                                    tracker, request, timeline, job_callbacks, input_wait)
     timeline.mark("run_dir_ready")
     trains = train_epochs(config, runtime, plan, model, train, validation, callbacks,
-                          start.initial_epoch, tracker, request)
+                          start, tracker, request, getattr(datasets, "start", None))
     if timeline.seconds("training_done") is not None:  # fit ran (rank 0's Progress saw it end)
         timeline.mark("fit_returned")
     return finish_run(config, runtime, plan, datasets, model, start, tracker, request, trains,
@@ -374,13 +377,20 @@ def claim_run_dir(program: str, config: TrainConfig, runtime: Runtime,
 
 
 def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: RunDir,
-           model: keras.Model, state_variables: list, precision: str, schedule) -> RunStart:
+           model: keras.Model, state_variables: list, precision: str, schedule,
+           datasets: Datasets) -> RunStart:
     """Every rank at the newest checkpoint's state (rank 0's, broadcast), or at the start."""
     world = runtime.world
     checkpoints = Checkpoints(run_dir, model, config.keep_checkpoints)
-    initial_epoch, restored_from = restore_or_start(
+    earlier = run_dir.read_json(CONFIG_FILE, {}) if world.is_chief else {}
+    point = restore_or_start(
         checkpoints, runtime, state_variables, plan.steps_per_epoch,
-        lambda: written_otherwise(run_dir, config, precision))
+        lambda: written_otherwise(run_dir, config, precision),
+        steps_then=lambda: (earlier.get("plan") or {}).get("steps_per_epoch"),
+        # hvdtrain's image data starts at any step (data.pipeline.TrainingStart); a job's own
+        # datasets re-run the epoch.
+        exact_position=getattr(datasets, "start", None) is not None)
+    initial_epoch, restored_from = point.epoch, point.checkpoint
     # Rank 0 keeps the metrics of the epochs a resumed run already has (and drops any later
     # rows an interrupted run wrote after its last checkpoint).
     earlier_rows = run_dir.read_json("metrics.json", []) if world.is_chief and restored_from else []
@@ -388,7 +398,6 @@ def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: R
     if restored_from:
         # The plan the checkpoint was written under: a resume on another world size (a lost
         # node, a requeue into a bigger allocation) says what moved with it.
-        earlier = run_dir.read_json(CONFIG_FILE, {}) if world.is_chief else {}
         resized = resize_notes(earlier.get("plan"), plan)
         if not isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
             # A plain rate is the optimizer's own variable, restored with it (as a callback such
@@ -396,10 +405,12 @@ def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: R
             # it is what a fresh start at this size would have had after the same reductions.
             rescale_rate(model.optimizer, runtime.from_chief(
                 lambda: rate_factor(earlier.get("plan"), plan)))
-        runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s) done"
+        runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s)"
+                       + (f" and {point.step} of {plan.steps_per_epoch} steps" if point.step
+                          else "") + " done"
                        + (f"; resized: {', '.join(resized)} (the schedule follows the epochs)"
                           if resized else ""))
-    return RunStart(run_dir, checkpoints, initial_epoch, restored_from, rows)
+    return RunStart(run_dir, checkpoints, initial_epoch, point.step, restored_from, rows)
 
 
 def written_otherwise(run_dir: RunDir, config: TrainConfig, precision: str) -> str | None:
@@ -473,7 +484,8 @@ def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan
         # Metrics before the checkpoint: a crash between the two then costs a repeated epoch,
         # never a missing row.
         callbacks += [MetricsLog(start.run_dir, start.rows, request, throughput),
-                      SaveCheckpoint(start.checkpoints, request),
+                      SaveCheckpoint(start.checkpoints, request, config.checkpoint_every_steps,
+                                     config.checkpoint_every_minutes),
                       # After the checkpoint: the tracker holds checkpointed epochs only.
                       TrackEpochs(tracker, start.rows, request)]
         profile = config.profile_step_range()
@@ -522,22 +534,38 @@ def describe_job_stop(request: StopRequest, callbacks: list) -> str:
 
 def train_epochs(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, model: keras.Model,
                  train: tf.data.Dataset, validation: tf.data.Dataset | None, callbacks: list,
-                 initial_epoch: int, tracker: Tracker, request: StopRequest) -> bool:
-    """``model.fit`` over the epochs not done yet; returns whether there were any."""
+                 start: RunStart, tracker: Tracker, request: StopRequest,
+                 data_start=None) -> bool:
+    """``model.fit`` over the epochs not done yet; returns whether there were any.
+
+    A run resumed inside an epoch fits that epoch's remaining steps first, then the rest: Keras
+    runs whole epochs of one length. ``data_start`` (``TrainingStart``) puts the training stream
+    at the step each fit starts at (every fit starts a new iterator)."""
+    initial_epoch = start.initial_epoch
     # A signal that came before training (while listing data or building the model): stop now,
     # all ranks together; nothing new to save.
     request.agreed = runtime.max_over_ranks(request.received)
     trains = initial_epoch < config.epochs
     if request.agreed:
         request.epoch = initial_epoch
-    elif trains:
-        with tracking.failure_marked(tracker), disk_cache_failures_in_one_line():
-            model.fit(train, epochs=config.epochs, initial_epoch=initial_epoch,
-                      steps_per_epoch=plan.steps_per_epoch, validation_data=validation,
-                      callbacks=callbacks, verbose=_verbosity(runtime.world),
-                      shuffle=False)  # the pipelines shuffle (Keras 3 warns that it cannot)
-    else:
+        return trains
+    if not trains:
         runtime.print0(f"{initial_epoch} of {config.epochs} epochs already done; nothing to train")
+        return trains
+    spans = [(initial_epoch, config.epochs, plan.steps_per_epoch, 0)]
+    if start.initial_step:
+        spans = [(initial_epoch, initial_epoch + 1, plan.steps_per_epoch - start.initial_step,
+                  start.initial_step), (initial_epoch + 1, config.epochs, plan.steps_per_epoch, 0)]
+    with tracking.failure_marked(tracker), disk_cache_failures_in_one_line():
+        for first, last, steps, steps_done in spans:
+            if first >= last or request.agreed or request.by_job:
+                break
+            if data_start is not None:
+                data_start.at_step(first * plan.steps_per_epoch + steps_done)
+            model.fit(train, epochs=last, initial_epoch=first, steps_per_epoch=steps,
+                      validation_data=validation, callbacks=callbacks,
+                      verbose=_verbosity(runtime.world),
+                      shuffle=False)  # the pipelines shuffle (Keras 3 warns that it cannot)
     return trains
 
 

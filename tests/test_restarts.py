@@ -20,7 +20,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import (clean_env, integration, mpirun_job, one_error, run_job,
+from conftest import (clean_env, integration, mpirun_job, mpirun_ranks, one_error, run_job,
                       wait_for_first_epoch)
 from hvdtrain.launcher_env import processes
 from processes import process_group
@@ -384,3 +384,59 @@ def test_a_damaged_checkpoint_index_is_rebuilt_from_the_checkpoints(four_checkpo
     assert "WARNING" not in result.stdout and "restart 1" not in result.stdout
     assert [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())] == [
         1, 2, 3, 4, 5]
+
+
+# --- checkpoints within an epoch ----------------------------------------------------------------
+@integration
+@pytest.mark.timeout(300)
+def test_a_job_killed_mid_epoch_resumes_at_its_last_step_checkpoint_as_if_never_stopped(
+        tmp_path):
+    """--checkpoint-every-steps 5: rank 0 SIGKILLed after step 33 (epoch 2's 11th of 22) loses
+    one step; the rerun resumes at step 10 of epoch 2 with the data where it stopped (its pass,
+    in its order, from the next batch), the schedule and the optimizer state, and ends with the
+    weights of a run never stopped (deterministic ops; no dropout, whose masks Keras draws from
+    generators no checkpoint holds)."""
+    import numpy as np
+
+    script = SCRIPTS / "killed_at_step.py"
+    flags = ["--preset", "tiny", "--epochs", "2", "--checkpoint-every-steps", "5",
+             "--model", f"{script}:build"]
+    env = clean_env(TF_DETERMINISTIC_OPS="1")
+
+    def job(run_dir: Path, kill_at: int | None = None, check: bool = True):
+        extra = {"HVDTRAIN_TEST_KILL_AT": str(kill_at)} if kill_at else {}
+        return run_job([*mpirun_ranks(2), "-x", "HVDTRAIN_TEST_KILL_AT", sys.executable,
+                        str(script), *flags, "--run-dir", str(run_dir)], timeout=240,
+                       check=check, env={**env, **extra})
+
+    never_stopped, killed = tmp_path / "never-stopped", tmp_path / "killed"
+    job(never_stopped)
+    crashed = job(killed, kill_at=33, check=False)
+    assert crashed.returncode != 0 and not (killed / "model.keras").exists(), crashed.stdout[-2000:]
+    resumed = job(killed).stdout
+    assert re.search(r"resuming from \S+ckpt-\d+: 1 epoch\(s\) and 10 of 22 steps done",
+                     resumed), resumed[-3000:]
+
+    def weights(run_dir: Path) -> list:
+        """The arrays model.keras holds (a zip with model.weights.h5 inside)."""
+        import io
+        import zipfile
+
+        import h5py
+
+        with zipfile.ZipFile(run_dir / "model.keras") as archive, \
+                h5py.File(io.BytesIO(archive.read("model.weights.h5")), "r") as file:
+            found = []
+            file.visititems(lambda name, item: found.append(item[()]) if hasattr(item, "shape")
+                            else None)
+            return found
+
+    def rows(run_dir: Path) -> list:
+        return [(row["epoch"], row["learning_rate"])
+                for row in json.loads((run_dir / "metrics.json").read_text())]
+
+    assert rows(killed) == rows(never_stopped)
+    expected, got = weights(never_stopped), weights(killed)
+    assert len(got) == len(expected) > 0
+    for mine, theirs in zip(got, expected):
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-6)

@@ -12,8 +12,8 @@ to the training size and flipped half of the time. Validation takes the central
 256, center crop 224"). Without a store (``--cache off``) every pass decodes anyway, so the crop
 is cut while decoding, from the whole image: a JPEG decodes only its window
 (``decode_and_crop_jpeg``), cheaper than decoding it whole. The randomness is stateless, drawn
-from a seed stream of its own per rank and per pass (``tf.data.Dataset.random``), so ranks never
-crop alike and a run is reproducible.
+from a seed stream of its own per rank and per pass (``tf.data.Dataset.random`` seeded with both),
+so ranks never crop alike, a run is reproducible, and a resumed pass crops as the whole one.
 """
 from __future__ import annotations
 
@@ -44,25 +44,30 @@ def decoded_shape(image_shape: tuple[int, int, int], *, augment: bool) -> tuple[
     return stored_shape(image_shape) if augment else image_shape
 
 
-def seed_stream(seed: int) -> tf.data.Dataset:
-    """Two seeds per sample; a new stream each pass (each time the dataset is iterated again)."""
+def seed_stream(seed: int, pass_index, skip=0) -> tf.data.Dataset:
+    """Two seeds per sample of pass ``pass_index`` (int64 tensors), from its ``skip``-th sample
+    on: the same stream in every process, so a pass resumed part-way crops its remaining
+    samples as the whole pass would have."""
     import tensorflow as tf
 
-    return tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
+    pass_seed = tf.constant(seed, tf.int64) * 1_000_003 + tf.cast(pass_index, tf.int64)
+    return tf.data.Dataset.random(seed=pass_seed).batch(2).skip(skip)
 
 
 def augmented(train: tf.data.Dataset, image_shape: tuple[int, int, int], *,
-              seed: int) -> tf.data.Dataset:
+              seeds: tf.data.Dataset) -> tf.data.Dataset:
     """``(image, label[, weight])`` elements of stored images -> random crops of ``image_shape``,
-    flipped at random; a new draw for every sample of every pass."""
+    flipped at random, with ``seeds`` (``seed_stream``): a new draw for every sample of every
+    pass."""
     import tensorflow as tf
 
-    def crop_and_flip(element, seeds):
+    def crop_and_flip(element, sample_seeds):
         image, rest = element[0], element[1:]
-        begin, size = _crop_window(tf.shape(image), seeds)
-        return (_resized_and_flipped(tf.slice(image, begin, size), image_shape, seeds), *rest)
+        begin, size = _crop_window(tf.shape(image), sample_seeds)
+        return (_resized_and_flipped(tf.slice(image, begin, size), image_shape, sample_seeds),
+                *rest)
 
-    return (tf.data.Dataset.zip(train, seed_stream(seed))
+    return (tf.data.Dataset.zip(train, seeds)
             .map(crop_and_flip, num_parallel_calls=tf.data.AUTOTUNE))
 
 

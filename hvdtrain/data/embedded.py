@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import numpy as np
 
 from hvdtrain.data.images import resampled_to
-from hvdtrain.data.listing import (Listing, Split, positions_each_pass, split_identity,
+from hvdtrain.data.listing import (Listing, Split, split_identity,
                                    split_indices)
 from hvdtrain.data.shares import rank_share
 from hvdtrain.errors import UserError
@@ -80,13 +80,13 @@ class EmbeddedListing(Listing):
     in_memory: ClassVar[str | None] = "the embedded data is in memory already"
 
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
-                     by_file: bool, state: list, failures=None) -> tf.data.Dataset:
+                     by_file: bool, pass_index, failures=None) -> tf.data.Dataset:
         import tensorflow as tf
 
         rows, labels = (tf.constant(rank_share(values, world))
                         for values in (split.sources, split.labels))
-        positions = positions_each_pass(int(rows.shape[0]), shuffle=shuffle,
-                                        seed=seed + world.rank, state=state)
+        positions = self.pass_positions(int(rows.shape[0]), shuffle=shuffle,
+                                        seed=seed + world.rank, pass_index=pass_index)
         return positions.map(lambda position: (
             position, (tf.gather(rows, position), tf.gather(labels, position))))
 

@@ -18,7 +18,7 @@ import numpy as np
 from hvdtrain.data.images import IMAGE_EXTENSIONS, image_format
 from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, FileTable, Listing, Split,
                                    held_out_by_name, label_table_digest, name_hashes,
-                                   positions_each_pass, split_by_mask, split_identity)
+                                   split_by_mask, split_identity)
 from hvdtrain.data.shares import rank_share
 from hvdtrain.errors import UserError
 from hvdtrain.runtime.base import World
@@ -49,7 +49,7 @@ class FolderListing(Listing):
         return os.path.join(self.root, source.decode() if isinstance(source, bytes) else source)
 
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
-                     by_file: bool, state: list, failures=None) -> tf.data.Dataset:
+                     by_file: bool, pass_index, failures=None) -> tf.data.Dataset:
         """``(position, (path, label))``: the order is a permutation of positions, so a pass
         over a million files starts at once and holds no buffer of paths."""
         import tensorflow as tf
@@ -57,8 +57,8 @@ class FolderListing(Listing):
         sources, labels = (tf.constant(rank_share(values, world))
                            for values in (split.sources, split.labels))
         prefix = self.root.rstrip("/") + "/"
-        positions = positions_each_pass(int(sources.shape[0]), shuffle=shuffle,
-                                        seed=seed + world.rank, state=state)
+        positions = self.pass_positions(int(sources.shape[0]), shuffle=shuffle,
+                                        seed=seed + world.rank, pass_index=pass_index)
         return positions.map(lambda position: (position, (
             tf.strings.join([prefix, tf.gather(sources, position)]),
             tf.gather(labels, position))))

@@ -228,13 +228,20 @@ class Listing(abc.ABC):
 
     @abc.abstractmethod
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
-                     by_file: bool, state: list,
+                     by_file: bool, pass_index,
                      failures: DecodeFailures | None = None) -> tf.data.Dataset:
-        """``(position, record)`` of this rank's records of ``split``, in a new random order every
-        pass when ``shuffle``; ``position`` says which sample it is for ``sample_namer``. Any
-        TensorFlow variable the order needs goes into ``state`` (it must live as long as the
-        pipeline). A source that knows how many records each file holds checks them with
-        ``failures.count_file``."""
+        """``(position, record)`` of this rank's records of ``split`` for pass ``pass_index`` (an
+        int64 tensor: called inside the pipeline's ``flat_map`` over passes), in that pass's
+        order when ``shuffle``: ``pass_positions``' order, so a pass read from a store of
+        decoded samples is the same pass. ``position`` says which sample it is for
+        ``sample_namer`` and the store. A source that knows how many records each file holds
+        checks them with ``failures.count_file``."""
+
+    def pass_positions(self, count: int, *, shuffle: bool, seed: int, pass_index
+                       ) -> tf.data.Dataset:
+        """The positions ``0 .. count-1`` in the order of pass ``pass_index`` (see
+        ``positions_of_pass``)."""
+        return positions_of_pass(count, shuffle=shuffle, seed=seed, pass_index=pass_index)
 
     def reader(self) -> Callable:
         """``record -> (encoded image bytes, int64 label)``, for a source read from files."""
@@ -277,27 +284,21 @@ def split_indices(num_samples: int, validation_fraction: float, seed: int
     return order[num_validation:], order[:num_validation]
 
 
-def positions_each_pass(count: int, *, shuffle: bool, seed: int, state: list) -> tf.data.Dataset:
-    """Positions ``0 .. count-1``: in order, or in a new random permutation on every pass.
+def positions_of_pass(count: int, *, shuffle: bool, seed: int, pass_index) -> tf.data.Dataset:
+    """Positions ``0 .. count-1``: in order, or in the random permutation of pass
+    ``pass_index`` (an int64 tensor).
 
     A permutation of int64 positions costs milliseconds, not a buffer of records to fill, so the
     first step never waits for it whatever the data's size; and unlike a shuffle buffer it is a
-    fresh, complete order every pass.
+    fresh, complete order every pass. Stateless with (seed, pass): a pass is the same in every
+    process and every iterator, so a resumed run reads the pass it stopped in, in its order.
     """
     import tensorflow as tf
 
     if not shuffle:
         return tf.data.Dataset.range(count)
-    with tf.device("/cpu:0"):  # updated from inside tf.data, which runs on the host
-        passes = tf.Variable(0, dtype=tf.int64, trainable=False)
-    state.append(passes)
-
-    def one_pass(_):
-        # Stateless with (seed, pass): reproducible, and a new order on every pass.
-        pass_seed = tf.stack([tf.constant(seed, tf.int64), passes.assign_add(1)])
-        order = tf.random.experimental.stateless_shuffle(tf.range(count, dtype=tf.int64),
-                                                         seed=pass_seed)
-        return tf.data.Dataset.from_tensor_slices(order)
-
-    # One element whose flat_map draws the order: re-run each time the pass is iterated again.
-    return tf.data.Dataset.from_tensors(0).flat_map(one_pass)
+    # pass + 1: the orders runs before the pass index had (a counter's value after its +1).
+    pass_seed = tf.stack([tf.constant(seed, tf.int64), tf.cast(pass_index, tf.int64) + 1])
+    order = tf.random.experimental.stateless_shuffle(tf.range(count, dtype=tf.int64),
+                                                     seed=pass_seed)
+    return tf.data.Dataset.from_tensor_slices(order)

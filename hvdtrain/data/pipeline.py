@@ -21,7 +21,7 @@ from hvdtrain.data.augment import (augmented, center_cropped, decode_random_crop
                                    seed_stream)
 from hvdtrain.data.cache import CacheChoice, process_cache_dir
 from hvdtrain.data.listing import Listing, Split
-from hvdtrain.data.store import SampleStore, stored_passes
+from hvdtrain.data.store import SampleStore, stored_pass
 from hvdtrain.runtime.base import World
 from hvdtrain.task import Datasets
 
@@ -52,6 +52,52 @@ class ImageDatasets(Datasets):
     """TensorFlow variables the pipelines update (held here so they live as long as them)."""
     identity: dict = field(default_factory=dict)
     """The listing's split and label table (``Listing.identity``), for the run's fingerprint."""
+    start: TrainingStart | None = None
+    """Where the training stream starts (a resumed run sets it before ``fit``)."""
+
+
+class TrainingStart:
+    """The training stream's first pass and the batches of it already trained, as two variables
+    the pipeline reads when an iterator starts: a run resumed from a checkpoint written inside an
+    epoch sets them (``at_step``) and reads on from the next batch, in the pass's order.
+
+    A rank's stream is its passes back to back, ``batches_per_pass`` each (its share of the
+    samples over its batch, the rest of a pass dropped); the global step count (the optimizer's
+    ``iterations``, the same on every rank) is the batches it consumed, so pass and batch follow
+    from it on every rank alone.
+    """
+
+    def __init__(self, batches_per_pass: int, batch_size: int):
+        import tensorflow as tf
+
+        self.batches_per_pass, self.batch_size = batches_per_pass, batch_size
+        with tf.device("/cpu:0"):  # read from inside tf.data, which runs on the host
+            self.first_pass = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.skip_samples = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def at_step(self, steps_done: int) -> tuple[int, int]:
+        """Start at the batch after ``steps_done`` batches of the stream; (pass, batch)."""
+        where = divmod(steps_done, max(self.batches_per_pass, 1))
+        self.first_pass.assign(where[0])
+        self.skip_samples.assign(where[1] * self.batch_size)
+        return where
+
+    def passes(self) -> tf.data.Dataset:
+        """Pass indices from the first one on, read when an iterator starts."""
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensors(0).flat_map(
+            lambda _: tf.data.Dataset.range(self.first_pass.read_value(), 2**62))
+
+    def skip_in(self, pass_index):
+        """The samples of pass ``pass_index`` already trained (only the first pass has any)."""
+        import tensorflow as tf
+
+        return tf.where(tf.equal(pass_index, self.first_pass), self.skip_samples,
+                        tf.constant(0, tf.int64))
+
+    def variables(self) -> tuple:
+        return (self.first_pass, self.skip_samples)
 
 
 class DecodeFailures:
@@ -163,63 +209,97 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     by_file = tfrecord_sharding == "file"  # only TFRecords can be shared out by file
     listing.check_sharding(world, batch_size, seed=seed, by_file=by_file)
     decode = listing.decoder(shape, center_square=augment)
-    failures, state, stores = [], [], []
+    failures, stores = [], []
     cache_dir = process_cache_dir(cache)
+    rank_seed = seed + world.rank
 
-    def decoded(split: Split, *, shuffle: bool, limit: int | None, split_name: str,
-                by_file: bool, crop: bool = False) -> tf.data.Dataset:
-        """This rank's share of ``split``, decoded, in a new order every pass when ``shuffle``;
-        ``crop``: random-resized crops cut while decoding (no store)."""
+    def pass_maker(split: Split, *, shuffle: bool, limit: int | None, split_name: str,
+                   by_file: bool, crop: bool = False) -> tuple[Callable, int]:
+        """(``one_pass(pass_index, skip)``: this rank's share of ``split`` in pass
+        ``pass_index``'s order from its ``skip``-th sample on, decoded; the samples a whole pass
+        holds). ``crop``: random-resized crops cut while decoding (no store). What lives as long
+        as the pipeline (failure counters, stores) is made here, once; ``one_pass`` runs inside
+        the ``flat_map`` over passes."""
         counter = None
         if not listing.in_memory:
             counter = DecodeFailures(split_name,
                                      listing.sample_namer(split, world, by_file=by_file))
             failures.append(counter)
-        records = listing.rank_records(split, world, shuffle=shuffle, seed=seed,
-                                       by_file=by_file, state=state, failures=counter)
-        decode_to, image_shape = decode, shape
-        if crop:
-            read = listing.reader()
-            records = tf.data.Dataset.zip(records, seed_stream(seed + world.rank)).map(
-                lambda element, seeds: (element[0], (element[1], seeds)))
-
-            def decode_to(record, seeds):
-                encoded, label = read(*_as_tuple(record))
-                return decode_random_crop(encoded, seeds, listing.image_shape), label
-
-            image_shape = listing.image_shape
         num_samples = listing.samples_for_rank(split, world, seed=seed, by_file=by_file)
         if limit is not None:
             # Exactly the same number of validation samples on every rank (see plan.py).
-            records = records.take(limit)
             num_samples = min(num_samples, limit)
-        if listing.in_memory:
-            return records.map(lambda position, record: decode(*_as_tuple(record)),
-                               num_parallel_calls=tf.data.AUTOTUNE)
-        if cache.kind == "off":
-            return _decode_or_blank(records, decode_to, counter, num_samples, image_shape)
-        store = SampleStore(shape, os.path.join(cache_dir, split_name)
-                            if cache.kind == "disk" else None)
-        stores.append(store)
-        from_source = _decode_or_blank(records, decode, counter, num_samples, shape, store)
-        return stored_passes(from_source, store, num_samples, shuffle=shuffle,
-                             seed=seed + world.rank, state=state)
+        store = None
+        if not listing.in_memory and cache.kind != "off":
+            store = SampleStore(shape, os.path.join(cache_dir, split_name)
+                                if cache.kind == "disk" else None)
+            stores.append(store)
+
+        def one_pass(pass_index, skip):
+            records = listing.rank_records(split, world, shuffle=shuffle, seed=seed,
+                                           by_file=by_file, pass_index=pass_index,
+                                           failures=counter)
+            if limit is not None:
+                records = records.take(limit)
+            # Positions skipped (a resumed pass), before anything is decoded.
+            records = records.skip(skip)
+            remaining = num_samples - skip
+            decode_to, image_shape = decode, shape
+            if crop:
+                read = listing.reader()
+                records = tf.data.Dataset.zip(
+                    records, seed_stream(rank_seed, pass_index, skip)).map(
+                    lambda element, seeds: (element[0], (element[1], seeds)))
+
+                def decode_to(record, seeds):
+                    encoded, label = read(*_as_tuple(record))
+                    return decode_random_crop(encoded, seeds, listing.image_shape), label
+
+                image_shape = listing.image_shape
+            if listing.in_memory:
+                return records.map(lambda position, record: decode(*_as_tuple(record)),
+                                   num_parallel_calls=tf.data.AUTOTUNE)
+            if store is None:
+                return _decode_or_blank(records, decode_to, counter, remaining, image_shape)
+            # Only a whole pass may mark what it did not store as failed.
+            from_source = _decode_or_blank(records, decode, counter, remaining, shape,
+                                           store, whole_pass=num_samples,
+                                           is_whole=tf.equal(skip, 0))
+            order = listing.pass_positions(num_samples, shuffle=shuffle, seed=rank_seed,
+                                           pass_index=pass_index).skip(skip)
+            return stored_pass(from_source, store, num_samples, order)
+
+        return one_pass, num_samples
 
     # Without a store every pass decodes: the crop is cut while decoding, which decodes less.
     crop_while_decoding = augment and cache.kind == "off"
-    train = decoded(listing.train, shuffle=True, limit=None, split_name="training",
-                    by_file=by_file, crop=crop_while_decoding)
-    if augment and not crop_while_decoding:
-        train = augmented(train, listing.image_shape, seed=seed + world.rank)
-    train = (train.batch(batch_size, drop_remainder=True)
-             .repeat()  # endless: Keras stops each epoch after steps_per_epoch (plan.py)
+    train_pass, train_samples = pass_maker(listing.train, shuffle=True, limit=None,
+                                           split_name="training", by_file=by_file,
+                                           crop=crop_while_decoding)
+    start = TrainingStart(batches_per_pass=train_samples // batch_size, batch_size=batch_size)
+
+    def train_batches(pass_index):
+        skip = start.skip_in(pass_index)
+        samples = train_pass(pass_index, skip)
+        if augment and not crop_while_decoding:
+            samples = augmented(samples, listing.image_shape,
+                                seeds=seed_stream(rank_seed, pass_index, skip))
+        return samples.batch(batch_size, drop_remainder=True)
+
+    # Endless: Keras stops each epoch after steps_per_epoch (plan.py). A pass's order is a
+    # function of its index, not of a counter: every iterator (fit's, the batch-norm pass's)
+    # reads the same passes, and a resumed run starts at the pass and batch it stopped in.
+    train = (start.passes().flat_map(train_batches)
              .prefetch(tf.data.AUTOTUNE))
 
     validation = None
     if validation_steps:
-        validation = decoded(listing.validation, shuffle=False,
-                             limit=validation_steps * validation_batch_size,
-                             split_name="validation", by_file=False)
+        validation_pass, _ = pass_maker(listing.validation, shuffle=False,
+                                        limit=validation_steps * validation_batch_size,
+                                        split_name="validation", by_file=False)
+        # One pass, asked again at every iteration (a store is complete or not by then).
+        validation = tf.data.Dataset.range(1).flat_map(
+            lambda pass_index: validation_pass(pass_index, tf.constant(0, tf.int64)))
         if augment:
             validation = center_cropped(validation, listing.image_shape)
         # Exactly validation_steps batches (the take() and the blanks above), said to Keras:
@@ -244,17 +324,19 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         train = train.apply(tf.data.experimental.prefetch_to_device(prefetch_to))
     return ImageDatasets(train, validation, listing.description, image_shape=listing.image_shape,
                          class_names=listing.class_names, decode_failures=tuple(failures),
-                         cache=cache, pipeline_state=(*state, *stores),
-                         identity=dict(listing.identity))
+                         cache=cache, pipeline_state=(*start.variables(), *stores),
+                         identity=dict(listing.identity), start=start)
 
 
 def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: DecodeFailures,
-                     num_samples: int, image_shape: tuple[int, int, int],
-                     store: SampleStore | None = None) -> tf.data.Dataset:
+                     num_samples, image_shape: tuple[int, int, int],
+                     store: SampleStore | None = None, whole_pass: int | None = None,
+                     is_whole=True) -> tf.data.Dataset:
     """Decoded ``(image, label, 1.0)`` of ``(position, record)``, with ``(blank, 0, 0.0)``
     wherever a sample did not decode. Always exactly ``num_samples`` elements (see
-    ``DecodeFailures`` for why). With a ``store``, what decodes is stored, what did not is
-    marked, and what the store holds already is read from it instead of decoded."""
+    ``DecodeFailures`` for why). With a ``store``, what decodes is stored, what the store holds
+    already is read from it instead of decoded, and at the end of a whole pass (``whole_pass``
+    samples; ``is_whole`` False for a pass resumed part-way) what did not decode is marked."""
     import tensorflow as tf
 
     def decode_one(count, element):
@@ -284,14 +366,15 @@ def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: Decod
         decoded = store.storing(decoded)
     blank = (tf.zeros(image_shape, tf.uint8), tf.constant(0, tf.int64))
     # A sentinel number past the end makes a gap after the last good sample visible too.
-    end = tf.data.Dataset.from_tensors((tf.constant(num_samples, tf.int64), *blank))
+    num_samples = tf.cast(num_samples, tf.int64)
+    end = tf.data.Dataset.from_tensors((num_samples, *blank))
 
     def note_gap(last_good, count):
         with tf.control_dependencies([failures.note(last_good, count)]):
             return tf.identity(count)
 
     def mark_failures(count):
-        with tf.control_dependencies([store.mark_failed_where_absent(num_samples)]):
+        with tf.control_dependencies([store.mark_failed_where_absent(whole_pass)]):
             return tf.identity(count)
 
     def count_gaps(last_good, element):
@@ -303,7 +386,8 @@ def _decode_or_blank(records: tf.data.Dataset, decode: Callable, failures: Decod
             # The sentinel: this pass was whole (it is read only when a sample failed, since
             # take() stops at num_samples). The store learns which positions failed from what
             # it holds, not from the ring, which another iterator may be writing at the time.
-            count = tf.cond(count == num_samples, lambda: mark_failures(count), lambda: count)
+            count = tf.cond(tf.logical_and(count == num_samples, is_whole),
+                            lambda: mark_failures(count), lambda: count)
         return count, element
 
     samples = (decoded.concatenate(end)

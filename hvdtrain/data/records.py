@@ -105,7 +105,7 @@ class TFRecordListing(Listing):
                 .shard(world.size, world.rank))
 
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
-                     by_file: bool, state: list, failures=None) -> tf.data.Dataset:
+                     by_file: bool, pass_index, failures=None) -> tf.data.Dataset:
         # A record's position is its place in this rank's reading order, which is the same on
         # every pass (files in the shared seed's order, interleaved deterministically): so a
         # store can keep it by position, and the shuffle comes after the numbering.
@@ -113,9 +113,21 @@ class TFRecordListing(Listing):
                                      failures=failures).enumerate()
         if shuffle:
             num_samples = self.samples_for_rank(split, world, seed=seed, by_file=by_file)
-            records = records.shuffle(min(max(num_samples, 1), RAW_RECORD_SHUFFLE),
-                                      seed=seed + world.rank, reshuffle_each_iteration=True)
+            records = records.shuffle(_buffer(num_samples),
+                                      seed=_pass_seed(seed + world.rank, pass_index))
         return records
+
+    def pass_positions(self, count: int, *, shuffle: bool, seed: int, pass_index
+                       ) -> tf.data.Dataset:
+        """The order ``rank_records`` gives a pass, as positions: a shuffle buffer's order
+        depends on its seed and the number of elements alone, so the same buffer over
+        ``range(count)`` draws it (and a pass from the store is the pass from the files)."""
+        import tensorflow as tf
+
+        positions = tf.data.Dataset.range(count)
+        if not shuffle:
+            return positions
+        return positions.shuffle(_buffer(count), seed=_pass_seed(seed, pass_index))
 
     def reader(self) -> Callable:
         return parse_example
@@ -150,6 +162,17 @@ class TFRecordListing(Listing):
                     f"rank {rank} would get {records} record(s) from its TFRecord files, fewer "
                     f"than one batch of {batch_size}; use --tfrecord-sharding example or evenly "
                     "sized shards")
+
+
+def _buffer(num_samples: int) -> int:
+    return min(max(num_samples, 1), RAW_RECORD_SHUFFLE)
+
+
+def _pass_seed(seed: int, pass_index):
+    """One shuffle seed per (seed, pass): a pass's order is the same in every iterator."""
+    import tensorflow as tf
+
+    return tf.constant(seed, tf.int64) * 1_000_003 + tf.cast(pass_index, tf.int64)
 
 
 def file_order(split: Split, seed: int) -> np.ndarray:

@@ -237,28 +237,17 @@ def only(keep, *values) -> list:
                    lambda: [tf.boolean_mask(value, keep) for value in values])
 
 
-def stored_passes(from_source: tf.data.Dataset, store: SampleStore, num_samples: int, *,
-                  shuffle: bool, seed: int, state: list) -> tf.data.Dataset:
-    """One pass over ``num_samples`` positions each time it is iterated: ``from_source`` (which
-    stores what it decodes) until the store holds every position, then the store alone, in a new
-    random order every pass when ``shuffle`` (else in position order)."""
+def stored_pass(from_source: tf.data.Dataset, store: SampleStore, num_samples: int,
+                order: tf.data.Dataset) -> tf.data.Dataset:
+    """One pass: ``from_source`` (which stores what it decodes) until the store holds every one
+    of the ``num_samples`` positions, then the store alone, read in ``order`` (the pass's
+    positions, as the source gives them). Called inside the pipeline's ``flat_map`` over passes,
+    so whether the store is complete is asked at the start of every pass."""
     import tensorflow as tf
 
-    with tf.device("/cpu:0"):
-        passes = tf.Variable(0, dtype=tf.int64, trainable=False)
-    state.append(passes)
-
-    def one_pass(_):
-        complete = store.size() >= num_samples
-        positions = tf.range(num_samples, dtype=tf.int64)
-        if shuffle:
-            # Stateless with (seed, pass): reproducible, and a new order on every pass.
-            pass_seed = tf.stack([tf.constant(seed, tf.int64), passes.assign_add(1)])
-            positions = tf.random.experimental.stateless_shuffle(positions, seed=pass_seed)
-        from_store = store.stored(tf.data.Dataset.from_tensor_slices(positions))
-        # take(0) never starts the other dataset: a complete store opens no file.
-        everything, nothing = tf.constant(-1, tf.int64), tf.constant(0, tf.int64)
-        return (from_source.take(tf.where(complete, nothing, everything))
-                .concatenate(from_store.take(tf.where(complete, everything, nothing))))
-
-    return tf.data.Dataset.from_tensors(0).flat_map(one_pass)
+    complete = store.size() >= num_samples
+    from_store = store.stored(order)
+    # take(0) never starts the other dataset: a complete store opens no file.
+    everything, nothing = tf.constant(-1, tf.int64), tf.constant(0, tf.int64)
+    return (from_source.take(tf.where(complete, nothing, everything))
+            .concatenate(from_store.take(tf.where(complete, everything, nothing))))

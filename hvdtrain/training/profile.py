@@ -25,6 +25,8 @@ class InputWait:
 
         with tf.device("/cpu:0"):  # updated from inside tf.data, which runs on the host
             self.total = tf.Variable(0.0, dtype=tf.float64, trainable=False)
+        self.measured = True
+        """False when op determinism kept ``timed`` from measuring."""
 
     def timed(self, batches: tf.data.Dataset) -> tf.data.Dataset:
         """``batches``, each adding the time its consumer waited for it to ``total``. Before a
@@ -32,6 +34,11 @@ class InputWait:
         the copy to the device waiting, which is the step's wait once that buffer runs dry."""
         import tensorflow as tf
 
+        if _op_determinism():
+            # TensorFlow refuses tf.timestamp under op determinism (TF_DETERMINISTIC_OPS=1 or
+            # enable_op_determinism()): no wait is measured, the rows say none.
+            self.measured = False
+            return batches
         clock = tf.data.Dataset.from_tensors(tf.constant(0)).repeat().map(
             lambda _: tf.timestamp())
 
@@ -43,6 +50,18 @@ class InputWait:
 
     def seconds(self) -> float:
         return float(self.total.numpy())
+
+
+def _op_determinism() -> bool:
+    """Whether TensorFlow runs with op determinism (its query is not public API)."""
+    import os
+
+    from tensorflow.python.framework import config
+
+    query = getattr(config, "is_op_determinism_enabled", None)
+    if query is not None:
+        return bool(query())
+    return os.environ.get("TF_DETERMINISTIC_OPS", "").lower() in ("1", "true")
 
 
 def input_bound_note(row: dict) -> str | None:
