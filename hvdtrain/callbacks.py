@@ -427,7 +427,7 @@ class MetricsLog(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if self.request.mid_epoch:
-            return  # a cut-short epoch is not a data point; it is re-run on resume
+            return  # a cut-short epoch is not a data point; the resume finishes it
         self.rows.append(self.throughput.row(epoch, logs))
         with self._writing("metrics.json"):
             self.run_dir.write_csv("metrics.csv", self.rows)

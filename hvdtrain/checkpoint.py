@@ -251,6 +251,6 @@ class SaveOnStop:
         self.is_chief = is_chief
 
     def __call__(self, epoch: int, mid_epoch: bool) -> None:
-        if self.is_chief:  # an epoch cut short is re-run from its start on resume
+        if self.is_chief:  # resumed at its step (restore_or_start), or the epoch re-run
             self.checkpoints.save(resume_epoch=epoch if mid_epoch else epoch + 1)
             self.request.saved = True

@@ -34,7 +34,8 @@ class StopRequest:
     epoch: int | None = None
     """The epoch in which training stopped."""
     mid_epoch: bool = False
-    """True when steps of that epoch were left undone (it is re-run on resume)."""
+    """True when steps of that epoch were left undone (a resume goes on at its step, or re-runs
+    it: checkpoint.restore_or_start)."""
     saved: bool = False
     """Rank 0 already wrote the checkpoint for this stop."""
     by_job: bool = False

@@ -35,6 +35,7 @@ TEST_ONLY = {
     "HVDTRAIN_SLURM_DIR": "the one-node Slurm's state directory",
     "HVDTRAIN_SLURM_TIMEOUT": "the one-node Slurm's wait for its daemons",
     "HVDTRAIN_TEST_RECORD": "where tests/test_cache.py's model records what it trained on",
+    "HVDTRAIN_TEST_KILL_AT": "after which step tests/scripts/killed_at_step.py SIGKILLs rank 0",
     "HVDTRAIN_TEST_STALL_AFTER": "when tests/scripts/stalling_model.py stalls",
     "HVDTRAIN_TEST_STALL_RANK": "which rank tests/scripts/stalling_model.py stalls",
     "HVDTRAIN_TEST_TAG": "marks the processes of one test so that it can find what is left",
