@@ -65,7 +65,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     import tensorflow as tf
     import tf_keras as keras
 
-    from hvdtrain.callbacks import Throughput
+    from hvdtrain.training.callbacks import Throughput
     from hvdtrain.data.embedded import load_embedded
     from hvdtrain.models.cnn import build_cnn
 

@@ -204,7 +204,7 @@ def pipeline_run(s: Settings, *, data: str = "digits", data_dir: str | None = No
     """Samples per second the input pipeline alone delivers (one process, one thread)."""
     code = (
         "import json, sys, time, hvdtrain\n"
-        "from hvdtrain.config import ImageConfig\n"
+        "from hvdtrain.training.config import ImageConfig\n"
         "from hvdtrain.data import list_data, build_pipelines\n"
         "from hvdtrain.data.cache import CacheChoice\n"
         "from hvdtrain.runtime import World, configure_devices\n"

@@ -47,11 +47,11 @@ __all__ = ["Datasets", "Shard", "Task", "TrainConfig", "main", "run"]
 
 def __getattr__(name: str):
     if name == "TrainConfig":
-        from hvdtrain import config
+        from hvdtrain.training import config
 
         return config.TrainConfig
     if name in ("main", "run"):
-        from hvdtrain import job
+        from hvdtrain.training import job
 
         return getattr(job, name)
     if name in __all__:

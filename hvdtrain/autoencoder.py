@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
-from hvdtrain import job
-from hvdtrain.config import ImageConfig
+from hvdtrain.training import job
+from hvdtrain.training.config import ImageConfig
 from hvdtrain.task import Task
 
 if TYPE_CHECKING:  # TensorFlow and Keras load once the job runs: the flags need neither
     from hvdtrain.runtime import Runtime
-    from hvdtrain.train import TrainingResult
+    from hvdtrain.training.fit import TrainingResult
 
 PROGRAM = "hvdtrain.autoencoder"
 SAMPLES_IN_GRID = 8

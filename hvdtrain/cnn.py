@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from hvdtrain import job
-from hvdtrain.config import ImageConfig
+from hvdtrain.training import job
+from hvdtrain.training.config import ImageConfig
 from hvdtrain.models import CLASSIFIERS, build_classifier
 from hvdtrain.models.user import is_user_model
 from hvdtrain.task import Task

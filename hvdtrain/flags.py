@@ -1,6 +1,6 @@
 """The flag machinery every command shares: a dataclass's fields as flags (typed by their
 annotations, documented by the docstring under each), an argparse that fails in one line, and
-help that shows the defaults worth showing. hvdtrain.config builds the training flags with it,
+help that shows the defaults worth showing. hvdtrain.training.config builds the training flags with it,
 the launcher, the Slurm renderer and the converter theirs.
 """
 from __future__ import annotations

@@ -71,9 +71,9 @@ def run_variants(out: str, keras: str) -> int:
 
     import numpy as np
 
-    from hvdtrain import train
+    from hvdtrain.training import train
     from hvdtrain.cnn import PRESETS, PROGRAM as CNN, classifier
-    from hvdtrain.config import parse_config
+    from hvdtrain.training.config import parse_config
     from hvdtrain.errors import as_one_line
     from hvdtrain.runtime.horovod import HorovodRuntime
 

@@ -12,7 +12,7 @@ The public API (exported from ``hvdtrain``; docs/your-job.md)::
     if __name__ == "__main__":
         hvdtrain.main(task)  # flags, banner, run directory, checkpoints, resume, preemption
 
-``hvdtrain.main`` and ``hvdtrain.run`` are ``hvdtrain/job.py``'s, which runs every job; this
+``hvdtrain.main`` and ``hvdtrain.run`` are ``hvdtrain/training/job.py``'s, which runs every job; this
 module holds only the types a job is described with, and imports nothing of hvdtrain.
 
 A dataset builder returns *this rank's* batches: ``shard`` says which slice and how big a batch.
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     import tensorflow as tf
 
-    from hvdtrain.config import TrainConfig
+    from hvdtrain.training.config import TrainConfig
 
 
 @dataclass(frozen=True)

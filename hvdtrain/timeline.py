@@ -22,7 +22,7 @@ from hvdtrain import STARTED
 #: (milestone, the phase that ends there), in the order a job reaches them.
 MILESTONES: tuple[tuple[str, str], ...] = (
     ("hvdtrain_imported", "python"),       # the interpreter started, site and hvdtrain imported
-    ("imported", "imports"),               # flags parsed; TensorFlow, Keras, hvdtrain.train
+    ("imported", "imports"),               # flags parsed; TensorFlow, Keras, hvdtrain.training.train
     ("runtime_started", "runtime"),        # hvd.init (or a strategy), devices and threads pinned
     ("data_listed", "data"),               # rank 0 listed the data (or the task built its own)
     ("pipelines_built", "pipelines"),      # every rank's tf.data pipelines, then the banner

@@ -15,7 +15,7 @@ import tensorflow as tf
 import hvdtrain
 from conftest import LAUNCHED_RANKS, REPO, VENV_BIN, clean_env, gather_checked, integration, \
     mpirun_ranks, run_job
-from hvdtrain.train import agreed_batches
+from hvdtrain.training.inputs import agreed_batches
 from hvdtrain.errors import UserError
 
 pytestmark = pytest.mark.timeout(300)
@@ -211,7 +211,7 @@ def test_a_job_that_is_not_a_task_is_refused_before_anything_starts(tmp_path):
 def test_a_model_made_at_its_first_call_gets_its_variables_or_one_line():
     import keras  # the Keras conftest's hvdtrain import selected
 
-    from hvdtrain import train
+    from hvdtrain.training import model as model_module
 
     class Net(keras.Model):
         def __init__(self):
@@ -224,7 +224,7 @@ def test_a_model_made_at_its_first_call_gets_its_variables_or_one_line():
     inputs = {"features": tf.TensorSpec([None, 4], tf.float32)}
     model = Net()
     assert not model.weights
-    train.create_variables(model, inputs)  # nested inputs, batch size left free
+    model_module.create_variables(model, inputs)  # nested inputs, batch size left free
     assert [tuple(w.shape) for w in model.weights] == [(4, 3), (3,)]
 
     class Broken(keras.Model):
@@ -235,7 +235,7 @@ def test_a_model_made_at_its_first_call_gets_its_variables_or_one_line():
     expected = (r"could not be built from the data's inputs .*: "
                 r"ValueError: .*this model expects three features")
     with pytest.raises(UserError, match=expected) as caught:
-        train.create_variables(Broken(), tf.TensorSpec([None, 4], tf.float32))
+        model_module.create_variables(Broken(), tf.TensorSpec([None, 4], tf.float32))
     assert "\n" not in str(caught.value)
 
 
@@ -246,7 +246,7 @@ def test_a_model_made_at_its_first_call_gets_its_variables_or_one_line():
     (lambda: tf.data.Dataset.from_tensor_slices((tf.zeros((8, 4)),) * 4), "tuples of 4"),
 ])
 def test_a_task_dataset_of_the_wrong_elements_is_one_line(elements, described):
-    from hvdtrain.train import check_elements
+    from hvdtrain.training.inputs import check_elements
 
     with pytest.raises(UserError, match="must yield \\(inputs, targets\\) or") as refused:
         check_elements(hvdtrain.Datasets(elements().batch(2)))

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, clean_env, integration, run_job
 from hvdtrain.cli import COMMANDS
 from hvdtrain.cnn import PRESETS
-from hvdtrain.config import describe_preset
+from hvdtrain.training.config import describe_preset
 from hvdtrain.launch.options import parse_options
 from hvdtrain.launch.slurm import TEMPLATES
 

@@ -8,7 +8,7 @@ import pytest
 
 from hvdtrain.cnn import PRESETS as CNN_PRESETS
 from hvdtrain.cnn import ClassifierConfig
-from hvdtrain.config import CacheSetting, ImageConfig, TrainConfig, parse_config
+from hvdtrain.training.config import CacheSetting, ImageConfig, TrainConfig, parse_config
 from hvdtrain.flags import field_docs
 from hvdtrain.errors import UserError
 
@@ -198,7 +198,7 @@ def test_optimizer_flags_that_mean_nothing_for_the_choice_are_one_line(flags, me
 
 
 def test_the_resnet_recipe_parses_and_its_milestones_follow_the_epochs():
-    from hvdtrain.plan import make_plan
+    from hvdtrain.training.plan import make_plan
     from hvdtrain.training.optimizers import WarmupThenSteps
 
     config = parse("--optimizer", "sgd", "--nesterov", "--weight-decay", "5e-5",

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.config import CacheSetting, ImageConfig
+from hvdtrain.training.config import CacheSetting, ImageConfig
 from hvdtrain.data import build_pipelines, list_data, split_indices
 from hvdtrain.data.folder import list_image_folder
 from hvdtrain.data.records import file_order, files_for_rank, list_tfrecords
@@ -470,7 +470,7 @@ def test_tfrecords_and_run_directory_on_a_url_file_system(tmp_path):
 
     import tensorflow as tf
 
-    from hvdtrain import train
+    from hvdtrain.training import train
     from hvdtrain.cnn import CLASSIFIER
     from hvdtrain.cnn import tiny
     from hvdtrain.runtime import Runtime, configure_devices

@@ -21,14 +21,14 @@ import keras  # the Keras conftest's hvdtrain import selected
 import hvdtrain
 
 from conftest import LAUNCHED_RANKS, assert_same_on_all_ranks, gather_checked, multi_rank
-from hvdtrain import checkpoint, train
+from hvdtrain.training import checkpoint, train
 from hvdtrain.cnn import CLASSIFIER
 from hvdtrain.cnn import tiny
-from hvdtrain.config import ImageConfig
+from hvdtrain.training.config import ImageConfig
 from hvdtrain.data import build_pipelines, list_data
 from hvdtrain.errors import UserError
 from hvdtrain.models.cnn import build_cnn
-from hvdtrain.plan import make_plan
+from hvdtrain.training.plan import make_plan
 from hvdtrain.training.optimizers import learning_rate_schedule
 
 pytestmark = pytest.mark.timeout(300)
@@ -346,7 +346,7 @@ def test_ranks_draw_their_own_dropout_masks_from_the_same_weights(runtime, tmp_p
         model = train.run("test", config, runtime, CLASSIFIER).model
         dropout = next(layer for layer in model.layers
                        if isinstance(layer, keras.layers.Dropout))
-        # The next mask this rank's dropout draws, from the generator train.fit seeded.
+        # The next mask this rank's dropout draws, from the generator training.model.seed_and_precision seeded.
         mask = dropout(np.ones((1, 4096), np.float32), training=True).numpy() != 0
         return [w.numpy() for w in model.weights], mask
 

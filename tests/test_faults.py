@@ -146,7 +146,7 @@ def test_a_checkpoint_interrupted_mid_write_leaves_the_previous_one_loadable(tmp
     assert not (run_dir / "checkpoints" / "ckpt-2.index").exists()
     check = (
         "import sys, numpy as np, hvdtrain, tf_keras as keras\n"
-        "from hvdtrain.rundir import RunDir\nfrom hvdtrain.checkpoint import Checkpoints\n"
+        "from hvdtrain.rundir import RunDir\nfrom hvdtrain.training.checkpoint import Checkpoints\n"
         "m = keras.Sequential([keras.Input((4000,)), keras.layers.Dense(16000)])\n"
         "m.compile(optimizer=keras.optimizers.Adam(), loss='mse')\n"
         "m.optimizer.build(m.trainable_variables)\n"

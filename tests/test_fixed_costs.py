@@ -13,7 +13,7 @@ from hvdtrain.timeline import MILESTONES, PHASES, Timeline
 
 #: What a job imports before its first step: the classifier, the training run, horovod, the
 #: image files' pipelines and the model.
-JOB_MODULES = ("hvdtrain.cnn", "hvdtrain.train", "hvdtrain.runtime.horovod",
+JOB_MODULES = ("hvdtrain.cnn", "hvdtrain.training.train", "hvdtrain.runtime.horovod",
                "hvdtrain.data.pipeline", "hvdtrain.data.folder", "hvdtrain.data.records",
                "hvdtrain.models.cnn")
 #: Loaded when a job asks for them (rank 0's curves.png, --tensorboard, --track mlflow, the

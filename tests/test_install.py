@@ -59,7 +59,7 @@ def test_every_admitted_python_imports_the_package(minor):
         pytest.skip(f"no Python {minor} on this machine")
     # The modules that need neither TensorFlow nor numpy: what a wrong floor breaks first.
     result = subprocess.run(
-        [python, "-c", "import hvdtrain, hvdtrain.config, hvdtrain.plan, hvdtrain.slurm, "
+        [python, "-c", "import hvdtrain, hvdtrain.training.config, hvdtrain.training.plan, hvdtrain.slurm, "
                        "hvdtrain.launch.__main__, hvdtrain.errors"],
         capture_output=True, text=True, timeout=60,
         env={**clean_env(), "PYTHONPATH": str(REPO)}, cwd=REPO)

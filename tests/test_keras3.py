@@ -96,7 +96,9 @@ def test_a_script_on_horovods_keras_api_gets_keras_3_and_one_written_for_keras_2
 def test_a_config_for_the_other_keras_is_refused_in_one_line():
     import dataclasses
 
-    from hvdtrain import KERAS, train
+    from hvdtrain import KERAS
+
+    from hvdtrain.training import train
     from hvdtrain.cnn import tiny
     from hvdtrain.errors import UserError
 

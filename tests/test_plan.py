@@ -1,7 +1,7 @@
 """The data-parallel arithmetic (pure: no TensorFlow, no horovod)."""
 import pytest
 
-from hvdtrain.plan import make_plan
+from hvdtrain.training.plan import make_plan
 
 BASE = dict(batch_size=32, batch_policy="per-worker", learning_rate=1e-3, lr_scaling="linear",
             warmup_epochs=1.0, grad_accum_steps=1, epochs=10, num_workers=1,
@@ -84,7 +84,7 @@ def test_banner_states_the_numbers():
 
 
 def test_a_resume_on_another_world_size_names_what_moved():
-    from hvdtrain.plan import resize_notes
+    from hvdtrain.training.plan import resize_notes
 
     four = plan(num_workers=4, num_train_samples=100_000)
     two = plan(num_workers=2, num_train_samples=100_000)

@@ -1,4 +1,4 @@
-"""A rank's side of a stop signal (hvdtrain.preemption.StopSignals): what it records for each
+"""A rank's side of a stop signal (hvdtrain.training.preemption.StopSignals): what it records for each
 signal, real signals sent to this process. The launcher's side, with real mpirun and ranks, is
 in test_restarts.py."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import signal
 
 from hvdtrain.errors import RELAYED_STOP
-from hvdtrain.preemption import StopRequest, StopSignals
+from hvdtrain.training.preemption import StopRequest, StopSignals
 
 
 def received_after(*signals: int) -> int:

@@ -201,10 +201,10 @@ def test_an_old_run_directory_is_resumed_and_a_new_one_made(tmp_path):
 def test_a_fingerprint_holds_what_is_trained_and_nothing_a_resume_may_change(tmp_path):
     """The run directory's record of one job, against the same job resized (other workers,
     batch, learning rate, epochs: the plan) and against other data, images and models."""
-    from hvdtrain import train
+    from hvdtrain.training import start
     from hvdtrain.cnn import tiny
     from hvdtrain.data import ImageDatasets
-    from hvdtrain.plan import make_plan
+    from hvdtrain.training.plan import make_plan
 
     def plan(num_workers: int, batch_size: int, epochs: int, learning_rate: float):
         return make_plan(batch_size=batch_size, batch_policy="per-worker",
@@ -215,24 +215,24 @@ def test_a_fingerprint_holds_what_is_trained_and_nothing_a_resume_may_change(tmp
     digits = ImageDatasets(None, None, "digits", image_shape=(8, 8, 1),
                            class_names=tuple("0123456789"),
                            identity={"split": split_identity("samples", 0.2, 42)})
-    recorded = train.fingerprint("hvdtrain.cnn", tiny(), digits, plan(2, 32, 3, 3e-3))
+    recorded = start.fingerprint("hvdtrain.cnn", tiny(), digits, plan(2, 32, 3, 3e-3))
     assert recorded == {**DIGITS, "samples": "1797, embedded digits",
                         "split": "0.2 of the samples held out for validation, seed 42"}
-    resized = train.fingerprint("hvdtrain.cnn", dataclasses.replace(tiny(), epochs=9),
+    resized = start.fingerprint("hvdtrain.cnn", dataclasses.replace(tiny(), epochs=9),
                                 digits, plan(1, 64, 9, 1e-2))
     assert resized == recorded
 
     model_file = tmp_path / "models.py"
     other = {
-        "samples": train.fingerprint("hvdtrain.cnn", dataclasses.replace(tiny(),
+        "samples": start.fingerprint("hvdtrain.cnn", dataclasses.replace(tiny(),
                                                                          data="synthetic"),
                                      digits, plan(2, 32, 3, 3e-3)),
         # Another seed or fraction validates on samples the checkpoint trained on.
-        "split": train.fingerprint("hvdtrain.cnn", tiny(), dataclasses.replace(
+        "split": start.fingerprint("hvdtrain.cnn", tiny(), dataclasses.replace(
             digits, identity={"split": split_identity("samples", 0.2, 7)}), plan(2, 32, 3, 3e-3)),
-        "images": train.fingerprint("hvdtrain.cnn", tiny(), dataclasses.replace(
+        "images": start.fingerprint("hvdtrain.cnn", tiny(), dataclasses.replace(
             digits, image_shape=(16, 16, 1)), plan(2, 32, 3, 3e-3)),
-        "model": train.fingerprint("hvdtrain.cnn", dataclasses.replace(
+        "model": start.fingerprint("hvdtrain.cnn", dataclasses.replace(
             tiny(), model=f"{os.path.relpath(model_file)}:build"), digits, plan(2, 32, 3, 3e-3)),
     }
     for part, fingerprint in other.items():
@@ -242,18 +242,18 @@ def test_a_fingerprint_holds_what_is_trained_and_nothing_a_resume_may_change(tmp
     # The same folder staged at another path (a node's local disk), the model file moved: the
     # same experiment.
     folder = ImageDatasets(None, None, "mine", image_shape=(8, 8, 1), class_names=("a", "b"))
-    here, there = (train.fingerprint("hvdtrain.cnn", dataclasses.replace(
+    here, there = (start.fingerprint("hvdtrain.cnn", dataclasses.replace(
         tiny(), data_dir=f"{top}/mine", model=f"{top}/models.py:build"), folder,
         plan(2, 32, 3, 3e-3)) for top in ("/project", "/tmp/job-7"))
     assert here == there and here["samples"] == "1797, from image files"
     # The TFRecords converted from a folder, with its split and its (file, label) table: the
     # same experiment; the same files with two class folders swapped: not.
     table = {"split": split_identity("files", 0.1, 42), "labels": "5e1f" * 16}
-    as_folder, as_records = (train.fingerprint("hvdtrain.cnn", dataclasses.replace(
+    as_folder, as_records = (start.fingerprint("hvdtrain.cnn", dataclasses.replace(
         tiny(), **source), dataclasses.replace(folder, identity=table), plan(2, 32, 3, 3e-3))
         for source in ({"data_dir": "/project/mine"}, {"tfrecords": "/project/mine-shards"}))
     assert experiment_changes(as_folder, as_records) == []
-    swapped = train.fingerprint("hvdtrain.cnn", dataclasses.replace(
+    swapped = start.fingerprint("hvdtrain.cnn", dataclasses.replace(
         tiny(), data_dir="/project/mine"), dataclasses.replace(
         folder, identity={**table, "labels": "77aa" * 16}), plan(2, 32, 3, 3e-3))
     assert experiment_changes(as_folder, swapped) == [
@@ -309,9 +309,9 @@ def test_an_atomic_write_opens_nothing_planted_and_syncs_before_and_after_the_re
 
 def test_a_run_directory_that_fills_up_mid_run_is_one_line_with_a_remedy(tmp_path):
     """A real full file system (a small tmpfs, filled): MetricsLog's write at an epoch's end."""
-    from hvdtrain.callbacks import MetricsLog, Throughput
+    from hvdtrain.training.callbacks import MetricsLog, Throughput
     from hvdtrain.errors import RankError
-    from hvdtrain.preemption import StopRequest
+    from hvdtrain.training.preemption import StopRequest
 
     with small_disk_at(tmp_path / "small-disk", "64k") as disk:
         with pytest.raises(OSError):
@@ -537,11 +537,11 @@ def test_curves_are_redrawn_at_most_as_often_as_asked_and_always_at_the_end(tmp_
                                                                           plot_every_seconds):
     # Rank 0's plotting is time every rank waits for (they move in lock-step): with a long
     # interval the plot is drawn after the first epoch and at the end, not after every epoch.
-    import keras  # the Keras conftest's hvdtrain import selected, as hvdtrain.callbacks'
+    import keras  # the Keras conftest's hvdtrain import selected, as hvdtrain.training.callbacks'
     import numpy as np
 
-    from hvdtrain.callbacks import MetricsLog, Throughput
-    from hvdtrain.preemption import StopRequest
+    from hvdtrain.training.callbacks import MetricsLog, Throughput
+    from hvdtrain.training.preemption import StopRequest
 
     run_dir = RunDir(tmp_path, is_chief=True)
     curves = tmp_path / "curves.png"
@@ -568,9 +568,9 @@ def test_curves_are_redrawn_at_most_as_often_as_asked_and_always_at_the_end(tmp_
 def train_in_this_process(*flags: str):
     """hvdtrain.cnn's flags and training run in this pytest process (its Keras, a world of one):
     no interpreter and no TensorFlow to start for each of a test's several short runs."""
-    from hvdtrain import train
+    from hvdtrain.training import train
     from hvdtrain.cnn import PRESETS, PROGRAM, classifier
-    from hvdtrain.config import parse_config
+    from hvdtrain.training.config import parse_config
     from hvdtrain.runtime import make_runtime
 
     config = parse_config(list(flags), PRESETS, prog=PROGRAM, description=None)

@@ -171,7 +171,7 @@ def test_the_auto_cache_budgets_against_the_jobs_slurm_memory(submit, tmp_path, 
         (folder / name).mkdir(parents=True)
         for index in range(1200):
             os.link(one, folder / name / f"{index}{one.suffix}")
-    code = ("import hvdtrain; from hvdtrain.config import CacheSetting; "
+    code = ("import hvdtrain; from hvdtrain.training.config import CacheSetting; "
             "from hvdtrain.data import choose_data_cache; "
             "from hvdtrain.data.folder import list_image_folder; "
             "from hvdtrain.runtime import World; "

@@ -344,7 +344,7 @@ def test_a_shard_cut_short_without_a_recorded_size_is_named_at_its_first_pass(im
     hand): the cut one's missing records were blanks "that did not decode", whatever
     --on-bad-image said. Now the pass that reaches its end names it, and the epoch's report
     stops every rank with that line (before the epoch's checkpoint)."""
-    from hvdtrain.callbacks import DecodeFailureReport
+    from hvdtrain.training.callbacks import DecodeFailureReport
     from hvdtrain.data.pipeline import build_pipelines
     from hvdtrain.data.records import list_tfrecords
     from hvdtrain.runtime.base import Devices, Runtime, World

@@ -31,7 +31,7 @@ from typing import Iterator
 import pytest
 
 from conftest import VENV_BIN, clean_env, integration, run_job, wait_for_first_epoch
-from hvdtrain.config import TrainConfig
+from hvdtrain.training.config import TrainConfig
 from hvdtrain.credentials import split_userinfo, without_userinfo
 from hvdtrain.errors import UserError
 from hvdtrain.launch.paths import Launch, describe

@@ -28,7 +28,7 @@ from hvdtrain.runtime.base import World
 from hvdtrain.scratch import own_directory
 
 if TYPE_CHECKING:
-    from hvdtrain.config import CacheSetting
+    from hvdtrain.training.config import CacheSetting
     from hvdtrain.data.listing import Listing
 
 CacheKind = Literal["memory", "disk", "off"]

@@ -10,7 +10,7 @@ from hvdtrain.data.records import list_tfrecords
 from hvdtrain.errors import UserError, first_line
 
 if TYPE_CHECKING:
-    from hvdtrain.config import ImageConfig
+    from hvdtrain.training.config import ImageConfig
     from hvdtrain.runtime import Runtime
 
 

@@ -5,7 +5,7 @@ it still answers, over the channel the ranks are started with: ssh outside Slurm
 and mpirun reach hosts), an srun step inside an allocation (the node's slurmd). A host that does
 not (crashed, its link down, its daemon gone) is dropped; when at least N hosts are left the job
 restarts on them, from its last checkpoint, at the smaller world size (an hvdtrain job plans
-again for the workers it has: see hvdtrain.plan). Fewer than N left: one line, and the job ends.
+again for the workers it has: see hvdtrain.training.plan). Fewer than N left: one line, and the job ends.
 
 Inside Slurm the job must outlive the node: ``sbatch --no-kill`` (Slurm then takes the failed node
 out of the job instead of ending it), e.g. ``sbatch --no-kill -N 2-3 slurm/multinode.sh`` with

@@ -12,9 +12,9 @@ import numpy as np
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
-from hvdtrain.config import TrainConfig
+from hvdtrain.training.config import TrainConfig
 from hvdtrain.errors import UserError
-from hvdtrain.plan import TrainingPlan
+from hvdtrain.training.plan import TrainingPlan
 
 #: Keras' own default where the flag is not given.
 DEFAULT_MOMENTUM = {"sgd": 0.9, "rmsprop": 0.0}

@@ -10,7 +10,7 @@ import numpy as np
 import tf_keras as keras
 
 from hvdtrain.rundir import RunDir
-from hvdtrain.checkpoint import Checkpoints
+from hvdtrain.training.checkpoint import Checkpoints
 
 
 def main(run_dir: str) -> None:

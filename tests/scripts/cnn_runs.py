@@ -2,16 +2,16 @@
 
 Usage: horovodrun -np 2 python tests/scripts/cnn_runs.py [--no-grappler] FLAGS... [--then FLAGS...]
 Each FLAGS is what ``python -m hvdtrain.cnn`` takes (with its own --run-dir); the runs go one after
-the other through its flags and training run (``hvdtrain.train.run``) on one horovod runtime, and
-each ends with one summary line. Exits with the first failing run's status.
+the other through its flags and training run (``hvdtrain.training.train.run``) on one horovod
+runtime, and each ends with one summary line. Exits with the first failing run's status.
 """
 import sys
 
 import hvdtrain  # noqa: F401  (selects the Keras before TensorFlow loads)
 import tensorflow as tf
-from hvdtrain import train
+from hvdtrain.training import train
 from hvdtrain.cnn import PRESETS, PROGRAM, classifier
-from hvdtrain.config import parse_config
+from hvdtrain.training.config import parse_config
 from hvdtrain.runtime.horovod import HorovodRuntime
 
 

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from conftest import assert_same_on_all_ranks  # noqa: E402
-from hvdtrain import checkpoint, train  # noqa: E402
+from hvdtrain.training import checkpoint, train  # noqa: E402
 from hvdtrain.cnn import CLASSIFIER, tiny  # noqa: E402
 from hvdtrain.models.cnn import build_cnn  # noqa: E402
 from hvdtrain.runtime.horovod import HorovodRuntime  # noqa: E402

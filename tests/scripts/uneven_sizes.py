@@ -9,7 +9,7 @@ import json
 import sys
 
 import hvdtrain  # noqa: F401
-from hvdtrain import train
+from hvdtrain.training import train
 from hvdtrain.cnn import CLASSIFIER
 from hvdtrain.cnn import tiny
 from hvdtrain.errors import UserError

@@ -23,7 +23,7 @@ import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
 from hvdtrain.errors import UserError, first_line
-from hvdtrain.preemption import StopRequest
+from hvdtrain.training.preemption import StopRequest
 from hvdtrain.rundir import RunDir
 
 

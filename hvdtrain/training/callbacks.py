@@ -20,7 +20,7 @@ import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 from hvdtrain import ranklog
 from hvdtrain.errors import RankError, UserError, no_step_report, report_once
 from hvdtrain.plots import curves_title, plot_curves
-from hvdtrain.preemption import StopRequest
+from hvdtrain.training.preemption import StopRequest
 from hvdtrain.rundir import RunDir
 from hvdtrain.timeline import Timeline
 from hvdtrain.tracking import Tracker

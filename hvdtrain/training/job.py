@@ -12,7 +12,7 @@ import sys
 from typing import Callable, Mapping, Sequence
 
 from hvdtrain.cli import error_name, started_as_command, usage_name
-from hvdtrain.config import ImageConfig, TrainConfig, parse_config
+from hvdtrain.training.config import ImageConfig, TrainConfig, parse_config
 from hvdtrain.data import disk_cache_failures_in_one_line
 from hvdtrain.errors import UserError, leave, reported
 from hvdtrain.rundir import TIMELINE_FILE
@@ -65,7 +65,7 @@ def run(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | N
     # 1. configuration: a preset, then command-line overrides, validated
     config = parse_config(argv, presets, prog=_usage_name(program),
                           description=_description(program))
-    from hvdtrain import train  # TensorFlow: once a job runs, not for --help or a bad flag
+    from hvdtrain.training import train  # TensorFlow: once a job runs, not for --help or a bad flag
 
     timeline.mark("imported")
     job_task = task if isinstance(task, Task) else task(config)
@@ -75,7 +75,7 @@ def run(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | N
     # 2. compute: horovod ranks, a tf.distribute strategy, or one process
     runtime = train.start_runtime(config)
     timeline.mark("runtime_started")
-    # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/train.py)
+    # 3. data, plan, model, resume, fit, checkpoints, export (hvdtrain/training/train.py)
     result = train.run(program, config, runtime, job_task, timeline)
     # 4. what the job makes of a finished run, then the summary
     if after is not None and result.exit_code == 0:
