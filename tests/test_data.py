@@ -909,3 +909,22 @@ def test_a_disk_cache_failure_is_found_in_tensorflows_words_whatever_its_directo
         "free space there, point --cache disk:DIR or TMPDIR at a larger local disk, or use "
         "--cache memory or off")
     assert disk_cache_failure(Exception("OSError: [Errno 5] Input/output error")) is None
+
+
+def test_the_flags_name_one_source_and_every_kind_has_its_lister(tmp_path):
+    """ImageConfig.source is the one typed value the rest asks (not the three flags), and each
+    kind of source is a row of data.sources.LISTERS."""
+    from hvdtrain.data.source import KINDS, DataSource
+    from hvdtrain.data.sources import LISTERS
+
+    assert set(LISTERS) == set(KINDS)
+    folder = ImageConfig(data_dir=str(tmp_path)).source
+    assert folder == DataSource("folder", str(tmp_path)) and folder.from_files
+    assert folder.described() == f"image folder {os.path.realpath(tmp_path)}"
+    remote = ImageConfig(tfrecords="gs://bucket/shards").source
+    assert remote.described() == "TFRecords gs://bucket/shards"  # a URL as given
+    digits = ImageConfig().source
+    assert digits == DataSource("embedded", "digits") and not digits.from_files
+    assert digits.label == digits.described() == "embedded digits"
+    with pytest.raises(ValueError, match="give either --data-dir or --tfrecords, not both"):
+        ImageConfig(data_dir="a", tfrecords="b")

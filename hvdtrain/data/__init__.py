@@ -1,13 +1,16 @@
 """Input data: the embedded digits, synthetic images, an image folder, or TFRecord shards.
 
-Every source becomes the same two ``tf.data`` pipelines per rank. The package, by question:
+Every source becomes the same two ``tf.data`` pipelines per rank. A new source is a kind in
+``source.py``, a lister in ``sources.py`` (with its ``Listing`` subclass) and its test. The
+package, by question:
 
     listing.py   what a source found (``Listing``, ``Split``) and what every source answers
     embedded.py  the digits and synthetic sets, in memory
     folder.py    an image folder, listed once by rank 0
     images.py    the image formats read (PNG/JPEG/GIF/BMP) and decoding them
     records.py   TFRecord shards: the format (hvdtrain.tfrecords writes it) and the reader
-    sources.py   which source the flags name; rank 0 lists, every rank receives the listing
+    source.py    the source the flags name, as one typed value (``ImageConfig.source``)
+    sources.py   one lister per kind of source; rank 0 lists, every rank receives the listing
     shares.py    which samples a rank owns
     cache.py     where decoded images are kept between epochs, sized against the job's memory
     store.py     the decoded samples kept, by position, in memory or on local disk

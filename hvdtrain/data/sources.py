@@ -1,7 +1,8 @@
-"""Which source the flags name, and how every rank comes to hold the same listing of it."""
+"""Each kind of source's lister (``LISTERS``), and how every rank comes to hold the same listing
+of the one the flags name (``ImageConfig.source``, ``data/source.py``)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from hvdtrain.data.embedded import embedded_listing, load_embedded
 from hvdtrain.data.folder import list_image_folder
@@ -14,22 +15,33 @@ if TYPE_CHECKING:
     from hvdtrain.runtime import Runtime
 
 
-def list_data(config: ImageConfig) -> Listing:
-    """Find the samples named by the config. Raises UserError for anything unusable."""
-    if config.data_dir:
-        return list_image_folder(config.data_dir, image_size=config.image_size,
-                                 validation_fraction=config.validation_fraction,
-                                 seed=config.seed, on_bad_image=config.on_bad_image,
-                                 channels=config.channels or 3,
-                                 check_images=config.check_images)
-    if config.tfrecords:
-        return list_tfrecords(config.tfrecords, image_size=config.image_size,
-                              channels=config.channels,
-                              validation_fraction=config.validation_fraction, seed=config.seed,
-                              augment=config.augment)
+def _folder(config: ImageConfig) -> Listing:
+    return list_image_folder(config.data_dir, image_size=config.image_size,
+                             validation_fraction=config.validation_fraction, seed=config.seed,
+                             on_bad_image=config.on_bad_image, channels=config.channels or 3,
+                             check_images=config.check_images)
+
+
+def _tfrecords(config: ImageConfig) -> Listing:
+    return list_tfrecords(config.tfrecords, image_size=config.image_size,
+                          channels=config.channels, validation_fraction=config.validation_fraction,
+                          seed=config.seed, augment=config.augment)
+
+
+def _embedded(config: ImageConfig) -> Listing:
     arrays = load_embedded(config.data, image_size=config.image_size,
                            synthetic_samples=config.synthetic_samples, seed=config.seed)
     return embedded_listing(arrays, config.validation_fraction, config.seed)
+
+
+#: One lister per kind of source (``data.source.KINDS``): the config -> its ``Listing``.
+LISTERS: dict[str, Callable[[ImageConfig], Listing]] = {
+    "folder": _folder, "tfrecords": _tfrecords, "embedded": _embedded}
+
+
+def list_data(config: ImageConfig) -> Listing:
+    """Find the samples named by the config. Raises UserError for anything unusable."""
+    return LISTERS[config.source.kind](config)
 
 
 def load_listing(config: ImageConfig, runtime: Runtime) -> Listing:
@@ -37,7 +49,7 @@ def load_listing(config: ImageConfig, runtime: Runtime) -> Listing:
 
     Embedded data is deterministic and in memory, so every rank simply loads its own copy.
     """
-    if not (config.data_dir or config.tfrecords):
+    if not config.source.from_files:
         return list_data(config)
     return runtime.from_chief(lambda: _list_files(config))
 
@@ -50,7 +62,7 @@ def _list_files(config: ImageConfig) -> Listing:
     except Exception as error:  # unreadable files: a corrupt dataset.json or shard, ...
         if not _is_data_error(error):
             raise
-        raise UserError(f"cannot read {config.data_dir or config.tfrecords}: "
+        raise UserError(f"cannot read {config.source.location}: "
                         f"{type(error).__name__}: {first_line(error)}") from None
 
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
 
 from hvdtrain.credentials import without_userinfo
+from hvdtrain.data.source import DataSource
 from hvdtrain.errors import UserError
 from hvdtrain.flags import (OneLineParser, add_flag, base_type, field_docs, flag_name,
                             literal_choices, resolved_hints)
-from hvdtrain.rundir import is_url
 from hvdtrain.tracking import check_track
 
 Backend = Literal["auto", "horovod", "tpu", "mirrored", "single"]
@@ -387,14 +387,13 @@ class ImageConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.data_dir and self.tfrecords:
-            raise ValueError("give either --data-dir or --tfrecords, not both")
+        source = self.source  # its own checks: one source
         _check_at_least_one(self, ["synthetic_samples"], ["image_size"])
         if self.channels not in (None, 1, 3):
             raise ValueError(f"--channels must be 1 or 3, got {self.channels}")
         if isinstance(self.cache, str):  # a flag's or a --config file's text
             self.cache = CacheSetting.parse(self.cache)
-        if self.augment and not (self.data_dir or self.tfrecords):
+        if self.augment and not source.from_files:
             raise ValueError("--augment is for images read from files (--data-dir or "
                              "--tfrecords), not the embedded data")
         if self.cache_budget_gb is not None and self.cache_budget_gb < 0:
@@ -403,25 +402,18 @@ class ImageConfig(TrainConfig):
             raise ValueError("--validation-fraction must be in [0, 1), "
                              f"got {self.validation_fraction}")
 
-    def data_kind(self) -> str:
-        """'image folder', 'TFRecords' or 'embedded digits' (or synthetic)."""
-        return ("image folder" if self.data_dir else "TFRecords" if self.tfrecords
-                else f"embedded {self.data}")
-
-    def data_source(self) -> str:
-        """Where the images come from: the kind and, for files, the path (a local one resolved,
-        a URL as given)."""
-        path = self.data_dir or self.tfrecords
-        if not path:
-            return self.data_kind()
-        return f"{self.data_kind()} {path if is_url(path) else os.path.realpath(path)}"
+    @property
+    def source(self) -> DataSource:
+        """The data the flags name, as one typed value (hvdtrain/data/source.py)."""
+        return DataSource.from_flags(self.data_dir, self.tfrecords, self.data)
 
     def default_run_dir(self) -> str:
-        if self.data_dir or self.tfrecords:
-            source = self.data_source()
+        source = self.source
+        if source.from_files:
+            described = source.described()
             # The data's own name to read, a hash of its full path to tell two of that name apart.
-            name = re.sub(r"[^\w.-]+", "_", posixpath.basename(source.rstrip("/"))).strip("._")
-            digest = hashlib.sha256(source.encode()).hexdigest()[:6]
+            name = re.sub(r"[^\w.-]+", "_", posixpath.basename(described.rstrip("/"))).strip("._")
+            digest = hashlib.sha256(described.encode()).hexdigest()[:6]
             return f"{self.run_dir}-{name or 'data'}-{digest}"
         return f"{self.run_dir}-synthetic" if self.data == "synthetic" else self.run_dir
 

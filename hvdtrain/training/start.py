@@ -159,10 +159,10 @@ def fingerprint(program: str, config: TrainConfig, datasets: Datasets,
         samples = plan.num_train_samples + plan.num_validation_samples
         parts.update(
             # As run directories recorded it before "samples" (compared only for those).
-            data=f"{config.data_kind()}, {samples} samples",
+            data=f"{config.source.label}, {samples} samples",
             # An image folder and the TFRecords converted from it are the same samples.
-            samples=f"{samples}, " + ("from image files" if config.data_dir or config.tfrecords
-                                      else config.data_kind()),
+            samples=f"{samples}, " + ("from image files" if config.source.from_files
+                                      else config.source.label),
             classes=f"{len(datasets.class_names)} (names {names})",
             images="x".join(map(str, datasets.image_shape)))
         # Which samples are validation and which file has which label: a resume under another
