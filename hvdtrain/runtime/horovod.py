@@ -167,7 +167,7 @@ class HorovodRuntime(Runtime):
                                                fp16_allreduce=fp16_allreduce,
                                                grad_accum_steps=grad_accum_steps)
         compression = hvd.Compression.fp16 if fp16_allreduce else hvd.Compression.none
-        return hvd.DistributedOptimizer(
+        distributed = hvd.DistributedOptimizer(
             optimizer,
             compression=compression,
             # Horovod: accumulate this many local backward passes per allreduce + update; the
@@ -175,6 +175,13 @@ class HorovodRuntime(Runtime):
             backward_passes_per_step=grad_accum_steps,
             average_aggregated_gradients=grad_accum_steps > 1,
         )
+        # Horovod's Keras 2 optimizer is a new one made from the given one's config, which does
+        # not hold what exclude_from_weight_decay set: without this, biases and norm weights
+        # would be decayed on 2 ranks and more only.
+        for name, value in vars(optimizer).items():
+            if name.startswith("_exclude_from_weight_decay"):
+                setattr(distributed, name, value)
+        return distributed
 
     def keep_collectives_out_of_xla(self, model) -> bool:
         if KERAS == "3":
