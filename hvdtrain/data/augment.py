@@ -12,8 +12,8 @@ to the training size and flipped half of the time. Validation takes the central
 256, center crop 224"). Without a store (``--cache off``) every pass decodes anyway, so the crop
 is cut while decoding, from the whole image: a JPEG decodes only its window
 (``decode_and_crop_jpeg``), cheaper than decoding it whole. The randomness is stateless, drawn
-from a seed stream of its own per rank and per pass (``tf.data.Dataset.random`` seeded with both),
-so ranks never crop alike, a run is reproducible, and a resumed pass crops as the whole one.
+from seeds of its own per rank, pass and sample (``seed_stream``), so ranks never crop alike, a
+run is reproducible, and a resumed pass crops as the whole one.
 """
 from __future__ import annotations
 
@@ -45,13 +45,15 @@ def decoded_shape(image_shape: tuple[int, int, int], *, augment: bool) -> tuple[
 
 
 def seed_stream(seed: int, pass_index, skip=0) -> tf.data.Dataset:
-    """Two seeds per sample of pass ``pass_index`` (int64 tensors), from its ``skip``-th sample
-    on: the same stream in every process, so a pass resumed part-way crops its remaining
-    samples as the whole pass would have."""
+    """Two seeds per sample of pass ``pass_index`` (an int64 tensor), from its ``skip``-th sample
+    on: (seed and pass, the sample's place in the pass), for the stateless ops that crop and
+    flip. The same in every process, so a pass resumed part-way crops its remaining samples as
+    the whole pass would have; no seed goes through TensorFlow's global one."""
     import tensorflow as tf
 
     pass_seed = tf.constant(seed, tf.int64) * 1_000_003 + tf.cast(pass_index, tf.int64)
-    return tf.data.Dataset.random(seed=pass_seed).batch(2).skip(skip)
+    return tf.data.Dataset.range(tf.cast(skip, tf.int64), 2**62).map(
+        lambda index: tf.stack([pass_seed, index]))
 
 
 def augmented(train: tf.data.Dataset, image_shape: tuple[int, int, int], *,

@@ -232,15 +232,21 @@ class Listing(abc.ABC):
                      failures: DecodeFailures | None = None) -> tf.data.Dataset:
         """``(position, record)`` of this rank's records of ``split`` for pass ``pass_index`` (an
         int64 tensor: called inside the pipeline's ``flat_map`` over passes), in that pass's
-        order when ``shuffle``: ``pass_positions``' order, so a pass read from a store of
-        decoded samples is the same pass. ``position`` says which sample it is for
-        ``sample_namer`` and the store. A source that knows how many records each file holds
-        checks them with ``failures.count_file``."""
+        order when ``shuffle``: where ``random_access``, ``pass_positions``' order, so a pass
+        read from a store of decoded samples is the same pass. ``position`` says which sample
+        it is for ``sample_namer`` and the store. A source that knows how many records each
+        file holds checks them with ``failures.count_file``."""
+
+    random_access: ClassVar[bool] = True
+    """``rank_records`` reads any pass in ``pass_positions``' order (a file list, an array). Not
+    TFRecords, read in file order and shuffled in blocks: there a pass read from the store is
+    a whole permutation, another order than the files', and a resume inside an epoch re-runs it
+    (``TrainingStart.exact``)."""
 
     def pass_positions(self, count: int, *, shuffle: bool, seed: int, pass_index
                        ) -> tf.data.Dataset:
         """The positions ``0 .. count-1`` in the order of pass ``pass_index`` (see
-        ``positions_of_pass``)."""
+        ``positions_of_pass``): the order of a pass read from the store."""
         return positions_of_pass(count, shuffle=shuffle, seed=seed, pass_index=pass_index)
 
     def reader(self) -> Callable:
@@ -297,7 +303,7 @@ def positions_of_pass(count: int, *, shuffle: bool, seed: int, pass_index) -> tf
 
     if not shuffle:
         return tf.data.Dataset.range(count)
-    # pass + 1: the orders runs before the pass index had (a counter's value after its +1).
+    # pass + 1: the seeds of the first passes stay those a pass counter gave before (its +1).
     pass_seed = tf.stack([tf.constant(seed, tf.int64), tf.cast(pass_index, tf.int64) + 1])
     order = tf.random.experimental.stateless_shuffle(tf.range(count, dtype=tf.int64),
                                                      seed=pass_seed)

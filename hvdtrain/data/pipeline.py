@@ -67,10 +67,13 @@ class TrainingStart:
     from it on every rank alone.
     """
 
-    def __init__(self, batches_per_pass: int, batch_size: int):
+    def __init__(self, batches_per_pass: int, batch_size: int, exact: bool = True):
         import tensorflow as tf
 
         self.batches_per_pass, self.batch_size = batches_per_pass, batch_size
+        self.exact = exact
+        """Every pass comes in the same order however it is read (from the files or the store):
+        a resume inside a pass then reads exactly the samples that pass had left."""
         with tf.device("/cpu:0"):  # read from inside tf.data, which runs on the host
             self.first_pass = tf.Variable(0, dtype=tf.int64, trainable=False)
             self.skip_samples = tf.Variable(0, dtype=tf.int64, trainable=False)
@@ -276,7 +279,10 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     train_pass, train_samples = pass_maker(listing.train, shuffle=True, limit=None,
                                            split_name="training", by_file=by_file,
                                            crop=crop_while_decoding)
-    start = TrainingStart(batches_per_pass=train_samples // batch_size, batch_size=batch_size)
+    # A pass read from a store comes in pass_positions' order; a source that reads its files in
+    # another (TFRecords) gives a resumed pass, read from the files, another order.
+    start = TrainingStart(batches_per_pass=train_samples // batch_size, batch_size=batch_size,
+                          exact=listing.random_access or not stores)
 
     def train_batches(pass_index):
         skip = start.skip_in(pass_index)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
 
@@ -42,8 +42,9 @@ SPLIT_BY_NAME = "by name"
 """dataset.json's "split" for shards whose validation files were chosen by name
 (data.listing.held_out_by_name); conversions without it chose them by position."""
 RAW_RECORD_SHUFFLE = 2_048
-"""Undecoded records shuffled before decoding: a buffer of encoded bytes fills by reading, not
-decoding, so the first step does not wait for thousands of decodes."""
+"""Undecoded records shuffled before decoding, a block of this many at a time: a block of
+encoded bytes fills by reading, not decoding, so the first step does not wait for thousands of
+decodes."""
 
 
 def shard_name(split_prefix: str, shard: int, count: int) -> str:
@@ -89,6 +90,8 @@ class TFRecordListing(Listing):
     run the same number of validation batches, and the set is small enough to read in full.
     """
 
+    random_access: ClassVar[bool] = False  # read in file order, shuffled in blocks
+
     def shard_records(self, split: Split, world: World, *, seed: int, by_file: bool = False,
                       failures=None) -> tf.data.Dataset:
         import tensorflow as tf
@@ -113,21 +116,9 @@ class TFRecordListing(Listing):
                                      failures=failures).enumerate()
         if shuffle:
             num_samples = self.samples_for_rank(split, world, seed=seed, by_file=by_file)
-            records = records.shuffle(_buffer(num_samples),
-                                      seed=_pass_seed(seed + world.rank, pass_index))
+            records = _block_shuffled(records, _buffer(num_samples),
+                                      _pass_seed(seed + world.rank, pass_index))
         return records
-
-    def pass_positions(self, count: int, *, shuffle: bool, seed: int, pass_index
-                       ) -> tf.data.Dataset:
-        """The order ``rank_records`` gives a pass, as positions: a shuffle buffer's order
-        depends on its seed and the number of elements alone, so the same buffer over
-        ``range(count)`` draws it (and a pass from the store is the pass from the files)."""
-        import tensorflow as tf
-
-        positions = tf.data.Dataset.range(count)
-        if not shuffle:
-            return positions
-        return positions.shuffle(_buffer(count), seed=_pass_seed(seed, pass_index))
 
     def reader(self) -> Callable:
         return parse_example
@@ -165,7 +156,24 @@ class TFRecordListing(Listing):
 
 
 def _buffer(num_samples: int) -> int:
+    """The block of raw records a pass read from the files is shuffled in."""
     return min(max(num_samples, 1), RAW_RECORD_SHUFFLE)
+
+
+def _block_shuffled(records: tf.data.Dataset, block: int, pass_seed) -> tf.data.Dataset:
+    """``records`` in blocks of ``block``, each in a random order drawn from (``pass_seed``, its
+    index): what a shuffle buffer of that size does to records read in file order, from
+    stateless draws (tf.data's shuffle takes its seed through TensorFlow's global seed, which
+    refuses a per-pass tensor seed once a global seed is set)."""
+    import tensorflow as tf
+
+    def permuted(index, block_records):
+        count = tf.shape(tf.nest.flatten(block_records)[0])[0]
+        order = tf.random.experimental.stateless_shuffle(
+            tf.range(count), seed=tf.stack([pass_seed, index]))
+        return tf.nest.map_structure(lambda values: tf.gather(values, order), block_records)
+
+    return records.batch(block).enumerate().map(permuted).unbatch()
 
 
 def _pass_seed(seed: int, pass_index):
