@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from conftest import REPO, run_job
+from conftest import REPO, RESUMED, run_job
 from benchmarks.threads import CLOCK_TICKS, thread_ticks
 from hvdtrain.launcher_env import processes
 from processes import process_group
@@ -203,5 +203,5 @@ def epochs_done(run_dir: Path) -> int:
 
 
 def resumed_from(output: str) -> int | None:
-    found = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", output)
+    found = re.search(RESUMED, output)
     return int(found.group(1)) if found else None

@@ -42,6 +42,8 @@ from processes import process_group
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 LAUNCHED_RANKS = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+#: A run's resume line; group 1: the epochs done (a checkpoint within an epoch adds its steps).
+RESUMED = r"resuming from \S+: (\d+) epoch\(s\)(?: and \d+ of \d+ steps)? done"
 
 #: The integration tier (setup.cfg registers the marker): on a module (`pytestmark`) or a test.
 #: Under mpirun these tests skip (pytest_collection_modifyitems).

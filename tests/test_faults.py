@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, integration, mpirun_job, mpirun_ranks, one_error, run_job
+from conftest import (RESUMED, clean_env, integration, mpirun_job, mpirun_ranks, one_error,
+                      run_job)
 from hvdtrain.launcher_env import processes
 from images import make_image_folder
 from processes import process_group
@@ -74,7 +75,7 @@ def test_a_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, np_, victim):
     # The same command again resumes from the last checkpoint, losing at most one epoch.
     rerun = mpirun_job(np_, "hvdtrain.cnn", "--preset", "tiny", "--epochs",
                        str(epochs_before + 1), "--run-dir", str(run_dir))
-    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", rerun.stdout)
+    resumed = re.search(RESUMED, rerun.stdout)
     # At most one epoch lost: the kill may land between an epoch's metrics and its checkpoint.
     assert resumed and int(resumed.group(1)) >= epochs_before - 1, rerun.stdout[-3000:]
     assert f"done: {epochs_before + 1} epoch(s)" in rerun.stdout

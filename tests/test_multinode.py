@@ -34,8 +34,8 @@ from typing import ContextManager
 
 import pytest
 
-from conftest import (FAKE_GPU_NODES, REPO, VENV_BIN, apt_install, clean_env, have_command,
-                      integration, run_job)
+from conftest import (FAKE_GPU_NODES, REPO, RESUMED, VENV_BIN, apt_install, clean_env,
+                      have_command, integration, run_job)
 from cluster_helpers import (CLUSTER, JOB_TIMEOUT, LIVE_STATES, assert_nothing_left, cluster_up,
                              crash_node, epochs_done, job_processes, job_snapshot, job_state,
                              kill_processes_mentioning, on_node1, processes_mentioning,
@@ -587,7 +587,7 @@ def test_usr1_preemption_of_a_two_node_job_requeues_and_resumes(cluster_env, run
         raise
     output = wait_for_job(env, job_id, log)
     stopped = re.search(r"stopped by SIGUSR1 in epoch (\d+)", output)
-    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", output)
+    resumed = re.search(RESUMED, output)
     assert stopped and resumed, output[-5000:]
     assert f"job {job_id} run 1 on node[1-2]" in output
     assert output.count("placement: node1[0-1] node2[2-3]") == 2

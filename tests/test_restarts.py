@@ -20,8 +20,8 @@ from typing import Callable
 
 import pytest
 
-from conftest import (clean_env, integration, mpirun_job, mpirun_ranks, one_error, run_job,
-                      wait_for_first_epoch)
+from conftest import (RESUMED, clean_env, integration, mpirun_job, mpirun_ranks, one_error,
+                      run_job, wait_for_first_epoch)
 from hvdtrain.launcher_env import processes
 from processes import process_group
 
@@ -78,7 +78,7 @@ def test_a_killed_rank_is_restarted_and_the_job_resumes_to_the_end(tmp_path):
         assert restarts == [("137", socket.gethostname(), "ended on SIGKILL (killed: the "
                              "out-of-memory killer, or by hand)", f"{run_dir}/logs/rank-1.log",
                              "1")], output[-4000:]
-        resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", output)
+        resumed = re.search(RESUMED, output)
         assert resumed and int(resumed.group(1)) >= epochs_before - 1, output[-4000:]
         epochs = [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())]
         assert epochs == [1, 2, 3, 4], epochs  # every epoch once, none lost or logged twice
@@ -184,7 +184,8 @@ def test_a_stop_signal_to_the_launcher_checkpoints_stops_and_a_rerun_resumes(
                      "--skip-preflight", "--", "hvdtrain.cnn", "--preset", "tiny",
                      "--epochs", str(int(stopped.group(1)) + 1), "--no-tensorboard",
                      "--run-dir", str(run_dir)], timeout=200)
-    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", rerun.stdout)
+    # At the step it stopped in (a stop's checkpoint holds it), or at an epoch's end.
+    resumed = re.search(RESUMED, rerun.stdout)
     assert resumed and int(resumed.group(1)) >= int(stopped.group(1)) - 1, rerun.stdout[-2000:]
 
 

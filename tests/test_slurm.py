@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from cluster_helpers import SLURM_LOCAL
-from conftest import FAKE_GPU_NODES, REPO, VENV_BIN, clean_env, integration, run_job
+from conftest import (FAKE_GPU_NODES, REPO, RESUMED, VENV_BIN, clean_env, integration,
+                      run_job)
 from hostlists import BAD_HOSTLISTS, HOSTLISTS
 
 pytestmark = [integration, pytest.mark.timeout(900)]
@@ -137,7 +138,7 @@ def test_usr1_checkpoints_requeues_and_resumes(preempted_4gpu_job):
     job, run_dir = preempted_4gpu_job
     log = job.text()
     stopped = re.search(r"stopped by SIGUSR1 in epoch (\d+)", log)
-    resumed = re.search(r"resuming from \S+: (\d+) epoch\(s\) done", log)
+    resumed = re.search(RESUMED, log)
     assert stopped and resumed, log[-5000:]
     assert f"requeueing job {job.id}" in log
     assert f"job {job.id} run 1 on" in log  # the second run of the same job

@@ -269,22 +269,27 @@ class Progress(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
         self.epoch_start = self.last_line = time.monotonic()
-        self.steps_before_rate = 0
+        self.steps_before_rate = self.steps_per_epoch - self.params.get("steps",
+                                                                         self.steps_per_epoch)
 
     def on_train_batch_end(self, batch, logs=None):
         now = time.monotonic()
+        # The epoch's steps done: a fit of an epoch's remaining steps (a resume inside it)
+        # numbers its batches from 0.
+        steps_done = batch + 1 + self.steps_per_epoch - self.params.get("steps",
+                                                                         self.steps_per_epoch)
         if self.first_step_seconds is None:
             self.timeline.mark("first_step_done")
             self.first_step_seconds = self.timeline.seconds("first_step_done")
             self.print_line(f"first step done {self.first_step_seconds:.1f} s after start")
             # The rate of this epoch leaves out start-up (tracing, filling buffers).
             self.epoch_start = self.last_line = now
-            self.steps_before_rate = batch + 1
+            self.steps_before_rate = steps_done
             return
         if not self.interval_seconds or now - self.last_line < self.interval_seconds:
             return
         self.last_line = now
-        self.print_line(self.line(batch + 1, now, logs))
+        self.print_line(self.line(steps_done, now, logs))
 
     def line(self, steps_done: int, now: float, logs) -> str:
         counted = steps_done - self.steps_before_rate

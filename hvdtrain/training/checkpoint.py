@@ -35,8 +35,14 @@ class Checkpoints:
     checkpoint as the latest; it also deletes all but the newest ``keep``.
     """
 
-    def __init__(self, run_dir: RunDir, model: keras.Model, keep: int):
+    def __init__(self, run_dir: RunDir, model: keras.Model, keep: int,
+                 plan_facts: dict | None = None):
         self.model = model
+        self.run_dir = run_dir
+        self.plan_facts = plan_facts
+        """What the position of a checkpoint written within an epoch depends on (steps per
+        epoch, workers, batch per worker) and the plan's rate: written beside every checkpoint
+        (``ckpt-N.json``), since config.json may already hold a later start's plan."""
         self.resume_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="resume_epoch")
         self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
                                               resume_epoch=self.resume_epoch)
@@ -86,9 +92,30 @@ class Checkpoints:
                             "another --run-dir")
         return 0, None
 
-    def save(self, resume_epoch: int) -> str:
+    def save(self, resume_epoch: int, step: int = 0) -> str:
+        """Rank 0: a checkpoint of the state now, to resume at epoch ``resume_epoch`` (0-based)
+        after its first ``step`` steps; beside it ``ckpt-N.json`` says so, with the plan's facts
+        (another one's steps differ)."""
         self.resume_epoch.assign(resume_epoch)
-        return self.manager.save()
+        path = self.manager.save()
+        if self.plan_facts is not None:
+            self.run_dir.write_json(_position_file(path), {"epoch": resume_epoch, "step": step,
+                                                           **self.plan_facts})
+            kept = {_position_file(kept) for kept in self.manager.checkpoints}
+            for name in tf.io.gfile.listdir(self.run_dir.checkpoints):
+                if name.endswith(".json") and f"checkpoints/{name}" not in kept:
+                    tf.io.gfile.remove(posixpath.join(self.run_dir.checkpoints, name))
+        return path
+
+    def written_under(self, path: str) -> dict:
+        """Rank 0: what ``save`` wrote beside the checkpoint ``path`` ({} for one written
+        before hvdtrain wrote it, or unreadable)."""
+        found = self.run_dir.read_json(_position_file(path), {})
+        return found if isinstance(found, dict) else {}
+
+
+def _position_file(path: str) -> str:
+    return f"checkpoints/{posixpath.basename(path)}.json"
 
 
 def _recover_index(run_dir: RunDir) -> None:
@@ -163,30 +190,34 @@ class StartPoint:
     """Steps of the next epoch done (a checkpoint written within an epoch); 0 at its start."""
     checkpoint: str | None = None
     """The checkpoint it came from, or None for a fresh start."""
+    written_under: dict | None = None
+    """The checkpoint's ``ckpt-N.json`` (the plan's facts when it was written), or None."""
 
 
 def restore_or_start(checkpoints: Checkpoints, runtime, state_variables: list,
                       steps_per_epoch: int,
                       written_otherwise: Callable[[], str | None] = lambda: None,
-                      steps_then: Callable[[], int | None] = lambda: None,
                       exact_position: bool = False) -> StartPoint:
     """Where to start, the same on every rank, and every rank holding the state to start from:
     rank 0's restored (or freshly initialised) variables.
 
-    A checkpoint written within an epoch (every N steps, or at a stop) holds the step count
-    ``iterations`` of that moment: with ``exact_position`` (the data can start at any step) and
-    the same steps per epoch as when it was written (``steps_then()``, from config.json), the run
-    goes on at the next step; otherwise that epoch starts again (its step count set to its start,
-    so the schedule follows the epochs, and a resume on another world size stays right)."""
+    A checkpoint written within an epoch (every N steps, or at a stop) says at which step
+    (``ckpt-N.json``): with ``exact_position`` (the data can start at any step) and the plan it
+    was written under (the same steps per epoch, workers and batch per worker: the same passes
+    on every rank), the run goes on at the next step; otherwise that epoch starts again. The
+    optimizer's step count is set to match, so the schedule follows the epochs (and a resume on
+    another world size stays right)."""
     def restore() -> StartPoint:
         epoch, path = checkpoints.restore_latest(written_otherwise)
-        iterations = checkpoints.model.optimizer.iterations
-        step = int(iterations.numpy()) - epoch * steps_per_epoch if path else 0
+        facts = checkpoints.written_under(path) if path else {}
+        step = int(facts.get("step", 0)) if facts.get("epoch") == epoch else 0
         if not (exact_position and 0 < step < steps_per_epoch
-                and steps_then() in (None, steps_per_epoch)):
+                and all(facts.get(name) == value
+                        for name, value in (checkpoints.plan_facts or {}).items()
+                        if name != "learning_rate")):
             step = 0
-        iterations.assign(epoch * steps_per_epoch + step)
-        return StartPoint(epoch, step, path)
+        checkpoints.model.optimizer.iterations.assign(epoch * steps_per_epoch + step)
+        return StartPoint(epoch, step, path, facts or None)
 
     # Rank 0 alone reads the checkpoint; everyone learns where to start, and the broadcast hands
     # its weights and optimizer state to every rank (fresh random initialisations differ per
@@ -225,9 +256,12 @@ class SaveCheckpoint(keras.callbacks.Callback):
         self.last_batch = batch + 1
         if batch + 1 >= self.params["steps"] or self.request.agreed or self.request.by_job:
             return  # the epoch's end (or the stop) writes its own
+        if self.model.stop_training or self.request.job_asked:
+            return  # a stop the job asked for (a NaN?) is being agreed on: keep the last one
         if (self.every_steps and self.steps_since >= self.every_steps) or (
                 self.every_seconds and time.monotonic() - self.saved_at >= self.every_seconds):
-            self._save(resume_epoch=self.request.epoch)
+            self._save(resume_epoch=self.request.epoch,
+                       step=self.request.steps_before + batch + 1)
 
     def on_epoch_end(self, epoch, logs=None):
         # A stop the job's callbacks made mid-epoch (TerminateOnNaN) keeps the last whole
@@ -235,8 +269,8 @@ class SaveCheckpoint(keras.callbacks.Callback):
         if not self.request.saved and not (self.request.by_job and self.request.mid_epoch):
             self._save(resume_epoch=epoch + 1)
 
-    def _save(self, resume_epoch: int) -> None:
-        self.checkpoints.save(resume_epoch=resume_epoch)
+    def _save(self, resume_epoch: int, step: int = 0) -> None:
+        self.checkpoints.save(resume_epoch=resume_epoch, step=step)
         self.steps_since, self.saved_at = 0, time.monotonic()
 
 
@@ -250,7 +284,8 @@ class SaveOnStop:
         self.request = request
         self.is_chief = is_chief
 
-    def __call__(self, epoch: int, mid_epoch: bool) -> None:
+    def __call__(self, epoch: int, mid_epoch: bool, step: int = 0) -> None:
         if self.is_chief:  # resumed at its step (restore_or_start), or the epoch re-run
-            self.checkpoints.save(resume_epoch=epoch if mid_epoch else epoch + 1)
+            self.checkpoints.save(resume_epoch=epoch if mid_epoch else epoch + 1,
+                                  step=step if mid_epoch else 0)
             self.request.saved = True

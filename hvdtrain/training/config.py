@@ -267,6 +267,11 @@ class TrainConfig:
         if self.checkpoint_every_minutes is not None and self.checkpoint_every_minutes <= 0:
             raise ValueError(f"--checkpoint-every-minutes must be positive, got "
                              f"{self.checkpoint_every_minutes}")
+        if self.grad_accum_steps > 1 and (self.checkpoint_every_steps
+                                          or self.checkpoint_every_minutes):
+            raise ValueError("--checkpoint-every-steps/--checkpoint-every-minutes with "
+                             "--grad-accum-steps above 1: a checkpoint inside an accumulation "
+                             "would lose its partial gradient sums; checkpoint at epochs")
         if self.lr_gamma <= 0:
             raise ValueError(f"--lr-gamma must be positive, got {self.lr_gamma}")
         _check_optimizer(self)

@@ -25,7 +25,7 @@ from hvdtrain.task import Datasets, Task
 from hvdtrain.timeline import Timeline
 from hvdtrain.tracking import Tracker
 from hvdtrain.training.profile import InputWait
-from hvdtrain.training.optimizers import learning_rate_schedule
+from hvdtrain.training.optimizers import learning_rate_schedule, sets_the_rate
 from hvdtrain.training.inputs import model_data
 from hvdtrain.training.model import build_and_compile, export, exported, seed_and_precision
 from hvdtrain.training.start import (RunStart, claim_run_dir, fingerprint, record_start,
@@ -53,7 +53,8 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     every rank (each step's collectives are entered by all of them)."""
     precision = seed_and_precision(config, runtime)
     train, validation = model_data(datasets, task)
-    schedule = learning_rate_schedule(plan)
+    job_callbacks = make_job_callbacks(config, task, validation is not None)
+    schedule = learning_rate_schedule(plan, settable=sets_the_rate(job_callbacks))
     model = build_and_compile(config, runtime, task, datasets, train.element_spec, schedule)
     timeline.mark("model_compiled")
     state_variables = training_state(model)
@@ -63,7 +64,6 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     start = resume(config, runtime, plan, run_dir, model, state_variables, precision, schedule,
                    datasets)
     tracker = record_start(program, config, runtime, plan, start, precision, experiment)
-    job_callbacks = make_job_callbacks(config, task, validation is not None)
     callbacks = training_callbacks(config, runtime, plan, datasets, model, train, schedule, start,
                                    tracker, request, timeline, job_callbacks, input_wait)
     timeline.mark("run_dir_ready")
@@ -140,8 +140,9 @@ def make_job_callbacks(config: TrainConfig, task: Task, has_validation: bool) ->
     return callbacks
 
 
-def describe_job_stop(request: StopRequest, callbacks: list) -> str:
-    """Rank 0's line for a run the job's callbacks ended: which, and what it keeps."""
+def describe_job_stop(request: StopRequest, callbacks: list, latest: str | None = None) -> str:
+    """Rank 0's line for a run the job's callbacks ended: which, and what it keeps (``latest``:
+    the newest checkpoint)."""
     epoch = request.epoch + 1
     reasons = []
     for callback in callbacks:
@@ -154,8 +155,9 @@ def describe_job_stop(request: StopRequest, callbacks: list) -> str:
         names = ", ".join(sorted({type(callback).__name__ for callback in callbacks}))
         reasons.append(f"the job's callbacks asked to stop ({names})")
     if request.mid_epoch:
-        return (f"stopped in epoch {epoch}: {'; '.join(reasons)}; the epoch was cut short, so "
-                f"the run keeps the checkpoint of epoch {epoch - 1} and exports no model")
+        kept = f"its last checkpoint, {latest}," if latest else "no checkpoint"
+        return (f"stopped in epoch {epoch}: {'; '.join(reasons)}; the epoch was cut short: the "
+                f"run keeps {kept} and exports no model")
     return f"stopped after epoch {epoch}: {'; '.join(reasons)}"
 
 
@@ -189,6 +191,7 @@ def train_epochs(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, mode
                 break
             if data_start is not None:
                 data_start.at_step(first * plan.steps_per_epoch + steps_done)
+            request.steps_before = steps_done  # the checkpoints' step within the epoch
             model.fit(train, epochs=last, initial_epoch=first, steps_per_epoch=steps,
                       validation_data=validation, callbacks=callbacks,
                       verbose=_verbosity(runtime.world),
@@ -211,7 +214,8 @@ def finish_run(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, datase
         return TrainingResult(model, plan, datasets, run_dir, start.initial_epoch, start.rows,
                               stop_status(request.agreed))
     if request.by_job:
-        runtime.print0(describe_job_stop(request, job_callbacks))
+        runtime.print0(describe_job_stop(request, job_callbacks, start.checkpoints.manager
+                                         and start.checkpoints.manager.latest_checkpoint))
     # A resumed run that found every epoch done has nothing new to export either (an earlier run
     # wrote it); one whose export is missing (it ended before) writes it now. A run its job's
     # callbacks cut short mid-epoch (a NaN loss) exports nothing: its weights are no epoch's.

@@ -16,6 +16,9 @@ from hvdtrain.training.config import TrainConfig
 from hvdtrain.errors import UserError
 from hvdtrain.training.plan import TrainingPlan
 
+#: Callbacks that set the optimizer's rate, which then must be a plain number.
+RATE_SETTERS = ("ReduceLROnPlateau", "LearningRateScheduler")
+
 #: Keras' own default where the flag is not given.
 DEFAULT_MOMENTUM = {"sgd": 0.9, "rmsprop": 0.0}
 DEFAULT_WEIGHT_DECAY = {"adamw": 0.004}
@@ -25,17 +28,22 @@ OPTIMIZER_FLAGS = ("optimizer", "momentum", "nesterov", "weight_decay", "decay_a
                    "clipnorm", "global_clipnorm")
 
 
-def learning_rate_schedule(plan: TrainingPlan):
+def learning_rate_schedule(plan: TrainingPlan, settable: bool = False):
     """Linear warm-up from the base to the scaled rate (Goyal et al.), then the plan's decay:
-    cosine to zero, constant, or steps at milestones. A plain number when neither warms up nor
-    decays, so a callback may set it (ReduceLROnPlateau).
+    cosine to zero, constant, or steps at milestones. ``settable`` (a job callback sets the
+    rate: ReduceLROnPlateau): a plain number, which needs no warm-up and a constant rate.
 
     A schedule runs inside the compiled step, unlike horovod's LearningRateWarmupCallback, a
     Python call per batch. It is a function of ``optimizer.iterations``, which a resume sets to
-    the epochs done x this plan's steps per epoch: the rate follows the epochs on any world size.
+    the steps done (epochs x this plan's steps per epoch, and the steps of the next epoch a
+    checkpoint within it holds): the rate follows the epochs on any world size.
     """
     warmup = plan.warmup_steps
-    if plan.lr_decay == "constant" and not warmup:
+    if settable:
+        if plan.lr_decay != "constant" or warmup:
+            raise UserError("the job's callbacks set the learning rate (ReduceLROnPlateau, "
+                            "LearningRateScheduler), which a warm-up or a decay computes: pass "
+                            "--warmup-epochs 0 --lr-decay constant")
         return plan.learning_rate
     if plan.lr_decay == "step":
         return WarmupThenSteps(plan.base_learning_rate if warmup else plan.learning_rate,
@@ -50,16 +58,16 @@ def learning_rate_schedule(plan: TrainingPlan):
     )
 
 
-def rate_at(schedule, step) -> float:
-    """The learning rate at ``step`` of a schedule or a plain rate (a variable a callback sets)."""
-    if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
-        return float(schedule(step))
-    return float(schedule)
+def sets_the_rate(callbacks: list) -> bool:
+    """Whether one of a job's callbacks sets the optimizer's rate (Keras' own, or a subclass)."""
+    return any(klass.__name__ in RATE_SETTERS for callback in callbacks
+               for klass in type(callback).__mro__)
 
 
-def rate_factor(previous_plan: dict | None, plan: TrainingPlan) -> float:
-    """This plan's scaled rate over the one a checkpoint was written under (1 when unknown)."""
-    previous = (previous_plan or {}).get("learning_rate")
+def rate_factor(written_under: dict | None, plan: TrainingPlan) -> float:
+    """This plan's scaled rate over the one a checkpoint was written under (its ``ckpt-N.json``
+    or an older run's config.json plan; 1 when unknown)."""
+    previous = (written_under or {}).get("learning_rate")
     return plan.learning_rate / previous if previous else 1.0
 
 

@@ -12,8 +12,9 @@ Conventions (docs/training.md's "Scaling" says the same for users):
   rate is scaled by that number relative to ``--batch-size`` (linearly, by square root, or not).
 * The learning-rate schedule counts *steps* (batches), as ``optimizer.iterations`` does: horovod
   advances it on every backward pass, also those that only accumulate. A resume sets that count
-  to epochs done x this plan's steps per epoch, so the schedule is a function of training progress
-  (epochs), whatever the world size was when the checkpoint was written.
+  to epochs done x this plan's steps per epoch (plus the steps of the next epoch a checkpoint
+  within it holds), so the schedule is a function of training progress (epochs), whatever the
+  world size was when the checkpoint was written.
 * A resume on another world size re-plans from the same flags (``resize_notes`` says what moved):
   with ``global`` the global batch, the update size and so the learning rate stay; with
   ``per-worker`` the global batch follows the workers and the rate is rescaled by the scaling

@@ -38,6 +38,10 @@ class StopRequest:
     it: checkpoint.restore_or_start)."""
     saved: bool = False
     """Rank 0 already wrote the checkpoint for this stop."""
+    steps_before: int = 0
+    """Steps of the current epoch run before this ``fit`` (a run resumed inside the epoch)."""
+    job_asked: bool = False
+    """The job's callbacks asked this rank to stop; not agreed on yet."""
     by_job: bool = False
     """The ranks agreed to stop because the job's own callbacks asked to (EarlyStopping,
     TerminateOnNaN, ...), on some rank: the run ends there, exit 0, no requeue."""
@@ -91,7 +95,7 @@ class PreemptionCheck(keras.callbacks.Callback):
 
     Every ``check_every`` batches the ranks agree on ``request.received`` with one small
     collective, so they all leave ``fit`` after the same step and no rank is left waiting in an
-    allreduce. On agreement ``on_stop(epoch, mid_epoch)`` runs at once (rank 0 writes the
+    allreduce. On agreement ``on_stop(epoch, mid_epoch, steps done in the epoch)`` runs at once (rank 0 writes the
     checkpoint there, before Keras' end-of-epoch validation eats into Slurm's warning time).
 
     Last of the callbacks, so it sees what the job's callbacks decided: Keras leaves ``fit`` as
@@ -102,7 +106,7 @@ class PreemptionCheck(keras.callbacks.Callback):
     """
 
     def __init__(self, runtime, request: StopRequest, check_every: int,
-                 on_stop: Callable[[int, bool], None], agree_at_epoch_end: bool = False):
+                 on_stop: Callable[[int, bool, int], None], agree_at_epoch_end: bool = False):
         super().__init__()
         # Reads no metrics per batch: Keras then need not copy them out of the step every batch.
         self._supports_tf_logs = True
@@ -112,7 +116,6 @@ class PreemptionCheck(keras.callbacks.Callback):
         self.on_stop = on_stop
         self.agree_at_epoch_end = agree_at_epoch_end
         self.next_check = check_every
-        self.job_asked = False
 
     def on_epoch_begin(self, epoch, logs=None):
         self.request.epoch = epoch
@@ -121,7 +124,7 @@ class PreemptionCheck(keras.callbacks.Callback):
         if self.model.stop_training and not self.request.agreed and not self.request.by_job:
             # Held back until the ranks agree (below): this rank alone leaving fit would leave
             # the others in the next allreduce.
-            self.job_asked, self.model.stop_training = True, False
+            self.request.job_asked, self.model.stop_training = True, False
         # Counted in batches, not calls: with steps_per_execution one call covers many batches.
         # Every rank sees the same batch numbers, so every rank checks at the same steps.
         steps = self.params["steps"]
@@ -130,12 +133,13 @@ class PreemptionCheck(keras.callbacks.Callback):
             return
         self.next_check = done + self.check_every
         # One collective for both: the largest signal caught (x2), or 1 when only a job asked.
-        agreed = self.runtime.max_over_ranks(self.request.received * 2 + self.job_asked)
+        agreed = self.runtime.max_over_ranks(self.request.received * 2 + self.request.job_asked)
         if agreed >= 2:
             self.request.agreed = agreed // 2
             self.request.mid_epoch = batch + 1 < steps
             self.model.stop_training = True
-            self.on_stop(self.request.epoch, self.request.mid_epoch)
+            self.on_stop(self.request.epoch, self.request.mid_epoch,
+                         self.request.steps_before + batch + 1)
         elif agreed:
             self.request.by_job = True
             self.request.mid_epoch = batch + 1 < steps
@@ -144,7 +148,7 @@ class PreemptionCheck(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not self.agree_at_epoch_end or self.request.agreed or self.request.by_job:
             return
-        asked = bool(self.model.stop_training or self.job_asked)
+        asked = bool(self.model.stop_training or self.request.job_asked)
         if self.runtime.max_over_ranks(int(asked)):
             self.request.by_job = True
             self.model.stop_training = True

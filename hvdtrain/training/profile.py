@@ -46,7 +46,12 @@ class InputWait:
             with tf.control_dependencies([self.total.assign_add(tf.timestamp() - asked)]):
                 return tf.nest.map_structure(tf.identity, batch)
 
-        return tf.data.Dataset.zip(clock, batches).map(arrived)
+        timed = tf.data.Dataset.zip(clock, batches).map(arrived)
+        # No prefetch tf.data would add after this map on its own: the clock must run in the
+        # consumer's call for its batch, not in a thread that waits ahead of it.
+        options = tf.data.Options()
+        options.experimental_optimization.inject_prefetch = False
+        return timed.with_options(options)
 
     def seconds(self) -> float:
         return float(self.total.numpy())

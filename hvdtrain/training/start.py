@@ -74,15 +74,14 @@ def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: R
            datasets: Datasets) -> RunStart:
     """Every rank at the newest checkpoint's state (rank 0's, broadcast), or at the start."""
     world = runtime.world
-    checkpoints = Checkpoints(run_dir, model, config.keep_checkpoints)
+    checkpoints = Checkpoints(run_dir, model, config.keep_checkpoints, plan_facts={
+        "steps_per_epoch": plan.steps_per_epoch, "workers": plan.num_workers,
+        "per_worker_batch": plan.per_worker_batch_size, "learning_rate": plan.learning_rate})
     earlier = run_dir.read_json(CONFIG_FILE, {}) if world.is_chief else {}
     point = restore_or_start(
         checkpoints, runtime, state_variables, plan.steps_per_epoch,
         lambda: written_otherwise(run_dir, config, precision),
-        steps_then=lambda: (earlier.get("plan") or {}).get("steps_per_epoch"),
-        # hvdtrain's image data starts at any step (data.pipeline.TrainingStart); a job's own
-        # datasets re-run the epoch.
-        exact_position=getattr(datasets, "start", None) is not None)
+        exact_position=starts_anywhere(config, runtime, plan, datasets))
     initial_epoch, restored_from = point.epoch, point.checkpoint
     # Rank 0 keeps the metrics of the epochs a resumed run already has (and drops any later
     # rows an interrupted run wrote after its last checkpoint).
@@ -97,13 +96,26 @@ def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: R
             # as ReduceLROnPlateau left it): scaled by the new plan's rate over the old one's,
             # it is what a fresh start at this size would have had after the same reductions.
             rescale_rate(model.optimizer, runtime.from_chief(
-                lambda: rate_factor(earlier.get("plan"), plan)))
+                lambda: rate_factor(point.written_under or earlier.get("plan"), plan)))
         runtime.print0(f"resuming from {restored_from}: {initial_epoch} epoch(s)"
                        + (f" and {point.step} of {plan.steps_per_epoch} steps" if point.step
                           else "") + " done"
                        + (f"; resized: {', '.join(resized)} (the schedule follows the epochs)"
                           if resized else ""))
     return RunStart(run_dir, checkpoints, initial_epoch, point.step, restored_from, rows)
+
+
+def starts_anywhere(config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
+                    datasets: Datasets) -> bool:
+    """Whether a checkpoint written within an epoch can resume at its step, with every batch
+    trained once: the data can start at any step (hvdtrain's image data: its passes are
+    functions of their index, ``data.pipeline.TrainingStart``; a job's own datasets re-run the
+    epoch), no accumulated gradients were lost with the checkpoint, and every epoch consumes
+    exactly its steps' batches (steps_per_execution dividing them)."""
+    start = getattr(datasets, "start", None)
+    per_call = config.steps_per_execution or runtime.default_steps_per_execution()
+    return (start is not None and start.exact and config.grad_accum_steps == 1
+            and plan.steps_per_epoch % per_call == 0)
 
 
 def written_otherwise(run_dir: RunDir, config: TrainConfig, precision: str) -> str | None:
