@@ -79,14 +79,12 @@ class EmbeddedListing(Listing):
 
     in_memory: ClassVar[str | None] = "the embedded data is in memory already"
 
-    def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
-                     by_file: bool, pass_index, failures=None) -> tf.data.Dataset:
+    def records_at(self, split: Split, world: World, positions: tf.data.Dataset
+                   ) -> tf.data.Dataset:
         import tensorflow as tf
 
         rows, labels = (tf.constant(rank_share(values, world))
                         for values in (split.sources, split.labels))
-        positions = self.pass_positions(int(rows.shape[0]), shuffle=shuffle,
-                                        seed=seed + world.rank, pass_index=pass_index)
         return positions.map(lambda position: (
             position, (tf.gather(rows, position), tf.gather(labels, position))))
 

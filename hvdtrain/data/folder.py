@@ -48,8 +48,8 @@ class FolderListing(Listing):
         """A sample's file path, for messages and tools."""
         return os.path.join(self.root, source.decode() if isinstance(source, bytes) else source)
 
-    def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
-                     by_file: bool, pass_index, failures=None) -> tf.data.Dataset:
+    def records_at(self, split: Split, world: World, positions: tf.data.Dataset
+                   ) -> tf.data.Dataset:
         """``(position, (path, label))``: the order is a permutation of positions, so a pass
         over a million files starts at once and holds no buffer of paths."""
         import tensorflow as tf
@@ -57,8 +57,6 @@ class FolderListing(Listing):
         sources, labels = (tf.constant(rank_share(values, world))
                            for values in (split.sources, split.labels))
         prefix = self.root.rstrip("/") + "/"
-        positions = self.pass_positions(int(sources.shape[0]), shuffle=shuffle,
-                                        seed=seed + world.rank, pass_index=pass_index)
         return positions.map(lambda position: (position, (
             tf.strings.join([prefix, tf.gather(sources, position)]),
             tf.gather(labels, position))))

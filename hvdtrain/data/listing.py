@@ -8,7 +8,6 @@ questions and never needs to know which source it reads.
 """
 from __future__ import annotations
 
-import abc
 import hashlib
 import io
 import json
@@ -195,7 +194,7 @@ def held_out_counts(offsets: np.ndarray, counts: np.ndarray, fraction: float) ->
 
 
 @dataclass(frozen=True)
-class Listing(abc.ABC):
+class Listing:
     """The samples of one source, split into training and validation."""
 
     description: str
@@ -226,7 +225,6 @@ class Listing(abc.ABC):
         return tf.data.Dataset.from_tensor_slices((rank_share(split.sources, world),
                                                    rank_share(split.labels, world)))
 
-    @abc.abstractmethod
     def rank_records(self, split: Split, world: World, *, shuffle: bool, seed: int,
                      by_file: bool, pass_index,
                      failures: DecodeFailures | None = None) -> tf.data.Dataset:
@@ -235,10 +233,21 @@ class Listing(abc.ABC):
         order when ``shuffle``: where ``random_access``, ``pass_positions``' order, so a pass
         read from a store of decoded samples is the same pass. ``position`` says which sample
         it is for ``sample_namer`` and the store. A source that knows how many records each
-        file holds checks them with ``failures.count_file``."""
+        file holds checks them with ``failures.count_file``.
+
+        Here, for a source with ``random_access``: its ``records_at`` the pass's positions."""
+        count = self.samples_for_rank(split, world, seed=seed, by_file=by_file)
+        return self.records_at(split, world, self.pass_positions(
+            count, shuffle=shuffle, seed=seed + world.rank, pass_index=pass_index))
+
+    def records_at(self, split: Split, world: World, positions: tf.data.Dataset
+                   ) -> tf.data.Dataset:
+        """``(position, record)`` for each of ``positions`` in this rank's share of ``split``:
+        a source with ``random_access`` reads any sample in any order."""
+        raise NotImplementedError(f"{type(self).__name__} reads its records in file order")
 
     random_access: ClassVar[bool] = True
-    """``rank_records`` reads any pass in ``pass_positions``' order (a file list, an array). Not
+    """``records_at`` reads any pass in ``pass_positions``' order (a file list, an array). Not
     TFRecords, read in file order and shuffled in blocks: there a pass read from the store is
     a whole permutation, another order than the files', and a resume inside an epoch re-runs it
     (``TrainingStart.exact``)."""
@@ -246,8 +255,13 @@ class Listing(abc.ABC):
     def pass_positions(self, count: int, *, shuffle: bool, seed: int, pass_index
                        ) -> tf.data.Dataset:
         """The positions ``0 .. count-1`` in the order of pass ``pass_index`` (see
-        ``positions_of_pass``): the order of a pass read from the store."""
-        return positions_of_pass(count, shuffle=shuffle, seed=seed, pass_index=pass_index)
+        ``pass_order``): the order of a pass read from the store."""
+        import tensorflow as tf
+
+        if not shuffle:
+            return tf.data.Dataset.range(count)
+        return tf.data.Dataset.from_tensor_slices(pass_order(count, seed=seed,
+                                                             pass_index=pass_index))
 
     def reader(self) -> Callable:
         """``record -> (encoded image bytes, int64 label)``, for a source read from files."""
@@ -290,9 +304,9 @@ def split_indices(num_samples: int, validation_fraction: float, seed: int
     return order[num_validation:], order[:num_validation]
 
 
-def positions_of_pass(count: int, *, shuffle: bool, seed: int, pass_index) -> tf.data.Dataset:
-    """Positions ``0 .. count-1``: in order, or in the random permutation of pass
-    ``pass_index`` (an int64 tensor).
+def pass_order(count: int, *, seed: int, pass_index):
+    """The positions ``0 .. count-1`` in the random permutation of pass ``pass_index`` (an
+    int64 tensor), as a tensor.
 
     A permutation of int64 positions costs milliseconds, not a buffer of records to fill, so the
     first step never waits for it whatever the data's size; and unlike a shuffle buffer it is a
@@ -301,10 +315,7 @@ def positions_of_pass(count: int, *, shuffle: bool, seed: int, pass_index) -> tf
     """
     import tensorflow as tf
 
-    if not shuffle:
-        return tf.data.Dataset.range(count)
     # pass + 1: the seeds of the first passes stay those a pass counter gave before (its +1).
     pass_seed = tf.stack([tf.constant(seed, tf.int64), tf.cast(pass_index, tf.int64) + 1])
-    order = tf.random.experimental.stateless_shuffle(tf.range(count, dtype=tf.int64),
-                                                     seed=pass_seed)
-    return tf.data.Dataset.from_tensor_slices(order)
+    return tf.random.experimental.stateless_shuffle(tf.range(count, dtype=tf.int64),
+                                                    seed=pass_seed)

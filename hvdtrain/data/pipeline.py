@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 from hvdtrain.data.augment import (augmented, center_cropped, decode_random_crop, decoded_shape,
                                    seed_stream)
 from hvdtrain.data.cache import CacheChoice, process_cache_dir
-from hvdtrain.data.listing import Listing, Split
+from hvdtrain.data.listing import Listing, Split, pass_order
 from hvdtrain.data.store import SampleStore, stored_pass
 from hvdtrain.runtime.base import World
 from hvdtrain.task import Datasets
@@ -85,19 +85,14 @@ class TrainingStart:
         self.skip_samples.assign(where[1] * self.batch_size)
         return where
 
-    def passes(self) -> tf.data.Dataset:
-        """Pass indices from the first one on, read when an iterator starts."""
+    def stream(self, from_start: Callable) -> tf.data.Dataset:
+        """``from_start(first_pass, skip_samples)``, the stream from where it starts, with both
+        read when an iterator starts (inside a ``flat_map`` of one element; a dataset built
+        outside a function holds the values they had when it was built)."""
         import tensorflow as tf
 
         return tf.data.Dataset.from_tensors(0).flat_map(
-            lambda _: tf.data.Dataset.range(self.first_pass.read_value(), 2**62))
-
-    def skip_in(self, pass_index):
-        """The samples of pass ``pass_index`` already trained (only the first pass has any)."""
-        import tensorflow as tf
-
-        return tf.where(tf.equal(pass_index, self.first_pass), self.skip_samples,
-                        tf.constant(0, tf.int64))
+            lambda _: from_start(self.first_pass.read_value(), self.skip_samples.read_value()))
 
     def variables(self) -> tuple:
         return (self.first_pass, self.skip_samples)
@@ -217,10 +212,10 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     rank_seed = seed + world.rank
 
     def pass_maker(split: Split, *, shuffle: bool, limit: int | None, split_name: str,
-                   by_file: bool, crop: bool = False) -> tuple[Callable, int]:
+                   by_file: bool, crop: bool = False) -> tuple[Callable, int, bool]:
         """(``one_pass(pass_index, skip)``: this rank's share of ``split`` in pass
         ``pass_index``'s order from its ``skip``-th sample on, decoded; the samples a whole pass
-        holds). ``crop``: random-resized crops cut while decoding (no store). What lives as long
+        holds; whether a pass reads a store). ``crop``: random-resized crops cut while decoding (no store). What lives as long
         as the pipeline (failure counters, stores) is made here, once; ``one_pass`` runs inside
         the ``flat_map`` over passes."""
         counter = None
@@ -272,11 +267,11 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                                            pass_index=pass_index).skip(skip)
             return stored_pass(from_source, store, num_samples, order)
 
-        return one_pass, num_samples
+        return one_pass, num_samples, store is not None
 
     # Without a store every pass decodes: the crop is cut while decoding, which decodes less.
     crop_while_decoding = augment and cache.kind == "off"
-    train_pass, train_samples = pass_maker(listing.train, shuffle=True, limit=None,
+    train_pass, train_samples, _ = pass_maker(listing.train, shuffle=True, limit=None,
                                            split_name="training", by_file=by_file,
                                            crop=crop_while_decoding)
     # A pass read from a store comes in pass_positions' order; a source that reads its files in
@@ -284,28 +279,50 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     start = TrainingStart(batches_per_pass=train_samples // batch_size, batch_size=batch_size,
                           exact=listing.random_access or not stores)
 
-    def train_batches(pass_index):
-        skip = start.skip_in(pass_index)
-        samples = train_pass(pass_index, skip)
-        if augment and not crop_while_decoding:
-            samples = augmented(samples, listing.image_shape,
-                                seeds=seed_stream(rank_seed, pass_index, skip))
-        return samples.batch(batch_size, drop_remainder=True)
+    def passes_from(first_pass, skip):
+        """The stream as pass after pass, each made anew (a pass's failures are counted, and
+        its store asked whether it is complete, when it starts)."""
+        def train_batches(pass_index):
+            pass_skip = tf.where(tf.equal(pass_index, first_pass), skip,
+                                 tf.constant(0, tf.int64))
+            samples = train_pass(pass_index, pass_skip)
+            if augment and not crop_while_decoding:
+                samples = augmented(samples, listing.image_shape,
+                                    seeds=seed_stream(rank_seed, pass_index, pass_skip))
+            return samples.batch(batch_size, drop_remainder=True)
+
+        return tf.data.Dataset.range(first_pass, 2**62).flat_map(train_batches)
+
+    def positions_from(first_pass, skip):
+        """In-memory data as one stream of positions, each pass's order cut to its whole
+        batches: no dataset made per pass (one costs milliseconds to start, every epoch)."""
+        used = start.batches_per_pass * batch_size
+        positions = (tf.data.Dataset.range(first_pass, 2**62)
+                     .map(lambda pass_index: pass_order(train_samples, seed=rank_seed,
+                                                        pass_index=pass_index)[:used])
+                     .unbatch()
+                     .skip(skip))
+        return (listing.records_at(listing.train, world, positions)
+                .map(lambda position, record: decode(*_as_tuple(record)),
+                     num_parallel_calls=tf.data.AUTOTUNE)
+                .batch(batch_size, drop_remainder=True))
 
     # Endless: Keras stops each epoch after steps_per_epoch (plan.py). A pass's order is a
     # function of its index, not of a counter: every iterator (fit's, the batch-norm pass's)
     # reads the same passes, and a resumed run starts at the pass and batch it stopped in.
-    train = (start.passes().flat_map(train_batches)
+    train = (start.stream(positions_from if listing.in_memory else passes_from)
              .prefetch(tf.data.AUTOTUNE))
 
     validation = None
     if validation_steps:
-        validation_pass, _ = pass_maker(listing.validation, shuffle=False,
+        validation_pass, _, stored = pass_maker(listing.validation, shuffle=False,
                                         limit=validation_steps * validation_batch_size,
                                         split_name="validation", by_file=False)
-        # One pass, asked again at every iteration (a store is complete or not by then).
-        validation = tf.data.Dataset.range(1).flat_map(
-            lambda pass_index: validation_pass(pass_index, tf.constant(0, tf.int64)))
+        first = tf.constant(0, tf.int64)
+        validation = (validation_pass(first, first) if not stored else
+                      # Made at every iteration: the store is complete or not by then.
+                      tf.data.Dataset.range(1).flat_map(
+                          lambda pass_index: validation_pass(pass_index, first)))
         if augment:
             validation = center_cropped(validation, listing.image_shape)
         # Exactly validation_steps batches (the take() and the blanks above), said to Keras:
