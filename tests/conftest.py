@@ -11,8 +11,8 @@ helper (`JOB_STARTERS`) without the marker stops the run at collection.
 that take the `runtime` fixture) then run across 2 real ranks; every other test skips there with
 one line: an integration test would start every job twice, competing for the same 2 cores, and a
 pure test ran in the single-process pass and would only run twice more. Collective tests that
-only compare ranks (`multi_rank`) skip in a world of one, where they would compare rank 0 with
-itself.
+compare ranks, or train whole runs whose subject is the ranks (`multi_rank`), skip in a world of
+one, where they would compare rank 0 with itself or repeat the 2-rank pass's work.
 
 Collective tests never assert before the ranks have exchanged their results: `gather_checked`
 runs the local part, all-gathers (ok, error) from every rank, and only then asserts, so a failure

@@ -1,7 +1,8 @@
 """The training job across real ranks: `mpirun -np 2 pytest` runs these as 2 horovod ranks.
 
-Under plain `pytest` the same tests run as a world of one, except those that only compare ranks
-(`multi_rank`): they skip there. Every test exchanges its ranks' results before asserting
+Under plain `pytest` the same tests run as a world of one, except those that compare ranks or
+train whole runs (`multi_rank`): they skip there, since the 2-rank pass of `make test` runs them
+and a world of one would repeat it on the same cores without the ranks that are its subject. Every test exchanges its ranks' results before asserting
 (conftest.gather_checked), so a failure fails all ranks together.
 """
 from __future__ import annotations
@@ -145,6 +146,7 @@ def test_only_rank_0_writes_the_outputs_of_a_step(runtime, one_step):
     assert other_files == [[]] * (runtime.world.size - 1), "a rank other than 0 wrote files"
 
 
+@multi_rank
 def test_resume_continues_at_the_next_epoch_with_the_optimizer_state(runtime, shared_dir):
     first = gather_checked(runtime, lambda: state_of(
         train.run("test", config_in(shared_dir, epochs=2), runtime, CLASSIFIER).model))
@@ -172,6 +174,7 @@ def test_resume_continues_at_the_next_epoch_with_the_optimizer_state(runtime, sh
     assert len({o[2] for o in outcomes}) == 1
 
 
+@multi_rank
 def test_compression_accumulation_and_mixed_precision_keep_ranks_in_step(runtime, shared_dir):
     """The settings of a GPU job, with its batches prefetched to a device as a GPU rank's are
     (runtime.base.configure_devices: prefetch_to its GPU; here the CPU device, the same
@@ -212,6 +215,7 @@ def build(input_shape, num_classes):
 """
 
 
+@multi_rank
 def test_xla_compiles_the_step_around_the_ranks_average(runtime, shared_dir):
     """--jit-compile on with a GPU job's settings (mixed_float16 and its loss scaling, fp16
     allreduce, gradient accumulation, steps_per_execution): the step is compiled in two parts
@@ -259,6 +263,7 @@ def _send_usr1_once_the_run_listens():
     os.kill(os.getpid(), signal.SIGUSR1)
 
 
+@multi_rank
 def test_only_rank_0_writes_in_every_path(runtime, tmp_path):
     """Autoencoder picture and exports, and a run stopped by a signal: rank 0 writes, alone."""
     from hvdtrain.autoencoder import RECONSTRUCTOR, write_reconstructions
@@ -298,6 +303,7 @@ def loss_scale_of(model) -> float:
     return float(scales[0].numpy())
 
 
+@multi_rank
 @pytest.mark.parametrize("grad_accum_steps", [1, 2])
 def test_a_resumed_mixed_precision_run_keeps_every_rank_identical(runtime, shared_dir,
                                                                    grad_accum_steps):
@@ -358,6 +364,7 @@ def test_ranks_draw_their_own_dropout_masks_from_the_same_weights(runtime, tmp_p
         assert not np.array_equal(mask, masks[0]), f"rank {rank} drew rank 0's dropout mask"
 
 
+@multi_rank
 def test_steps_per_execution_runs_that_many_steps_per_call(runtime, tmp_path):
     """Keras calls the batch hooks once per execution: 8 steps in calls of 4 are 2 hooks."""
     calls = {}
@@ -539,6 +546,7 @@ def test_a_stop_the_jobs_callbacks_ask_for_ends_every_rank_together(runtime, tmp
             in printed, printed
 
 
+@multi_rank
 def test_a_rate_reduced_on_plateau_survives_a_resume_rescaled_to_the_new_plan(runtime,
                                                                                 tmp_path):
     """A job with ReduceLROnPlateau (no warm-up, --lr-decay constant) gets a rate that is the
@@ -581,6 +589,7 @@ def test_a_rate_reduced_on_plateau_survives_a_resume_rescaled_to_the_new_plan(ru
     gather_checked(runtime, warmed_up)
 
 
+@multi_rank
 def test_each_epoch_says_how_long_its_steps_waited_for_their_batches(runtime, tmp_path):
     """metrics.json splits every epoch's training time into the steps' wait for their batches
     and the rest; a pipeline slower than the step (50 ms a batch against a step of a few) is
