@@ -212,12 +212,12 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     rank_seed = seed + world.rank
 
     def pass_maker(split: Split, *, shuffle: bool, limit: int | None, split_name: str,
-                   by_file: bool, crop: bool = False) -> tuple[Callable, int, bool]:
+                   by_file: bool, crop: bool = False) -> tuple[Callable, int]:
         """(``one_pass(pass_index, skip)``: this rank's share of ``split`` in pass
         ``pass_index``'s order from its ``skip``-th sample on, decoded; the samples a whole pass
-        holds; whether a pass reads a store). ``crop``: random-resized crops cut while decoding (no store). What lives as long
-        as the pipeline (failure counters, stores) is made here, once; ``one_pass`` runs inside
-        the ``flat_map`` over passes."""
+        holds). ``crop``: random-resized crops cut while decoding (no store). What lives as
+        long as the pipeline (failure counters, stores) is made here, once; ``one_pass`` runs
+        inside the ``flat_map`` over training passes, or once for the validation pass."""
         counter = None
         if not listing.in_memory:
             counter = DecodeFailures(split_name,
@@ -267,11 +267,11 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                                            pass_index=pass_index).skip(skip)
             return stored_pass(from_source, store, num_samples, order)
 
-        return one_pass, num_samples, store is not None
+        return one_pass, num_samples
 
     # Without a store every pass decodes: the crop is cut while decoding, which decodes less.
     crop_while_decoding = augment and cache.kind == "off"
-    train_pass, train_samples, _ = pass_maker(listing.train, shuffle=True, limit=None,
+    train_pass, train_samples = pass_maker(listing.train, shuffle=True, limit=None,
                                            split_name="training", by_file=by_file,
                                            crop=crop_while_decoding)
     # A pass read from a store comes in pass_positions' order; a source that reads its files in
@@ -315,14 +315,12 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
 
     validation = None
     if validation_steps:
-        validation_pass, _, stored = pass_maker(listing.validation, shuffle=False,
+        validation_pass, _ = pass_maker(listing.validation, shuffle=False,
                                         limit=validation_steps * validation_batch_size,
                                         split_name="validation", by_file=False)
+        # One pass, the same every time (a stored pass asks its store anew, stored_pass).
         first = tf.constant(0, tf.int64)
-        validation = (validation_pass(first, first) if not stored else
-                      # Made at every iteration: the store is complete or not by then.
-                      tf.data.Dataset.range(1).flat_map(
-                          lambda pass_index: validation_pass(pass_index, first)))
+        validation = validation_pass(first, first)
         if augment:
             validation = center_cropped(validation, listing.image_shape)
         # Exactly validation_steps batches (the take() and the blanks above), said to Keras:

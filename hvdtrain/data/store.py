@@ -241,13 +241,18 @@ def stored_pass(from_source: tf.data.Dataset, store: SampleStore, num_samples: i
                 order: tf.data.Dataset) -> tf.data.Dataset:
     """One pass: ``from_source`` (which stores what it decodes) until the store holds every one
     of the ``num_samples`` positions, then the store alone, read in ``order`` (the pass's
-    positions, as the source gives them). Called inside the pipeline's ``flat_map`` over passes,
-    so whether the store is complete is asked at the start of every pass."""
+    positions, as the source gives them). Whether the store is complete is asked each time the
+    pass is iterated (inside a ``flat_map`` of one element, which takes both datasets as they
+    are: nothing is traced again)."""
     import tensorflow as tf
 
-    complete = store.size() >= num_samples
     from_store = store.stored(order)
-    # take(0) never starts the other dataset: a complete store opens no file.
-    everything, nothing = tf.constant(-1, tf.int64), tf.constant(0, tf.int64)
-    return (from_source.take(tf.where(complete, nothing, everything))
-            .concatenate(from_store.take(tf.where(complete, everything, nothing))))
+
+    def whichever(_):
+        complete = store.size() >= num_samples
+        # take(0) never starts the other dataset: a complete store opens no file.
+        everything, nothing = tf.constant(-1, tf.int64), tf.constant(0, tf.int64)
+        return (from_source.take(tf.where(complete, nothing, everything))
+                .concatenate(from_store.take(tf.where(complete, everything, nothing))))
+
+    return tf.data.Dataset.from_tensors(0).flat_map(whichever)
