@@ -11,7 +11,7 @@ from hvdtrain.rundir import nearest_existing
 
 NOT_CURVES = frozenset({"epoch", "samples_per_sec", "train_seconds", "epoch_seconds",
                         "cpu_seconds", "first_step_seconds", "resident_mb", "learning_rate",
-                        "skipped_samples", "workers"})
+                        "skipped_samples", "workers", "input_wait_seconds", "compute_seconds"})
 """Columns of metrics.json that are timings, memory or bookkeeping, not training metrics."""
 
 

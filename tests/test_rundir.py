@@ -410,7 +410,8 @@ def test_only_training_metrics_get_curves():
 
     row = {"epoch": 1, "loss": 0.5, "accuracy": 0.9, "val_loss": 0.6, "val_accuracy": 0.8,
            "samples_per_sec": 900.0, "first_step_seconds": 5.0, "learning_rate": 0.001,
-           "train_seconds": 1.0, "epoch_seconds": 1.2, "cpu_seconds": 2.0, "resident_mb": 700.0}
+           "train_seconds": 1.0, "epoch_seconds": 1.2, "cpu_seconds": 2.0, "resident_mb": 700.0,
+           "input_wait_seconds": 0.1, "compute_seconds": 0.9, "workers": 2}
     assert curve_names([row]) == ["loss", "accuracy"]
     assert curve_names([]) == []
 
