@@ -63,7 +63,8 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
                             file_table=getattr(datasets, "identity", {}).get("files"))
     start = resume(config, runtime, plan, run_dir, model, state_variables, precision, schedule,
                    datasets)
-    tracker = record_start(program, config, runtime, plan, start, precision, experiment)
+    tracker = record_start(program, config, runtime, plan, start, precision, experiment,
+                           getattr(datasets, "class_names", ()))
     callbacks = training_callbacks(config, runtime, plan, datasets, model, train, schedule, start,
                                    tracker, request, timeline, job_callbacks, input_wait)
     timeline.mark("run_dir_ready")

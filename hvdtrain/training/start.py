@@ -139,8 +139,10 @@ def written_otherwise(run_dir: RunDir, config: TrainConfig, precision: str) -> s
 
 
 def record_start(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
-                 start: RunStart, precision: str, experiment: dict[str, str]) -> Tracker:
-    """The tracker started (rank 0's; a NullTracker elsewhere) and config.json written."""
+                 start: RunStart, precision: str, experiment: dict[str, str],
+                 class_names: tuple[str, ...] = ()) -> Tracker:
+    """The tracker started (rank 0's; a NullTracker elsewhere) and config.json written, with
+    the classes' names of hvdtrain's image data (what ``hvdtrain export`` serves)."""
     world = runtime.world
     tracker = tracking.start(program, config, runtime, start.run_dir, {
         "config": config.to_dict(), "plan": plan.to_dict(), "world": dataclasses.asdict(world),
@@ -149,7 +151,8 @@ def record_start(program: str, config: TrainConfig, runtime: Runtime, plan: Trai
     start.run_dir.write_json(CONFIG_FILE, {
         "program": program, "config": config.to_dict(), "plan": plan.to_dict(),
         "world": dataclasses.asdict(world), "precision": precision,
-        "resumed_from": start.restored_from, "versions": _versions(), FINGERPRINT: experiment})
+        "resumed_from": start.restored_from, "versions": _versions(), FINGERPRINT: experiment,
+        **({"class_names": list(class_names)} if class_names else {})})
     return tracker
 
 
