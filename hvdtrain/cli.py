@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "slurm": ("hvdtrain.slurm", "write an sbatch script (or the shipped templates)"),
     "examples": ("hvdtrain.shipped", "write the shipped examples (a model file, a job through "
                                      "the API) into a directory"),
+    "export": ("hvdtrain.export", "write a run directory's model as a SavedModel that serves "
+                                  "(no horovod ops)"),
     "convert": ("hvdtrain.tfrecords", "convert an image folder into TFRecord shards"),
     "stack": ("hvdtrain.stack", "check that TensorFlow, Keras, horovod and MPI work together"),
     "health": ("hvdtrain.health", "the pre-job health check of the nodes (run by `launch "
