@@ -10,7 +10,7 @@ TensorFlow Serving and most serving platforms load a SavedModel; a run directory
   logits, float32 ``[batch, classes]``) and ``classes`` (the most probable class's name, string
   ``[batch]``) out;
 * any other job's model: its own call (``training=False``), on inputs of the shapes and dtypes it
-  was built for, under the output's name ``outputs``.
+  was built for; a single output is named ``outputs``, several by the model's output names.
 
 It holds the model's forward pass and its weights only: no optimizer, so no horovod op
 (horovod#4028's exports carried them, and no serving image can load one); the written graph's ops
@@ -19,6 +19,7 @@ it as a command, not under a launcher.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,12 +31,9 @@ import hvdtrain
 from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import EXIT_USAGE, UserError, as_one_line
 from hvdtrain.flags import OneLineParser
+from hvdtrain.rundir import CONFIG_FILE, MODEL_FILE, WEIGHTS_FILE
 
 PROGRAM = "hvdtrain.export"
-#: The run directory's files this reads (rundir.py names them for the run).
-CONFIG_FILE, MODEL_FILE, WEIGHTS_FILE = "config.json", "model.keras", "model.weights.h5"
-#: The program whose models end in class logits (hvdtrain.cnn), for the classifier's signature.
-CLASSIFIER_PROGRAM = "hvdtrain.cnn"
 SIGNATURE = "serving_default"
 
 
@@ -57,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.keras != hvdtrain.KERAS:  # chosen on import, from the command line's --keras
             raise UserError(f"--keras {args.keras} must be on the command line that starts "
                             f"{PROGRAM} (this process runs Keras {hvdtrain.KERAS})")
-        line = export(args.run_dir, args.output)
+        line = write_savedmodel(args.run_dir, args.output)
     except UserError as error:
         print(f"{error_name(PROGRAM)}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -65,9 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def export(run_dir: str, output: str) -> str:
-    """Write ``run_dir``'s model to ``output`` (nothing there unless all of it was written);
-    the line saying what was written."""
+def write_savedmodel(run_dir: str, output: str) -> str:
+    """Write ``run_dir``'s model to ``output`` (nothing there, nor any directory made for it,
+    unless all of it was written); the line saying what was written."""
     recorded = _recorded(run_dir)
     model_path = os.path.join(run_dir, MODEL_FILE)
     if not os.path.isfile(model_path):
@@ -78,27 +76,49 @@ def export(run_dir: str, output: str) -> str:
         raise UserError(f"{run_dir} holds no {MODEL_FILE}: its job has not finished, or ran with "
                         "--no-export; run it again to its end (it resumes from its checkpoint)")
     output = os.path.abspath(output)
-    if os.path.lexists(output) and not (os.path.isdir(output) and not os.listdir(output)):
+    if os.path.islink(output) or (os.path.lexists(output) and not (
+            os.path.isdir(output) and not os.listdir(output))):
         raise UserError(f"--output {output} exists and is not an empty directory: name a new one")
     model = _load(model_path, recorded)
+    if not getattr(model, "inputs", None):
+        raise UserError(f"the model in {model_path} was not built from inputs (a subclassed "
+                        "model), so its input shapes are unknown: save it with "
+                        "tf.saved_model.save and an input signature of your own")
     classes = _class_names(recorded, model)
-    # Written beside the output and moved into place whole: an interrupted export leaves no
-    # half a SavedModel under the name a server would load.
-    parent = os.path.dirname(output)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.", dir=parent)
+    # Written beside the output and renamed into place whole (over an empty directory, which
+    # rename replaces): an interrupted export leaves no half a SavedModel under the name a
+    # server loads, and a failed one leaves no directory it made.
+    made = _missing_parents(os.path.dirname(output))
+    staging = None
     try:
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.",
+                                   dir=os.path.dirname(output))
         signature = _save(model, classes, os.path.join(staging, "model"))
         horovod_ops = _horovod_ops(os.path.join(staging, "model"))
         if horovod_ops:  # never expected: the signature calls the model, not its optimizer
             raise UserError(f"the SavedModel would hold horovod ops ({', '.join(horovod_ops)}), "
                             "which no serving image can load; nothing was written")
-        if os.path.isdir(output):
-            os.rmdir(output)  # empty (checked above)
         os.rename(os.path.join(staging, "model"), output)
+        made = []
+    except OSError as error:
+        raise UserError(f"cannot write {output}: {as_one_line(error)}") from None
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
+        for directory in reversed(made):  # the deepest first; each was made here, empty now
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
     return f"wrote {output}: a SavedModel of {model_path}, signature {SIGNATURE}: {signature}"
+
+
+def _missing_parents(directory: str) -> list[str]:
+    """``directory`` and those of its parents that do not exist, the outermost first."""
+    missing = []
+    while directory and not os.path.lexists(directory):
+        missing.insert(0, directory)
+        directory = os.path.dirname(directory)
+    return missing
 
 
 def _recorded(run_dir: str) -> dict:
@@ -112,40 +132,49 @@ def _recorded(run_dir: str) -> dict:
                         "names the directory a job trained in)") from None
     except (OSError, ValueError) as error:
         raise UserError(f"cannot read {path}: {as_one_line(error)}") from None
-    trained_on = str(recorded.get("versions", {}).get("keras", ""))
-    keras = "2" if "tf_keras" in trained_on else "3"
-    if trained_on and keras != hvdtrain.KERAS:
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("config", {}), dict):
+        raise UserError(f"{path} is not a run's config.json")
+    keras = str(recorded.get("config", {}).get("keras", hvdtrain.KERAS))
+    if keras != hvdtrain.KERAS:
+        trained_on = recorded.get("versions", {}).get("keras") or f"Keras {keras}"
         raise UserError(f"{run_dir} was trained on {trained_on}: pass --keras {keras}")
     return recorded
 
 
 def _load(model_path: str, recorded: dict):
-    """model.keras, uncompiled; a model file's classes (--model FILE.py:FUNCTION) are imported
-    first, so an unregistered layer of its own rebuilds."""
+    """model.keras, uncompiled. A model file's layers (--model FILE.py:FUNCTION, the path as the
+    job was given it) are imported when the model needs them: an unregistered layer of its own
+    rebuilds from them."""
     import keras
 
     from hvdtrain.models.user import is_user_model, load_builder
 
-    model_spec = str(recorded.get("config", {}).get("model") or "")
-    custom = {}
-    if is_user_model(model_spec):
-        try:
-            module = sys.modules[load_builder(model_spec).__module__]
-        except ValueError as error:
-            raise UserError(f"the run's model file is needed to load its layers: {error}") \
-                from None
-        custom = {name: value for name, value in vars(module).items() if isinstance(value, type)}
     try:
-        with keras.utils.custom_object_scope(custom):
-            return keras.models.load_model(model_path, compile=False)
+        return keras.models.load_model(model_path, compile=False)
     except Exception as error:  # noqa: BLE001 - whatever the model's own code raises
+        failure = f"cannot load {model_path}: {as_one_line(error)}"
+    model_spec = str(recorded.get("config", {}).get("model") or "")
+    if not is_user_model(model_spec):
+        raise UserError(failure)
+    try:
+        module = sys.modules[load_builder(model_spec).__module__]
+    except ValueError as error:
+        raise UserError(f"{failure}; its layers are in the run's model file, which cannot be "
+                        f"read from here: {error}") from None
+    classes = {name: value for name, value in vars(module).items() if isinstance(value, type)}
+    try:
+        with keras.utils.custom_object_scope(classes):
+            return keras.models.load_model(model_path, compile=False)
+    except Exception as error:  # noqa: BLE001
         raise UserError(f"cannot load {model_path}: {as_one_line(error)}") from None
 
 
 def _class_names(recorded: dict, model) -> tuple[str, ...] | None:
     """The classes' names for the classifier's signature (numbered when the run directory did
     not record them), or None for a model that is not the built-in classifier's."""
-    if recorded.get("program") != CLASSIFIER_PROGRAM:
+    from hvdtrain.cnn import PROGRAM as CLASSIFIER  # its models end in class logits
+
+    if recorded.get("program") != CLASSIFIER:
         return None
     names = recorded.get("class_names") or [str(index) for index in range(model.output_shape[-1])]
     return tuple(names)
@@ -174,15 +203,27 @@ def _save(model, classes: tuple[str, ...] | None, path: str) -> str:
         described = (f"uint8 images {_shape(spec.shape)} in; probabilities "
                      f"{_shape(model.output_shape)} and classes (one of {len(classes)} names) out")
     else:
+        output_names = list(getattr(model, "output_names", None) or [])
+
         @tf.function(input_signature=inputs)
         def serve(*tensors):
-            return {"outputs": model(tensors[0] if len(tensors) == 1 else list(tensors),
-                                     training=False)}
+            outputs = model(tensors[0] if len(tensors) == 1 else list(tensors), training=False)
+            if isinstance(outputs, dict):
+                return outputs
+            if isinstance(outputs, (list, tuple)):  # a signature returns named tensors
+                names = output_names if len(output_names) == len(outputs) else [
+                    f"outputs_{index}" for index in range(len(outputs))]
+                return dict(zip(names, outputs))
+            return {"outputs": outputs}
 
         described = (", ".join(f"{spec.name} {spec.dtype.name} {_shape(spec.shape)}"
                                for spec in inputs) + " in; the model's outputs out")
     serving.serve = serve
-    tf.saved_model.save(serving, path, signatures={SIGNATURE: serve})
+    try:
+        tf.saved_model.save(serving, path, signatures={SIGNATURE: serve})
+    except (ValueError, TypeError) as error:  # a call TensorFlow cannot trace or save
+        raise UserError(f"cannot write the model's call as a SavedModel: "
+                        f"{as_one_line(error)}") from None
     return described
 
 
@@ -197,10 +238,13 @@ def _shape(shape) -> str:
 
 def _horovod_ops(path: str) -> list[str]:
     """The names of horovod's ops the SavedModel's graph and functions hold."""
-    from tensorflow.python.saved_model import loader_impl
+    from tensorflow.core.protobuf import saved_model_pb2
 
+    saved = saved_model_pb2.SavedModel()
+    with open(os.path.join(path, "saved_model.pb"), "rb") as file:
+        saved.ParseFromString(file.read())
     ops = set()
-    for meta_graph in loader_impl.parse_saved_model(path).meta_graphs:
+    for meta_graph in saved.meta_graphs:
         ops.update(node.op for node in meta_graph.graph_def.node)
         for function in meta_graph.graph_def.library.function:
             ops.update(node.op for node in function.node_def)

@@ -45,6 +45,8 @@ from typing import Any, Callable, Sequence
 from hvdtrain.errors import UserError, first_line
 
 MODEL_FILE = "model.keras"
+#: What rank 0 exports instead of MODEL_FILE for a model that cannot be rebuilt from its config.
+WEIGHTS_FILE = "model.weights.h5"
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.json"
 TIMELINE_FILE = "timeline.json"

@@ -64,7 +64,7 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     start = resume(config, runtime, plan, run_dir, model, state_variables, precision, schedule,
                    datasets)
     tracker = record_start(program, config, runtime, plan, start, precision, experiment,
-                           getattr(datasets, "class_names", ()))
+                           datasets)
     callbacks = training_callbacks(config, runtime, plan, datasets, model, train, schedule, start,
                                    tracker, request, timeline, job_callbacks, input_wait)
     timeline.mark("run_dir_ready")

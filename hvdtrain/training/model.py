@@ -8,7 +8,7 @@ import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 from hvdtrain import KERAS
 from hvdtrain.training.config import TrainConfig
 from hvdtrain.errors import UserError, as_one_line
-from hvdtrain.rundir import MODEL_FILE, RunDir
+from hvdtrain.rundir import MODEL_FILE, WEIGHTS_FILE, RunDir
 from hvdtrain.runtime import Runtime
 from hvdtrain.task import Datasets, Task
 from hvdtrain.training.optimizers import build_optimizer, describe_optimizer
@@ -103,10 +103,6 @@ def seed_and_precision(config: TrainConfig, runtime: Runtime) -> str:
     precision = runtime.default_precision() if config.precision == "auto" else config.precision
     keras.mixed_precision.set_global_policy("float32" if precision == "fp32" else precision)
     return precision
-
-
-#: What rank 0 exports for a model that cannot be rebuilt from its config (``export``).
-WEIGHTS_FILE = "model.weights.h5"
 
 
 def exported(run_dir: RunDir) -> str | None:

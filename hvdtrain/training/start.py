@@ -140,9 +140,10 @@ def written_otherwise(run_dir: RunDir, config: TrainConfig, precision: str) -> s
 
 def record_start(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
                  start: RunStart, precision: str, experiment: dict[str, str],
-                 class_names: tuple[str, ...] = ()) -> Tracker:
+                 datasets: Datasets) -> Tracker:
     """The tracker started (rank 0's; a NullTracker elsewhere) and config.json written, with
     the classes' names of hvdtrain's image data (what ``hvdtrain export`` serves)."""
+    class_names = datasets.class_names if isinstance(datasets, ImageDatasets) else ()
     world = runtime.world
     tracker = tracking.start(program, config, runtime, start.run_dir, {
         "config": config.to_dict(), "plan": plan.to_dict(), "world": dataclasses.asdict(world),
