@@ -60,7 +60,8 @@ test-local: $(STAMP)
 
 # The pure tier for the inner loop: every test not marked `integration` (tests/conftest.py says
 # which are), in one process, no cluster or root needed; it must stay under 3 minutes (2026-11-29:
-# 654 tests in 2:00-2:08 on this machine's 2 cores). `make test` runs these too.
+# 654 tests in 2:00-2:08 on this machine's 2 cores). `make test` runs these too. The collective
+# tests about ranks together (conftest.multi_rank) run only in `make test`'s 2-rank pass.
 test-fast: $(STAMP)
 	$(PYTEST) tests/ -m "not integration" --durations=15 $(PYTEST_ARGS)
 

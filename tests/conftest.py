@@ -51,7 +51,7 @@ integration = pytest.mark.integration
 # Decided from the launcher's environment, the same on every rank: no rank enters a collective
 # that the others skipped.
 multi_rank = pytest.mark.skipif(
-    LAUNCHED_RANKS < 2, reason="needs >= 2 ranks: run under mpirun -np 2 pytest tests/")
+    LAUNCHED_RANKS < 2, reason="about ranks together: runs under mpirun -np 2 pytest tests/")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,9 +1,12 @@
 """The training job across real ranks: `mpirun -np 2 pytest` runs these as 2 horovod ranks.
 
-Under plain `pytest` the same tests run as a world of one, except those that compare ranks or
-train whole runs (`multi_rank`): they skip there, since the 2-rank pass of `make test` runs them
-and a world of one would repeat it on the same cores without the ranks that are its subject. Every test exchanges its ranks' results before asserting
-(conftest.gather_checked), so a failure fails all ranks together.
+Under plain `pytest` (and `make test-fast`) the same tests run as a world of one, except those
+that compare ranks, or train runs about what ranks do together (resume, compression, XLA, rank
+0's writes, mixed precision, the plateau rate, the input wait) (`multi_rank`): they skip there.
+Only the 2-rank pass runs those (`make test`, `make test-mpi`): a world of one would repeat its
+runs on the same cores without the ranks they are about (and, but for gradient accumulation,
+without horovod: a world of one keeps the plain optimizer). Every test exchanges its ranks'
+results before asserting (conftest.gather_checked), so a failure fails all ranks together.
 """
 from __future__ import annotations
 

@@ -229,7 +229,8 @@ class Listing:
                      by_file: bool, pass_index,
                      failures: DecodeFailures | None = None) -> tf.data.Dataset:
         """``(position, record)`` of this rank's records of ``split`` for pass ``pass_index`` (an
-        int64 tensor: called inside the pipeline's ``flat_map`` over passes), in that pass's
+        int64 tensor: a training pass's, inside the pipeline's ``flat_map`` over passes, or the
+        validation pass's 0), in that pass's
         order when ``shuffle``: where ``random_access``, ``pass_positions``' order, so a pass
         read from a store of decoded samples is the same pass. ``position`` says which sample
         it is for ``sample_namer`` and the store. A source that knows how many records each
@@ -244,7 +245,8 @@ class Listing:
                    ) -> tf.data.Dataset:
         """``(position, record)`` for each of ``positions`` in this rank's share of ``split``:
         a source with ``random_access`` reads any sample in any order."""
-        raise NotImplementedError(f"{type(self).__name__} reads its records in file order")
+        raise NotImplementedError(f"{type(self).__name__} has no random access: it gives "
+                                  "its records by rank_records alone")
 
     random_access: ClassVar[bool] = True
     """``records_at`` reads any pass in ``pass_positions``' order (a file list, an array). Not

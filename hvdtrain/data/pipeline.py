@@ -295,7 +295,10 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
 
     def positions_from(first_pass, skip):
         """In-memory data as one stream of positions, each pass's order cut to its whole
-        batches: no dataset made per pass (one costs milliseconds to start, every epoch)."""
+        batches: no dataset made per pass (one costs milliseconds to start, every epoch). The
+        order is rank_records' (pass_order with this rank's seed); ``skip``, whole batches of
+        the first pass, is less than ``used``."""
+        assert listing.random_access  # an array: any position at any time
         used = start.batches_per_pass * batch_size
         positions = (tf.data.Dataset.range(first_pass, 2**62)
                      .map(lambda pass_index: pass_order(train_samples, seed=rank_seed,
