@@ -44,6 +44,15 @@ def decoded_shape(image_shape: tuple[int, int, int], *, augment: bool) -> tuple[
     return stored_shape(image_shape) if augment else image_shape
 
 
+def pass_seed(seed: int, pass_index):
+    """One seed per (seed, pass) (``pass_index`` an int64 tensor), for a pass's stateless draws:
+    the same in every process and iterator. A TFRecord pass's block order (records.py) and its
+    crops and flips (``seed_stream``) draw from it."""
+    import tensorflow as tf
+
+    return tf.constant(seed, tf.int64) * 1_000_003 + tf.cast(pass_index, tf.int64)
+
+
 def seed_stream(seed: int, pass_index, skip=0) -> tf.data.Dataset:
     """Two seeds per sample of pass ``pass_index`` (an int64 tensor), from its ``skip``-th sample
     on: (seed and pass, the sample's place in the pass), for the stateless ops that crop and
@@ -51,9 +60,9 @@ def seed_stream(seed: int, pass_index, skip=0) -> tf.data.Dataset:
     the whole pass would have; no seed goes through TensorFlow's global one."""
     import tensorflow as tf
 
-    pass_seed = tf.constant(seed, tf.int64) * 1_000_003 + tf.cast(pass_index, tf.int64)
+    this_pass = pass_seed(seed, pass_index)
     return tf.data.Dataset.range(tf.cast(skip, tf.int64), 2**62).map(
-        lambda index: tf.stack([pass_seed, index]))
+        lambda index: tf.stack([this_pass, index]))
 
 
 def augmented(train: tf.data.Dataset, image_shape: tuple[int, int, int], *,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
 
-from hvdtrain.data.augment import decoded_shape
+from hvdtrain.data.augment import decoded_shape, pass_seed
 from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, HeldOutRecords, Listing, Split,
                                    held_out_counts, split_identity)
 from hvdtrain.data.shares import samples_for_rank
@@ -117,7 +117,7 @@ class TFRecordListing(Listing):
         if shuffle:
             num_samples = self.samples_for_rank(split, world, seed=seed, by_file=by_file)
             records = _block_shuffled(records, _buffer(num_samples),
-                                      _pass_seed(seed + world.rank, pass_index))
+                                      pass_seed(seed + world.rank, pass_index))
         return records
 
     def reader(self) -> Callable:
@@ -160,9 +160,9 @@ def _buffer(num_samples: int) -> int:
     return min(max(num_samples, 1), RAW_RECORD_SHUFFLE)
 
 
-def _block_shuffled(records: tf.data.Dataset, block: int, pass_seed) -> tf.data.Dataset:
-    """``records`` in blocks of ``block``, each in a random order drawn from (``pass_seed``, its
-    index): what a shuffle buffer of that size does to records read in file order, from
+def _block_shuffled(records: tf.data.Dataset, block: int, seed) -> tf.data.Dataset:
+    """``records`` in blocks of ``block``, each in a random order drawn from (``seed``, the
+    pass's, and its index): what a shuffle buffer of that size does to records read in file order, from
     stateless draws (tf.data's shuffle takes its seed through TensorFlow's global seed, which
     refuses a per-pass tensor seed once a global seed is set)."""
     import tensorflow as tf
@@ -170,17 +170,10 @@ def _block_shuffled(records: tf.data.Dataset, block: int, pass_seed) -> tf.data.
     def permuted(index, block_records):
         count = tf.shape(tf.nest.flatten(block_records)[0])[0]
         order = tf.random.experimental.stateless_shuffle(
-            tf.range(count), seed=tf.stack([pass_seed, index]))
+            tf.range(count), seed=tf.stack([seed, index]))
         return tf.nest.map_structure(lambda values: tf.gather(values, order), block_records)
 
     return records.batch(block).enumerate().map(permuted).unbatch()
-
-
-def _pass_seed(seed: int, pass_index):
-    """One shuffle seed per (seed, pass): a pass's order is the same in every iterator."""
-    import tensorflow as tf
-
-    return tf.constant(seed, tf.int64) * 1_000_003 + tf.cast(pass_index, tf.int64)
 
 
 def file_order(split: Split, seed: int) -> np.ndarray:
