@@ -269,15 +269,14 @@ class Progress(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
         self.epoch_start = self.last_line = time.monotonic()
-        self.steps_before_rate = self.steps_per_epoch - self.params.get("steps",
-                                                                         self.steps_per_epoch)
+        # Steps of this epoch run before this fit: a fit of an epoch's remaining steps (a resume
+        # inside it) numbers its batches from 0.
+        self.steps_resumed = self.steps_per_epoch - self.params.get("steps", self.steps_per_epoch)
+        self.steps_before_rate = self.steps_resumed
 
     def on_train_batch_end(self, batch, logs=None):
         now = time.monotonic()
-        # The epoch's steps done: a fit of an epoch's remaining steps (a resume inside it)
-        # numbers its batches from 0.
-        steps_done = batch + 1 + self.steps_per_epoch - self.params.get("steps",
-                                                                         self.steps_per_epoch)
+        steps_done = self.steps_resumed + batch + 1  # the epoch's
         if self.first_step_seconds is None:
             self.timeline.mark("first_step_done")
             self.first_step_seconds = self.timeline.seconds("first_step_done")
