@@ -211,6 +211,11 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     cache_dir = process_cache_dir(cache)
     rank_seed = seed + world.rank
 
+    def looked_up(records: tf.data.Dataset) -> tf.data.Dataset:
+        """In-memory ``(position, record)`` -> ``(image, label)``: a row lookup, never failing."""
+        return records.map(lambda position, record: decode(*_as_tuple(record)),
+                           num_parallel_calls=tf.data.AUTOTUNE)
+
     def pass_maker(split: Split, *, shuffle: bool, limit: int | None, split_name: str,
                    by_file: bool, crop: bool = False) -> tuple[Callable, int]:
         """(``one_pass(pass_index, skip)``: this rank's share of ``split`` in pass
@@ -255,8 +260,7 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
 
                 image_shape = listing.image_shape
             if listing.in_memory:
-                return records.map(lambda position, record: decode(*_as_tuple(record)),
-                                   num_parallel_calls=tf.data.AUTOTUNE)
+                return looked_up(records)
             if store is None:
                 return _decode_or_blank(records, decode_to, counter, remaining, image_shape)
             # Only a whole pass may mark what it did not store as failed.
@@ -305,9 +309,7 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                                                         pass_index=pass_index)[:used])
                      .unbatch()
                      .skip(skip))
-        return (listing.records_at(listing.train, world, positions)
-                .map(lambda position, record: decode(*_as_tuple(record)),
-                     num_parallel_calls=tf.data.AUTOTUNE)
+        return (looked_up(listing.records_at(listing.train, world, positions))
                 .batch(batch_size, drop_remainder=True))
 
     # Endless: Keras stops each epoch after steps_per_epoch (plan.py). A pass's order is a

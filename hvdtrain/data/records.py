@@ -162,9 +162,9 @@ def _buffer(num_samples: int) -> int:
 
 def _block_shuffled(records: tf.data.Dataset, block: int, seed) -> tf.data.Dataset:
     """``records`` in blocks of ``block``, each in a random order drawn from (``seed``, the
-    pass's, and its index): what a shuffle buffer of that size does to records read in file order, from
-    stateless draws (tf.data's shuffle takes its seed through TensorFlow's global seed, which
-    refuses a per-pass tensor seed once a global seed is set)."""
+    pass's, and its index): what a shuffle buffer of that size does to records read in file
+    order, from stateless draws (tf.data's shuffle takes its seed through TensorFlow's global
+    seed, which refuses a per-pass tensor seed once a global seed is set)."""
     import tensorflow as tf
 
     def permuted(index, block_records):

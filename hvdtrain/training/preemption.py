@@ -95,8 +95,9 @@ class PreemptionCheck(keras.callbacks.Callback):
 
     Every ``check_every`` batches the ranks agree on ``request.received`` with one small
     collective, so they all leave ``fit`` after the same step and no rank is left waiting in an
-    allreduce. On agreement ``on_stop(epoch, mid_epoch, steps done in the epoch)`` runs at once (rank 0 writes the
-    checkpoint there, before Keras' end-of-epoch validation eats into Slurm's warning time).
+    allreduce. On agreement ``on_stop(epoch, mid_epoch, steps done in the epoch)`` runs at once
+    (rank 0 writes the checkpoint there, before Keras' end-of-epoch validation eats into Slurm's
+    warning time).
 
     Last of the callbacks, so it sees what the job's callbacks decided: Keras leaves ``fit`` as
     soon as ``stop_training`` is set, so a stop set on one rank in a batch is held back here and
