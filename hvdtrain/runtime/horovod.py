@@ -145,6 +145,16 @@ class HorovodRuntime(Runtime):
         # for NCCL to average, without an error. cudaMemcpyAsync is checked. CPU ranks never
         # copy through it; set the variable to 1 to take horovod's batched kernel again.
         os.environ.setdefault("HOROVOD_BATCH_D2D_MEMCOPIES", "0")
+        # horovodrun passes mpirun `-mca btl ^openib`, which replaces Debian's default list
+        # (^uct,openib,ofi) and so turns libfabric's BTL back on. A job on one host talks
+        # through shared memory and needs none of it, and its set-up in MPI_Init can call
+        # exit() when ranks crowd the cores (seen once in CI: 4 ranks on 2 cores, signal 6 from
+        # horovod's destructor in that exit). mpirun tells each rank both sizes before MPI_Init
+        # reads its MCA variables; any other btl list (the user's) is left as it is.
+        single_host = os.environ.get("OMPI_COMM_WORLD_SIZE", "") == os.environ.get(
+            "OMPI_COMM_WORLD_LOCAL_SIZE")
+        if single_host and os.environ.get("OMPI_MCA_btl") == "^openib":
+            os.environ["OMPI_MCA_btl"] = "^openib,ofi"
         # Horovod: start the MPI/Gloo controller; it learns rank and size from the launcher.
         hvd_tf.init()
         world = World(rank=hvd_tf.rank(), local_rank=hvd_tf.local_rank(), size=hvd_tf.size(),
