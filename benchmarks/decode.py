@@ -189,8 +189,8 @@ def measure(variant: str, root: str, shards: str | None = None) -> float:
             listing = list_image_folder(root, image_size=IMAGE_SIZE, validation_fraction=0.0,
                                         seed=0, on_bad_image="skip")
         cache = "memory" if variant.endswith(("-store", "-run")) else "off"
-        pipelines = build_pipelines(listing, World(), batch_size=BATCH, validation_batch_size=BATCH,
-                                    validation_steps=0, seed=0, augment=True,
+        pipelines = build_pipelines(listing, World(), batch_size=BATCH, validation_batch_size=0,
+                                    seed=0, augment=True,
                                     cache=CacheChoice(cache, "benchmark"))
 
         def hvdtrain_passes():
@@ -257,7 +257,7 @@ def end_to_end(variant: str, root: str) -> dict[str, float]:
                                      validation_fraction=0.0, augment=True)
             # Held while training: the pipeline's state lives as long as this object.
             pipelines = build_pipelines(listing, World(), batch_size=BATCH,
-                                        validation_batch_size=BATCH, validation_steps=0, seed=0,
+                                        validation_batch_size=0, seed=0,
                                         augment=True, cache=CacheChoice("memory", "benchmark"))
             dataset = pipelines.train
             classes = len(listing.class_names)

@@ -79,7 +79,7 @@ def validation_pixels(photos: str, seed: int):
                                 on_bad_image="skip")
     samples = listing.validation.num_samples
     pipelines = build_pipelines(listing, World(), batch_size=1, validation_batch_size=samples,
-                                validation_steps=1, seed=seed, augment=True,
+                                seed=seed, augment=True,
                                 cache=CacheChoice("off", "benchmark"))
     (batch,) = list(pipelines.validation)
     return np.asarray(batch[0]), np.asarray(batch[1])

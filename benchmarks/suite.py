@@ -213,7 +213,7 @@ def pipeline_run(s: Settings, *, data: str = "digits", data_dir: str | None = No
         f"image_size={s.image_size}, validation_fraction=0.0, channels=1)\n"
         "listing = list_data(config)\n"
         f"train = build_pipelines(listing, World(), batch_size={s.batch_size}, "
-        "validation_batch_size=1, validation_steps=0, seed=0, "
+        "validation_batch_size=0, seed=0, "
         "cache=CacheChoice('memory', 'the benchmark'), threads=1).train\n"
         f"steps = {s.epochs * s.steps_per_epoch}\n"
         "iterator = iter(train)\n"

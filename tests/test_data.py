@@ -110,8 +110,7 @@ def test_uneven_shards_still_give_every_rank_the_planned_steps(samples, size):
     steps = samples // (batch * size)
     for rank in range(size):
         pipelines = build_pipelines(listing, World(rank=rank, size=size),
-                                    batch_size=batch, validation_batch_size=batch,
-                                    validation_steps=0, seed=0)
+                                    batch_size=batch, validation_batch_size=0, seed=0)
         # Two epochs' worth: the training stream repeats, so no rank can run dry.
         batches = list(pipelines.train.take(2 * steps).as_numpy_iterator())
         assert len(batches) == 2 * steps
@@ -125,7 +124,7 @@ def test_image_folder_png_and_jpeg_of_any_size(tmp_path):
     assert listing.class_names == ("one", "two", "zero")
     assert listing.train.num_samples + listing.validation.num_samples == 36
     pipelines = build_pipelines(listing, World(), batch_size=4,
-                                validation_batch_size=4, validation_steps=2, seed=0)
+                                validation_batch_size=4, seed=0)
     images, labels, weights = next(iter(pipelines.train))
     assert images.shape == (4, 16, 16, 3) and images.dtype.name == "uint8"
     assert set(labels.numpy()) <= {0, 1, 2}
@@ -154,8 +153,8 @@ def test_every_format_decodes_to_gray_or_colour_with_or_without_augmentation(tmp
                                 seed=0, on_bad_image="fail", channels=channels)
     assert listing.train.num_samples == 10
     for augment, cache in ((False, "memory"), (True, "off"), (True, "memory")):
-        pipelines = build_pipelines(listing, World(), batch_size=10, validation_batch_size=10,
-                                    validation_steps=0, seed=0, augment=augment,
+        pipelines = build_pipelines(listing, World(), batch_size=10, validation_batch_size=0,
+                                    seed=0, augment=augment,
                                     cache=CacheChoice(cache, "test", str(tmp_path)))
         images, _, weights = next(iter(pipelines.train))
         assert images.shape == (10, 8, 8, channels), (augment, cache)
@@ -309,19 +308,23 @@ def test_undecodable_files_become_blank_samples_and_every_rank_keeps_its_count(t
                                 on_bad_image="skip")
     assert listing.train.num_samples + listing.validation.num_samples == 32  # headers look fine
     batch = 2
-    validation_steps = (listing.validation.num_samples // size) // batch  # as plan.py derives it
-    skipped, names = 0, set()
+    skipped, names, validated = 0, set(), 0
     for rank in range(size):
         world = World(rank=rank, size=size)
         pipelines = build_pipelines(listing, world, batch_size=batch,
-                                    validation_batch_size=batch,
-                                    validation_steps=validation_steps, seed=0)
+                                    validation_batch_size=batch, seed=0)
         # One full pass over this rank's shard: exactly its planned number of samples, the
         # undecodable ones as weight-0 blanks, so no rank can run short of a batch.
         planned = len(listing.train.sources[rank::size])
         train = list(pipelines.train.unbatch().take(planned).as_numpy_iterator())
         validation = list(pipelines.validation.as_numpy_iterator())
-        assert len(validation) == validation_steps  # the same on every rank
+        # Its whole share of the validation files, the last batch partial, as it says.
+        share = len(listing.validation.sources[rank::size])
+        assert pipelines.validation_samples == share
+        assert [len(labels) for _, labels, _ in validation] == \
+            [batch] * (share // batch) + [share % batch] * bool(share % batch)
+        assert len(validation) == pipelines.validation.cardinality()
+        validated += share
         weights = [w for _, _, w in train] + [w for batch_ in validation for w in batch_[2]]
         blanks = [image for image, _, w in train if w == 0]
         assert all(not image.any() for image in blanks)
@@ -331,10 +334,10 @@ def test_undecodable_files_become_blank_samples_and_every_rank_keeps_its_count(t
             names |= {name} if name else set()
             assert counter.take_new() == (0, None)  # counted once, not again
         assert weights.count(0.0) <= len(bad)
-    # Every undecodable training file is counted by the rank that owns it; validation files
-    # only up to the validation steps each rank runs.
-    train_bad = len(set(bad) & set(listing.train.sources.tolist()))
-    assert train_bad <= skipped <= len(bad)
+    # Every undecodable file is counted once, by the rank that owns it, and every validation
+    # file is in one rank's share.
+    assert validated == listing.validation.num_samples
+    assert skipped == len(bad)
     assert names and names <= set(bad)
 
 
@@ -361,7 +364,7 @@ def test_tfrecords_round_trip_and_file_sharding(tmp_path):
     assert sorted(seen) == sorted(listing.train.counts.tolist())
     assert sum(seen) == listing.train.num_samples
     pipelines = build_pipelines(listing, World(rank=1, size=3), batch_size=4,
-                                validation_batch_size=2, validation_steps=1, seed=0)
+                                validation_batch_size=2, seed=0)
     images, labels, weights = next(iter(pipelines.train))
     assert images.shape == (4, 16, 16, 3)
 
@@ -421,10 +424,10 @@ def test_more_ranks_than_tfrecord_files_is_refused(tmp_path):
     listing = list_tfrecords(str(tmp_path / "records"), image_size=None)
     with pytest.raises(UserError, match="3 ranks but only 2 training TFRecord file"):
         build_pipelines(listing, World(rank=0, size=3), batch_size=1,
-                        validation_batch_size=1, validation_steps=0, seed=0)
+                        validation_batch_size=0, seed=0)
     # Sharding by example works with any number of ranks.
     build_pipelines(listing, World(rank=2, size=3), batch_size=1,
-                    validation_batch_size=1, validation_steps=0, seed=0,
+                    validation_batch_size=0, seed=0,
                     tfrecord_sharding="example")
 
 
@@ -647,7 +650,7 @@ def test_a_disk_cache_is_written_per_process(tmp_path):
     # Batches that make up whole passes: two passes then hold the same samples.
     half = listing.train.num_samples // 2
     pipelines = build_pipelines(listing, World(), batch_size=half, validation_batch_size=1,
-                                validation_steps=listing.validation.num_samples, seed=0,
+                                seed=0,
                                 cache=CacheChoice("disk", "test", str(tmp_path)))
     first = [batch[1].tolist() for batch in pipelines.train.take(2).as_numpy_iterator()]
     list(pipelines.validation.as_numpy_iterator())
@@ -678,7 +681,7 @@ def test_a_full_store_serves_new_orders_without_the_files(tmp_path, source, cach
         listing = list_tfrecords(str(tmp_path / "records"), image_size=8)
     # Batches of one: a pass is then whole batches whatever the split's share.
     pipelines = build_pipelines(listing, World(), batch_size=1, validation_batch_size=4,
-                                validation_steps=listing.validation.num_samples // 4, seed=0,
+                                seed=0,
                                 cache=CacheChoice(cache, "test", str(tmp_path)))
     per_pass = listing.train.num_samples
     batches = pipelines.train.as_numpy_iterator()
@@ -706,8 +709,8 @@ def test_undecodable_samples_stay_weight_0_blanks_in_every_pass_of_a_store(tmp_p
     bad = add_undecodable_files(root, per_class=3)
     listing = list_image_folder(str(root), image_size=8, validation_fraction=0.0, seed=0,
                                 on_bad_image="skip")
-    pipelines = build_pipelines(listing, World(), batch_size=5, validation_batch_size=5,
-                                validation_steps=0, seed=0,
+    pipelines = build_pipelines(listing, World(), batch_size=5, validation_batch_size=0,
+                                seed=0,
                                 cache=CacheChoice(cache, "test", str(tmp_path)))
     samples = pipelines.train.unbatch().as_numpy_iterator()
     passes = [[next(samples) for _ in range(listing.train.num_samples)] for _ in range(3)]
@@ -730,8 +733,8 @@ def test_two_iterators_at_once_never_mark_a_good_sample_failed(tmp_path):
     bad = add_undecodable_files(root, per_class=10)
     listing = list_image_folder(str(root), image_size=8, validation_fraction=0.0, seed=0,
                                 on_bad_image="skip")
-    pipelines = build_pipelines(listing, World(), batch_size=1, validation_batch_size=1,
-                                validation_steps=0, seed=0,
+    pipelines = build_pipelines(listing, World(), batch_size=1, validation_batch_size=0,
+                                seed=0,
                                 cache=CacheChoice("memory", "test", str(tmp_path)))
     samples = listing.train.num_samples
     first, second = iter(pipelines.train), iter(pipelines.train)
@@ -769,7 +772,7 @@ def test_augmentation_crops_anew_every_epoch_and_rank_and_validation_never_chang
 
     def passes(rank: int, cache: str) -> tuple[list, list]:
         pipelines = build_pipelines(listing, World(rank=rank, size=2), batch_size=6,
-                                    validation_batch_size=1, validation_steps=1, seed=0,
+                                    validation_batch_size=1, seed=0,
                                     cache=CacheChoice(cache, "test", str(tmp_path)),
                                     augment=True)
         batches = pipelines.train.as_numpy_iterator()

@@ -64,15 +64,19 @@ def test_warmup_is_counted_in_steps_and_ends_before_training_does():
     assert short.warmup_steps == short.total_steps - 1
 
 
-def test_validation_uses_whole_equal_batches_and_shrinks_for_tiny_sets():
-    p = plan(num_workers=2)
-    assert p.validation_batch_size == 32
-    assert p.validation_steps == 359 // 64
-    tiny = plan(num_workers=4, batch_size=1, num_train_samples=8, num_validation_samples=5)
-    assert (tiny.validation_batch_size, tiny.validation_steps) == (1, 1)
+def test_validation_takes_every_sample_once_and_shrinks_its_batch_for_tiny_sets():
+    p = plan(num_workers=2)  # 359 samples: shares of 180 and 179, 6 batches of 32 at most
+    assert (p.validation_batch_size, p.validation_steps) == (32, 6)
+    assert "validation: each of the 359 samples once, in up to 6 batch(es) of 32 per worker" in \
+        p.describe()
+    tiny = plan(num_workers=4, batch_size=8, num_train_samples=32, num_validation_samples=5)
+    assert (tiny.validation_batch_size, tiny.validation_steps) == (2, 1)  # shares 2, 1, 1, 1
     none = plan(num_workers=4, batch_size=1, num_train_samples=8, num_validation_samples=3)
-    assert none.validation_steps == 0
-    assert "validation: none" in none.describe()[-1]
+    assert (none.validation_batch_size, none.validation_steps) == (0, 0)
+    assert none.describe()[-1] == ("validation: none (3 held-out sample(s), fewer than the 4 "
+                                   "workers)")
+    empty = plan(num_workers=1, num_validation_samples=0)
+    assert empty.describe()[-1] == "validation: none (no held-out samples)"
 
 
 def test_banner_states_the_numbers():

@@ -48,6 +48,9 @@ class ImageDatasets(Datasets):
     """One counter per split read from files (none for in-memory data, which always decodes)."""
     cache: CacheChoice | None = None
     """Where decoded images are cached, and why."""
+    validation_samples: int = 0
+    """This rank's validation samples: its share of the split, each sample of which is in one
+    rank's share (the last batch partial), weighing its validation metrics in the average."""
     pipeline_state: tuple = ()
     """TensorFlow variables the pipelines update (held here so they live as long as them)."""
     identity: dict = field(default_factory=dict)
@@ -142,7 +145,8 @@ class DecodeFailures:
         """``records`` of the file ``path``, which should hold ``expected`` of them: when it
         ends with another count (read to its end, or to a read error, after which tf.data's
         record reader goes on to its next file), ``miscounted`` names it. One comparison a
-        record; a file whose end is never reached (a validation ``take``) is not judged."""
+        record; a file whose end is never reached (a training pass Keras stops at its steps)
+        is not judged."""
         import tensorflow as tf
 
         ended = tf.data.Dataset.from_tensors((tf.constant(b""), tf.constant(True)))
@@ -179,14 +183,14 @@ class DecodeFailures:
 
 
 def build_pipelines(listing: Listing, world: World, *, batch_size: int,
-                    validation_batch_size: int, validation_steps: int, seed: int,
+                    validation_batch_size: int, seed: int,
                     cache: CacheChoice = CacheChoice("memory", "default"),
                     tfrecord_sharding: str = "file", augment: bool = False,
                     threads: int | None = None, prefetch_to: str | None = None,
                     input_wait=None) -> ImageDatasets:
     """``batch_size`` and ``validation_batch_size`` are what this process feeds per step: a
     worker's batch for a horovod rank, all of its replicas' batches under a tf.distribute
-    strategy (Keras splits them).
+    strategy (Keras splits them). ``validation_batch_size`` 0: no validation.
 
     Training data is shuffled *before* decoding (positions in the file list, or encoded records),
     so the first step waits for one batch of decodes, not a decoded shuffle buffer, whatever the
@@ -216,8 +220,8 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         return records.map(lambda position, record: decode(*_as_tuple(record)),
                            num_parallel_calls=tf.data.AUTOTUNE)
 
-    def pass_maker(split: Split, *, shuffle: bool, limit: int | None, split_name: str,
-                   by_file: bool, crop: bool = False) -> tuple[Callable, int]:
+    def pass_maker(split: Split, *, shuffle: bool, split_name: str, by_file: bool,
+                   crop: bool = False) -> tuple[Callable, int]:
         """(``one_pass(pass_index, skip)``: this rank's share of ``split`` in pass
         ``pass_index``'s order from its ``skip``-th sample on, decoded; the samples a whole pass
         holds). ``crop``: random-resized crops cut while decoding (no store). What lives as
@@ -229,9 +233,6 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
                                      listing.sample_namer(split, world, by_file=by_file))
             failures.append(counter)
         num_samples = listing.samples_for_rank(split, world, seed=seed, by_file=by_file)
-        if limit is not None:
-            # Exactly the same number of validation samples on every rank (see plan.py).
-            num_samples = min(num_samples, limit)
         store = None
         if not listing.in_memory and cache.kind != "off":
             store = SampleStore(shape, os.path.join(cache_dir, split_name)
@@ -242,8 +243,6 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
             records = listing.rank_records(split, world, shuffle=shuffle, seed=seed,
                                            by_file=by_file, pass_index=pass_index,
                                            failures=counter)
-            if limit is not None:
-                records = records.take(limit)
             # Positions skipped (a resumed pass), before anything is decoded.
             records = records.skip(skip)
             remaining = num_samples - skip
@@ -275,7 +274,7 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
 
     # Without a store every pass decodes: the crop is cut while decoding, which decodes less.
     crop_while_decoding = augment and cache.kind == "off"
-    train_pass, train_samples = pass_maker(listing.train, shuffle=True, limit=None,
+    train_pass, train_samples = pass_maker(listing.train, shuffle=True,
                                            split_name="training", by_file=by_file,
                                            crop=crop_while_decoding)
     # A pass read from a store comes in pass_positions' order; a source that reads its files in
@@ -318,21 +317,23 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
     train = (start.stream(positions_from if listing.in_memory else passes_from)
              .prefetch(tf.data.AUTOTUNE))
 
-    validation = None
-    if validation_steps:
-        validation_pass, _ = pass_maker(listing.validation, shuffle=False,
-                                        limit=validation_steps * validation_batch_size,
-                                        split_name="validation", by_file=False)
+    validation, validation_samples = None, 0
+    if validation_batch_size:
+        validation_pass, validation_samples = pass_maker(listing.validation, shuffle=False,
+                                                         split_name="validation", by_file=False)
         # One pass, the same every time (a stored pass asks its store anew, stored_pass).
         first = tf.constant(0, tf.int64)
         validation = validation_pass(first, first)
         if augment:
             validation = center_cropped(validation, listing.image_shape)
-        # Exactly validation_steps batches (the take() and the blanks above), said to Keras:
-        # Keras 3 counts a dataset of unknown length by running out of it, and warns on every
-        # rank that the "input ran out of data".
-        validation = (validation.batch(validation_batch_size, drop_remainder=True)
-                      .apply(tf.data.experimental.assert_cardinality(validation_steps))
+        # This rank's whole share, its last batch partial: every sample of the split once over
+        # the ranks. A rank may run one batch more than another (validation runs no collective)
+        # and the epoch's metrics weigh each rank by its samples (ValidationShare). The count
+        # said to Keras: Keras 3 counts a dataset of unknown length by running out of it, and
+        # warns on every rank that the "input ran out of data".
+        validation = (validation.batch(validation_batch_size)
+                      .apply(tf.data.experimental.assert_cardinality(
+                          -(-validation_samples // validation_batch_size)))
                       .prefetch(tf.data.AUTOTUNE))
     options = tf.data.Options()
     if threads:
@@ -350,7 +351,8 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
         train = train.apply(tf.data.experimental.prefetch_to_device(prefetch_to))
     return ImageDatasets(train, validation, listing.description, image_shape=listing.image_shape,
                          class_names=listing.class_names, decode_failures=tuple(failures),
-                         cache=cache, pipeline_state=(*start.variables(), *stores),
+                         cache=cache, validation_samples=validation_samples,
+                         pipeline_state=(*start.variables(), *stores),
                          identity=dict(listing.identity), start=start)
 
 

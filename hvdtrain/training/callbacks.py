@@ -65,6 +65,29 @@ class DecodeFailureReport(keras.callbacks.Callback):
         self.runtime.print0(f"{message}; each was replaced by a blank sample of weight 0")
 
 
+class ValidationShare(keras.callbacks.Callback):
+    """Each rank's validation metrics weighed by its share of the validation samples, just
+    before the average over the ranks: the average is then the metric over every sample once.
+
+    A rank validates its own share of the split, which may be a sample short of another's (and
+    a batch, plan.py), so a plain average of the ranks' means would count the samples of the
+    shorter shares more. Each rank's ``val_`` values are scaled by ``samples * ranks / total``,
+    so the average over the ranks is ``sum(samples x mean) / total``: for a metric that is a
+    mean over samples (the loss, accuracy, a mean error), its value over all of them; any
+    other (an AUC) is each rank's value weighed by its samples. Local: every rank knows the
+    split's total.
+    """
+
+    def __init__(self, samples: int, ranks: int, total: int):
+        super().__init__()
+        self.weight = samples * ranks / total
+
+    def on_epoch_end(self, epoch, logs=None):
+        for name in list(logs or ()):
+            if name.startswith("val_"):
+                logs[name] = float(logs[name]) * self.weight
+
+
 class BatchNormStatistics(keras.callbacks.Callback):
     """Batch-norm statistics recomputed from the current weights before each epoch's validation
     and checkpoint, over ``num_batches`` training batches per rank, averaged over the ranks.

@@ -12,7 +12,7 @@ import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 from hvdtrain import tracking
 from hvdtrain.training.callbacks import (BatchNormStatistics, DecodeFailureReport, LearningRateLog,
                                 MetricsLog, Progress, StallWatchdog, TensorBoardLog, Throughput,
-                                TrackEpochs, batch_norm_layers)
+                                TrackEpochs, ValidationShare, batch_norm_layers)
 from hvdtrain.training.checkpoint import SaveCheckpoint, SaveOnStop, training_state
 from hvdtrain.training.config import TrainConfig
 from hvdtrain.data import disk_cache_failures_in_one_line
@@ -84,8 +84,15 @@ def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan
     """Keras' callbacks, in the order they must run."""
     world = runtime.world
     throughput = Throughput(plan.global_batch_size, plan.num_workers, input_wait)
-    callbacks = [
-        *runtime.sync_callbacks(),  # first: the callbacks after it read averaged metrics
+    callbacks = []
+    validation_samples = getattr(datasets, "validation_samples", 0)
+    if world.size > 1 and validation_samples:
+        # Before the average: hvdtrain's image data validates each sample once, in shares
+        # that may differ by one (a job's own datasets validate equal batches on every rank).
+        callbacks.append(ValidationShare(validation_samples, world.size,
+                                         plan.num_validation_samples))
+    callbacks += [
+        *runtime.sync_callbacks(),  # then: the callbacks after it read averaged metrics
         throughput,
         LearningRateLog(schedule),
     ]

@@ -33,15 +33,16 @@ def image_data(config: TrainConfig, runtime: Runtime, timeline: Timeline,
     validation_batch_size = plan.validation_batch_size * per_process
     # Each rank sizes its own cache against its node's memory: nodes may differ, and no rank
     # waits for another to decide. The banner shows rank 0's choice.
+    validation_samples = (listing.samples_for_rank(listing.validation, runtime.world,
+                                                   seed=config.seed, by_file=False)
+                          if validation_batch_size else 0)
     cache = choose_data_cache(listing, runtime.world, config.cache,
                               budget_gb=config.cache_budget_gb,
-                              validation_samples=plan.validation_steps * validation_batch_size,
-                              augment=config.augment)
+                              validation_samples=validation_samples, augment=config.augment)
     datasets = build_pipelines(
         listing, runtime.world,
         batch_size=plan.per_worker_batch_size * per_process,
-        validation_batch_size=validation_batch_size,
-        validation_steps=plan.validation_steps, seed=config.seed, cache=cache,
+        validation_batch_size=validation_batch_size, seed=config.seed, cache=cache,
         tfrecord_sharding=config.tfrecord_sharding, augment=config.augment,
         threads=runtime.devices.threads, prefetch_to=runtime.devices.prefetch_to,
         input_wait=input_wait)

@@ -51,9 +51,11 @@ class TrainingPlan:
     """Steps over which the learning rate ramps from the base to the scaled rate."""
     total_steps: int
     validation_batch_size: int
-    """Per-worker validation batch (smaller than the training batch only for tiny sets)."""
+    """Per-worker validation batch (smaller than the training batch only for tiny sets); 0
+    means no validation."""
     validation_steps: int
-    """Validation batches per worker per epoch; 0 means no validation."""
+    """Validation batches of the worker with the largest share (the last one partial): every
+    validation sample is validated once per epoch, in one worker's share."""
     num_train_samples: int
     num_validation_samples: int
     lr_decay: str = "cosine"
@@ -83,10 +85,12 @@ class TrainingPlan:
             f"{self.num_train_samples} training samples)",
         ]
         if self.validation_steps:
-            used = self.validation_steps * self.validation_batch_size * self.num_workers
-            lines.append(f"validation: {self.validation_steps} steps of "
-                         f"{self.validation_batch_size} per worker ({used} of "
-                         f"{self.num_validation_samples} samples)")
+            lines.append(f"validation: each of the {self.num_validation_samples} samples once, "
+                         f"in up to {self.validation_steps} batch(es) of "
+                         f"{self.validation_batch_size} per worker")
+        elif self.num_validation_samples:
+            lines.append(f"validation: none ({self.num_validation_samples} held-out sample(s), "
+                         f"fewer than the {self.num_workers} workers)")
         else:
             lines.append("validation: none (no held-out samples)")
         return lines
@@ -164,10 +168,15 @@ def make_plan(*, batch_size: int, batch_policy: str, learning_rate: float, lr_sc
     # Warm-up ends at least one step before the end, so the scaled rate is actually reached.
     warmup_steps = max(0, min(math.ceil(warmup_epochs * steps), total_steps - 1))
 
-    # Validation also uses whole batches of the same size on every worker (metrics are averaged
-    # across ranks as equals); tiny sets fall back to smaller batches rather than to nothing.
-    validation_batch_size = min(per_worker_batch_size, num_validation_samples // num_workers)
-    validation_steps = (num_validation_samples // (validation_batch_size * num_workers)
+    # Validation takes every sample once: each worker its share (the shares differ by one
+    # sample at most), the last batch partial. Unlike training it runs no collective, so a worker
+    # may run one batch more than another; the epoch's metrics weigh each rank by its samples
+    # (training/callbacks.py, ValidationShare). A set smaller than the workers would leave a
+    # worker nothing to report: no validation then.
+    largest_share = -(-num_validation_samples // num_workers)
+    validation_batch_size = (min(per_worker_batch_size, largest_share)
+                             if num_validation_samples >= num_workers else 0)
+    validation_steps = (-(-largest_share // validation_batch_size)
                         if validation_batch_size else 0)
     return TrainingPlan(
         num_workers=num_workers,
