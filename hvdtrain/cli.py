@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "slurm": ("hvdtrain.slurm", "write an sbatch script (or the shipped templates)"),
     "examples": ("hvdtrain.shipped", "write the shipped examples (a model file, a job through "
                                      "the API) into a directory"),
+    "evaluate": ("hvdtrain.evaluate", "score a run's classifier over its validation split or "
+                                      "other data, every sample once, on any number of ranks"),
     "export": ("hvdtrain.export", "write a run directory's model as a SavedModel that serves "
                                   "(no horovod ops)"),
     "convert": ("hvdtrain.tfrecords", "convert an image folder into TFRecord shards"),

@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def write_savedmodel(run_dir: str, output: str) -> str:
     """Write ``run_dir``'s model to ``output`` (nothing there, nor any directory made for it,
     unless all of it was written); the line saying what was written."""
-    recorded = _recorded(run_dir)
+    recorded = read_run_config(run_dir)
     model_path = os.path.join(run_dir, MODEL_FILE)
     if not os.path.isfile(model_path):
         if os.path.isfile(os.path.join(run_dir, WEIGHTS_FILE)):
@@ -79,7 +79,7 @@ def write_savedmodel(run_dir: str, output: str) -> str:
     if os.path.islink(output) or (os.path.lexists(output) and not (
             os.path.isdir(output) and not os.listdir(output))):
         raise UserError(f"--output {output} exists and is not an empty directory: name a new one")
-    model = _load(model_path, recorded)
+    model = load_run_model(model_path, recorded)
     if not getattr(model, "inputs", None):
         raise UserError(f"the model in {model_path} was not built from inputs (a subclassed "
                         "model), so its input shapes are unknown: save it with "
@@ -121,7 +121,7 @@ def _missing_parents(directory: str) -> list[str]:
     return missing
 
 
-def _recorded(run_dir: str) -> dict:
+def read_run_config(run_dir: str) -> dict:
     """The run's config.json, refused in one line when it is not a run directory of this Keras."""
     path = os.path.join(run_dir, CONFIG_FILE)
     try:
@@ -141,7 +141,7 @@ def _recorded(run_dir: str) -> dict:
     return recorded
 
 
-def _load(model_path: str, recorded: dict):
+def load_run_model(model_path: str, recorded: dict):
     """model.keras, uncompiled. A model file's layers (--model FILE.py:FUNCTION, the path as the
     job was given it) are imported when the model needs them: an unregistered layer of its own
     rebuilds from them."""

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, clean_env, horovodrun, integration, run_job
+from conftest import REPO, clean_env, horovodrun, integration, mpirun_ranks, run_job
 from images import make_image_folder
 
 pytestmark = [integration, pytest.mark.timeout(600)]
@@ -168,6 +168,105 @@ def test_a_run_exports_a_savedmodel_that_serves_without_horovod(default_runs, tm
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         "images.npy", "served", "unfinished"]
     assert sorted(path.name for path in (tmp_path / "served").iterdir()) == ["keras2", "keras3"]
+
+
+KERAS_EVALUATE = """
+import json, sys
+sys.modules["horovod"] = sys.modules["hvdtrain"] = None  # an import of either fails
+import numpy as np
+
+samples, found = np.load(sys.argv[1]), {}
+for keras_file, keras in zip(*[iter(sys.argv[2:])] * 2):
+    if keras == "2":
+        import tf_keras as k
+    else:
+        import keras as k
+    model = k.models.load_model(keras_file, compile=False)
+    model.compile(loss=k.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    found[keras] = model.evaluate(samples["images"], samples["labels"], batch_size=50, verbose=0,
+                                  return_dict=True)
+print(json.dumps(found))
+"""
+
+
+def test_validation_and_evaluate_count_every_sample_once_as_keras_evaluate_does(default_runs,
+                                                                                 tmp_path):
+    """Issue 62's exactness, against Keras' own evaluate of the final model in one process over
+    the 359 validation digits. The 2-rank runs (Keras 3 and 2) validated shares of 180 and 179
+    samples: their last epoch's val_loss and val_accuracy are that evaluate's. hvdtrain evaluate
+    gives it too: the Keras 3 run's model.keras in one process, the Keras 2 run's newest
+    checkpoint on 2 ranks. Other classes than the model's, and a run without model.keras: one
+    line, exit 2, nothing written."""
+    import numpy as np
+
+    from hvdtrain.cnn import default
+    from hvdtrain.data import list_data
+    from hvdtrain.data.embedded import load_embedded
+
+    digits = load_embedded("digits")
+    validation = list_data(default()).validation.sources  # rows of the digits
+    assert len(validation) == 359
+    np.savez(tmp_path / "validation.npz", images=digits.images[validation],
+             labels=digits.labels[validation])
+    runs = {keras: default_runs[2, keras] for keras in ("3", "2")}
+    reference = json.loads(run_job(
+        [sys.executable, "-c", KERAS_EVALUATE, str(tmp_path / "validation.npz"),
+         *[str(arg) for keras, (run_dir, _) in runs.items()
+           for arg in (run_dir / "model.keras", keras)]], timeout=150
+    ).stdout.strip().splitlines()[-1])
+
+    def assert_keras_evaluate(keras, loss, accuracy):
+        assert loss == pytest.approx(reference[keras]["loss"], rel=1e-5), (keras, reference)
+        # A count of 359: one sample is 0.0028.
+        assert accuracy == pytest.approx(reference[keras]["accuracy"], abs=1e-6), keras
+
+    for keras, (run_dir, stdout) in runs.items():
+        assert "validation: each of the 359 samples once, in up to 6 batch(es) of 32 per " \
+               "worker" in stdout
+        last = final_metrics(run_dir)
+        assert_keras_evaluate(keras, last["val_loss"], last["val_accuracy"])
+
+    run3, run2 = runs["3"][0], runs["2"][0]
+    one = run_job([sys.executable, "-m", "hvdtrain.evaluate", "--run-dir", str(run3)],
+                  timeout=150)
+    written = run3 / "evaluation-validation.json"
+    assert f"wrote {written}" in one.stdout and "359 samples (validation of " in one.stdout
+    two = run_job([*mpirun_ranks(2), sys.executable, "-m", "hvdtrain.evaluate", "--keras", "2",
+                   "--run-dir", str(run2), "--checkpoint", "latest", "--output",
+                   str(tmp_path / "scores" / "keras2.json")], timeout=150)
+    assert two.stdout.count("on 2 rank(s): loss ") == 1, two.stdout[-3000:]
+    for keras, path in (("3", written), ("2", tmp_path / "scores" / "keras2.json")):
+        scores = json.loads(path.read_text())
+        assert_keras_evaluate(keras, scores["loss"], scores["accuracy"])
+        confusion = np.array(scores["confusion_matrix"])
+        assert scores["samples"] == confusion.sum() == 359 and scores["skipped"] == 0
+        assert confusion.sum(axis=1).tolist() == np.bincount(digits.labels[validation],
+                                                             minlength=10).tolist()
+        for index, name in enumerate(scores["class_names"]):
+            assert scores["per_class_accuracy"][name] == pytest.approx(
+                confusion[index, index] / confusion[index].sum())
+    assert json.loads(written.read_text())["ranks"] == 1
+    assert scores["ranks"] == 2 and "/checkpoints/ckpt-" in scores["model"], scores
+
+    # Refused in one line, exit 2, nothing written: data of other classes (checked after the
+    # listing, on every rank), and a run directory without model.keras (before TensorFlow).
+    three = make_image_folder(tmp_path / "three", classes=3, per_class=4)
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "config.json").write_text((run3 / "config.json").read_text())
+    for args, message in (
+            (["--run-dir", str(run3), "--data-dir", str(three), "--split", "all"],
+             "the data's classes (one, two, zero) are not the ones the model was "
+             "trained on (0, 1, 2, 3, 4, ... (10 classes))"),
+            (["--run-dir", str(unfinished)], f"{unfinished} holds no model.keras")):
+        refused = run_job([sys.executable, "-m", "hvdtrain.evaluate", *args], timeout=150,
+                          check=False)
+        lines = refused.stdout.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1, refused.stdout[-3000:]
+        assert lines[0].startswith("hvdtrain.evaluate: error: ") and message in lines[0], lines
+    assert sorted(path.name for path in run3.glob("evaluation-*")) == [written.name]
+    assert sorted(path.name for path in unfinished.iterdir()) == ["config.json"]
 
 
 def test_four_ranks_on_two_cores(tmp_path):

@@ -1,0 +1,371 @@
+"""`hvdtrain evaluate --run-dir RUN`: a trained classifier scored over a split of its data (or other
+data), every sample exactly once, on any number of ranks.
+
+Launched like a job (``horovodrun -np 4 python -m hvdtrain.evaluate --run-dir RUN``, the
+launcher, an sbatch template's program) or as one process. The model is the run's
+``model.keras``, or with ``--checkpoint latest|N`` the weights of one of its checkpoints. The
+data is the run's own (its flags in config.json) and its validation split by default; the data
+flags name other data, and ``--split all`` every sample of it.
+
+How every sample counts once: each rank reads its share of the split exactly as validation
+during training does (``build_pipelines``' validation side: every size-th sample, the last batch
+partial, no cache), and sums the per-sample loss and a confusion matrix over it; rank 0 adds the
+ranks' sums. No collective runs per batch, so shares a sample apart need no padding. A file that
+does not decode is counted as skipped, never scored, never a crash. The loss is the job's (the run's
+``--label-smoothing`` included) and accuracy the argmax's, as Keras' ``evaluate`` of the compiled
+classifier computes them in one process.
+
+Rank 0 writes ``evaluation-NAME.json`` into the run directory (or ``--output``) atomically and
+prints one summary line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from typing import Sequence
+
+import hvdtrain
+from hvdtrain.cli import error_name, usage_name
+from hvdtrain.errors import UserError, leave, reported
+from hvdtrain.flags import OneLineParser
+from hvdtrain.rundir import MODEL_FILE, RunDir
+
+PROGRAM = "hvdtrain.evaluate"
+SPLITS = ("validation", "train", "all")
+#: Seconds between rank 0's progress lines on a long evaluation.
+PROGRESS_SECONDS = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    run_dir: str
+    checkpoint: str | None
+    """None: model.keras; 'latest' or a checkpoint's number."""
+    split: str
+    data_flags: dict
+    """The data flags given (data, data_dir, tfrecords), which replace the run's own."""
+    batch_size: int | None
+    output: str | None
+    name: str | None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    with reported(error_name(PROGRAM)):
+        status = run(parse(argv))
+    leave(status)
+
+
+def parse(argv: Sequence[str] | None) -> Request:
+    parser = OneLineParser(
+        prog=usage_name(PROGRAM),
+        description="Score a run directory's classifier over its validation split (or other "
+                    "data): loss, accuracy, per-class accuracy and the confusion matrix, every "
+                    "sample exactly once on any number of ranks. docs/after-training.md.")
+    parser.add_argument("--run-dir", required=True, help="the run directory of a classifier job")
+    parser.add_argument("--checkpoint", metavar="latest|N",
+                        help="score the weights of this checkpoint (its number, or the newest) "
+                             "instead of the run's model.keras")
+    parser.add_argument("--split", choices=SPLITS, default="validation",
+                        help="which samples of the data: the held-out ones (as the run split "
+                             "them), the training ones, or all")
+    parser.add_argument("--data-dir", help="an image folder instead of the run's data")
+    parser.add_argument("--tfrecords", help="TFRecord shards instead of the run's data")
+    parser.add_argument("--data", choices=("digits", "synthetic"),
+                        help="embedded data instead of the run's data")
+    parser.add_argument("--batch-size", type=int,
+                        help="samples per rank per batch (default: the run's batch size)")
+    parser.add_argument("--output", help="the JSON file to write (default: "
+                                         "RUN/evaluation-NAME.json)")
+    parser.add_argument("--name", help="NAME in the default output file (default: the split, "
+                                       "and the data's name when it is not the run's)")
+    parser.add_argument("--keras", choices=("2", "3"), default=hvdtrain.KERAS,
+                        help="the Keras the run trained with (it says so in one line otherwise)")
+    args = parser.parse_args(argv)
+    if args.keras != hvdtrain.KERAS:
+        raise UserError(f"--keras {args.keras} must be on the command line that starts "
+                        f"{PROGRAM} (this process runs Keras {hvdtrain.KERAS})")
+    if args.checkpoint is not None and not re.fullmatch(r"latest|\d+", args.checkpoint):
+        raise UserError(f"--checkpoint must be 'latest' or a checkpoint's number, got "
+                        f"{args.checkpoint!r}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.name is not None and not re.fullmatch(r"[\w.-]+", args.name):
+        raise UserError(f"--name must be letters, digits, '_', '-' or '.', got {args.name!r}")
+    given = {name: value for name, value in (("data", args.data), ("data_dir", args.data_dir),
+                                             ("tfrecords", args.tfrecords)) if value}
+    if len(given) > 1:
+        raise UserError("name one data source: --data-dir, --tfrecords or --data")
+    return Request(args.run_dir, args.checkpoint, args.split, given, args.batch_size,
+                   args.output, args.name)
+
+
+def run(request: Request) -> int:
+    """Score the run's model as ``request`` asks, on every rank; rank 0 writes and prints."""
+    from hvdtrain.cnn import PROGRAM as CLASSIFIER, ClassifierConfig
+    from hvdtrain.export import read_run_config
+    from hvdtrain.training.config import read_config_file
+
+    recorded = read_run_config(request.run_dir)
+    if recorded.get("program") != CLASSIFIER:
+        raise UserError(f"{request.run_dir} is a run of {recorded.get('program')}; evaluate "
+                        f"scores runs of the classifier ({CLASSIFIER}, `hvdtrain train`)")
+    if request.checkpoint is None and not os.path.isfile(os.path.join(request.run_dir,
+                                                                      MODEL_FILE)):
+        raise UserError(f"{request.run_dir} holds no {MODEL_FILE} (its job has not finished, ran "
+                        "with --no-export, or its model could only be saved as weights): pass "
+                        "--checkpoint latest")
+    try:
+        fields = read_config_file(os.path.join(request.run_dir, "config.json"), ClassifierConfig)
+        if request.data_flags:
+            fields.update({"data": "digits", "data_dir": None, "tfrecords": None,
+                           **request.data_flags})
+        # Evaluation starts whatever world it was launched as; the run's accumulation (which
+        # keeps horovod) and strategy are training's.
+        config = ClassifierConfig(**{**fields, "backend": "auto", "grad_accum_steps": 1})
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    from hvdtrain.training import train  # TensorFlow: after the arguments and the run are read
+
+    runtime = train.start_runtime(config)
+    return Evaluation(request, recorded, config, runtime).run()
+
+
+class Evaluation:
+    def __init__(self, request: Request, recorded: dict, config, runtime):
+        self.request, self.recorded, self.config, self.runtime = request, recorded, config, runtime
+
+    def run(self) -> int:
+        from hvdtrain.data import load_listing
+
+        started = time.monotonic()
+        listing = load_listing(self.config, self.runtime)
+        self.check_classes(listing.class_names)
+        splits = self.splits(listing)
+        model, model_source = self.model(listing)
+        self.check_image_shape(model, listing.image_shape)
+        totals = self.score(model, listing, splits)
+        # Rank 0 adds the ranks' sums: each sample was in exactly one rank's share.
+        everyone = self.runtime.allgather_object(totals)
+        if not self.runtime.world.is_chief:
+            return 0
+        result = self.result(everyone, listing, model_source, time.monotonic() - started)
+        path = self.write(result)
+        print(f"{error_name(PROGRAM)}: {summary(result)}; wrote {path}", flush=True)
+        return 0
+
+    # --- what is scored --------------------------------------------------------------------------
+    def check_classes(self, class_names: tuple[str, ...]) -> None:
+        trained = self.recorded.get("class_names")
+        if trained is not None and list(class_names) != list(trained):
+            raise UserError(f"the data's classes ({_few(class_names)}) are not the ones the "
+                            f"model was trained on ({_few(trained)}): score data with the same "
+                            "class folders (or TFRecords converted from them)")
+
+    def splits(self, listing) -> list:
+        split = self.request.split
+        chosen = {"validation": [listing.validation], "train": [listing.train],
+                  "all": [listing.train, listing.validation]}[split]
+        chosen = [part for part in chosen if part.num_samples]
+        if not chosen:
+            held = ("the run held out no validation samples (--validation-fraction 0)"
+                    if split == "validation" else f"the data has no {split} samples")
+            raise UserError(f"{held}: pass --split all, or name other data")
+        return chosen
+
+    def model(self, listing):
+        """(the model to score, what it is)."""
+        if self.request.checkpoint is None:
+            from hvdtrain.export import load_run_model
+
+            path = os.path.join(self.request.run_dir, MODEL_FILE)
+            return load_run_model(path, self.recorded), path
+        return self.checkpointed(listing)
+
+    def checkpointed(self, listing):
+        import tensorflow as tf
+
+        from hvdtrain.models import build_classifier
+        from hvdtrain.training.model import seed_and_precision
+
+        directory = RunDir(self.request.run_dir, is_chief=False).checkpoints
+        if self.request.checkpoint == "latest":
+            path = tf.train.latest_checkpoint(directory)
+        else:
+            path = os.path.join(directory, f"ckpt-{self.request.checkpoint}")
+            path = path if tf.io.gfile.exists(f"{path}.index") else None
+        if path is None:
+            kept = sorted(int(name[5:-6]) for name in _listdir(directory)
+                          if re.fullmatch(r"ckpt-\d+\.index", name))
+            raise UserError(f"{directory} holds no checkpoint {self.request.checkpoint} "
+                            f"(it holds {', '.join(map(str, kept)) or 'none'})")
+        seed_and_precision(self.config, self.runtime)  # the run's precision policy
+        try:
+            model = build_classifier(self.config.model, listing.image_shape,
+                                     len(listing.class_names))
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        try:
+            tf.train.Checkpoint(model=model).read(path).expect_partial() \
+                .assert_existing_objects_matched()
+        except (AssertionError, ValueError, tf.errors.OpError) as error:
+            from hvdtrain.errors import first_line
+
+            raise UserError(f"cannot restore {path} into the run's model: "
+                            f"{first_line(error)}") from None
+        return model, path
+
+    def check_image_shape(self, model, image_shape: tuple[int, int, int]) -> None:
+        takes = tuple(getattr(model, "input_shape", (None,))[1:])
+        if takes and None not in takes and takes != tuple(image_shape):
+            raise UserError(f"the model takes {_shape(takes)} images and this data decodes to "
+                            f"{_shape(image_shape)} at the run's --image-size and --channels: "
+                            "score images of the kind the run trained on")
+
+    # --- scoring ---------------------------------------------------------------------------------
+    def score(self, model, listing, splits) -> dict:
+        """This rank's sums over its share of ``splits``: samples, skipped, loss, confusion."""
+        import numpy as np
+        import tensorflow as tf
+
+        from hvdtrain.cnn import classifier
+        from hvdtrain.data import build_pipelines
+        from hvdtrain.data.cache import CacheChoice
+
+        world, config = self.runtime.world, self.config
+        loss = classifier(config.model, config.label_smoothing).loss()
+        per_sample = loss.call if hasattr(loss, "call") else loss  # unreduced, as Keras has it
+        classes = len(listing.class_names)
+
+        @tf.function(reduce_retracing=True)
+        def sums(images, labels, weights):
+            logits = tf.cast(model(images, training=False), tf.float32)
+            weights = tf.cast(weights, tf.float32)
+            losses = tf.cast(per_sample(labels, logits), tf.float32)
+            confusion = tf.math.confusion_matrix(tf.reshape(labels, [-1]),
+                                                 tf.argmax(logits, axis=-1), classes,
+                                                 weights=weights, dtype=tf.float64)
+            return tf.reduce_sum(tf.cast(losses * weights, tf.float64)), confusion
+
+        batch_size = self.request.batch_size or config.batch_size
+        loss_sum, confusion, samples = 0.0, np.zeros((classes, classes)), 0
+        progress = Progress(self.runtime, sum(part.num_samples for part in splits))
+        for split in splits:
+            # Validation's own reading of a split (every size-th sample, the last batch partial),
+            # without a cache: each sample is read once.
+            pipelines = build_pipelines(
+                dataclasses.replace(listing, validation=split), world, batch_size=1,
+                validation_batch_size=batch_size, seed=config.seed,
+                cache=CacheChoice("off", "each sample is read once"),
+                tfrecord_sharding="example", augment=config.augment,
+                threads=self.runtime.devices.threads)
+            for batch in pipelines.validation:
+                images, labels = batch[0], batch[1]
+                weights = batch[2] if len(batch) == 3 else tf.ones_like(labels, tf.float32)
+                batch_loss, batch_confusion = sums(images, labels, weights)
+                loss_sum += float(batch_loss)
+                confusion += batch_confusion.numpy()
+                progress.advance(int(tf.shape(labels)[0]) * world.size)
+            samples += pipelines.validation_samples
+        # A sample that did not decode is a blank of weight 0 (DecodeFailures): listed, in no
+        # cell of the confusion matrix.
+        return {"listed": samples, "loss_sum": loss_sum,
+                "confusion": confusion.round().astype(np.int64).tolist()}
+
+    # --- the result ------------------------------------------------------------------------------
+    def result(self, everyone: list[dict], listing, model_source: str, seconds: float) -> dict:
+        import numpy as np
+
+        confusion = np.sum([np.array(rank["confusion"]) for rank in everyone], axis=0)
+        scored = int(confusion.sum())
+        per_class_samples = confusion.sum(axis=1)
+        request = self.request
+        return {
+            "run_dir": os.path.abspath(request.run_dir),
+            "model": model_source,
+            "data": listing.description,
+            "split": request.split,
+            "ranks": self.runtime.world.size,
+            "samples": scored,
+            "skipped": sum(rank["listed"] for rank in everyone) - scored,
+            "loss": sum(rank["loss_sum"] for rank in everyone) / max(scored, 1),
+            "accuracy": float(np.trace(confusion) / max(scored, 1)),
+            "per_class_accuracy": {
+                name: (float(confusion[index, index] / per_class_samples[index])
+                       if per_class_samples[index] else None)
+                for index, name in enumerate(listing.class_names)},
+            "class_names": list(listing.class_names),
+            "confusion_matrix": confusion.astype(int).tolist(),
+            "confusion_matrix_axes": "rows: true class, columns: predicted class",
+            "seconds": round(seconds, 2),
+        }
+
+    def write(self, result: dict) -> str:
+        request = self.request
+        if request.output:
+            path = os.path.abspath(request.output)
+        else:
+            name = request.name or (f"{request.split}-{_data_name(self.config)}"
+                                    if request.data_flags else request.split)
+            path = os.path.join(os.path.abspath(request.run_dir), f"evaluation-{name}.json")
+        if os.path.isdir(path) or os.path.islink(path):
+            raise UserError(f"--output {path} is a directory or a symlink: name a file")
+        RunDir(os.path.dirname(path), is_chief=True).write_json(os.path.basename(path), result)
+        return path
+
+
+class Progress:
+    """Rank 0's line every ``PROGRESS_SECONDS`` on a long evaluation (rank 0's count times the
+    ranks: an estimate of everyone's)."""
+
+    def __init__(self, runtime, total: int):
+        self.runtime, self.total, self.done = runtime, total, 0
+        self.last = time.monotonic()
+
+    def advance(self, samples: int) -> None:
+        self.done += samples
+        if time.monotonic() - self.last >= PROGRESS_SECONDS:
+            self.last = time.monotonic()
+            self.runtime.print0(f"{error_name(PROGRAM)}: about {min(self.done, self.total)} of "
+                                f"{self.total} samples scored")
+
+
+def summary(result: dict) -> str:
+    per_class = {name: value for name, value in result["per_class_accuracy"].items()
+                 if value is not None}
+    lowest = min(per_class, key=per_class.get) if per_class else None
+    skipped = f" ({result['skipped']} did not decode, not scored)" if result["skipped"] else ""
+    return (f"{result['samples']} samples{skipped} ({result['split']} of {result['data']}) on "
+            f"{result['ranks']} rank(s): loss {result['loss']:.4f}, accuracy "
+            f"{result['accuracy']:.4f}"
+            + (f", lowest class {lowest} {per_class[lowest]:.4f}" if lowest is not None else ""))
+
+
+def _data_name(config) -> str:
+    """The data's own name, for a file name: its folder's, or the embedded set's."""
+    source = config.source
+    if not source.from_files:
+        return config.data
+    base = os.path.basename(source.described().rstrip("/"))
+    return re.sub(r"[^\w.-]+", "_", base).strip("._") or "data"
+
+
+def _few(names) -> str:
+    names = list(names)
+    return ", ".join(names[:5]) + (f", ... ({len(names)} classes)" if len(names) > 5 else "")
+
+
+def _shape(shape) -> str:
+    return "x".join(str(size) for size in shape)
+
+
+def _listdir(directory: str) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
+
+
+if __name__ == "__main__":
+    main()
