@@ -28,7 +28,7 @@ from typing import Sequence
 
 import hvdtrain
 from hvdtrain.cli import error_name, usage_name
-from hvdtrain.errors import UserError, leave, reported
+from hvdtrain.errors import UserError, as_one_line, leave, reported
 from hvdtrain.flags import OneLineParser
 from hvdtrain.rundir import MODEL_FILE, RunDir
 
@@ -145,13 +145,21 @@ class Evaluation:
         splits = self.splits(listing)
         model, model_source = self.model(listing)
         self.check_image_shape(model, listing.image_shape)
+        path = self.output_path(model_source)
+        # Rank 0 writes the result: it checks where, before anyone scores (a refusal reaches
+        # every rank).
+        self.runtime.from_chief(lambda: check_writable(path))
         totals = self.score(model, listing, splits)
         # Rank 0 adds the ranks' sums: each sample was in exactly one rank's share.
         everyone = self.runtime.allgather_object(totals)
         if not self.runtime.world.is_chief:
             return 0
         result = self.result(everyone, listing, model_source, time.monotonic() - started)
-        path = self.write(result)
+        try:
+            RunDir(os.path.dirname(path), is_chief=True).write_json(os.path.basename(path),
+                                                                     result)
+        except OSError as error:
+            raise UserError(f"cannot write {path}: {as_one_line(error)}") from None
         print(f"{error_name(PROGRAM)}: {summary(result)}; wrote {path}", flush=True)
         return 0
 
@@ -248,7 +256,10 @@ class Evaluation:
                                                  weights=weights, dtype=tf.float64)
             return tf.reduce_sum(tf.cast(losses * weights, tf.float64)), confusion
 
-        batch_size = self.request.batch_size or config.batch_size
+        # The run's batch per worker (under --batch-policy global, --batch-size is the job's).
+        batch_size = (self.request.batch_size
+                      or self.recorded.get("plan", {}).get("per_worker_batch_size")
+                      or config.batch_size)
         loss_sum, confusion, samples = 0.0, np.zeros((classes, classes)), 0
         progress = Progress(self.runtime, sum(part.num_samples for part in splits))
         for split in splits:
@@ -289,8 +300,8 @@ class Evaluation:
             "ranks": self.runtime.world.size,
             "samples": scored,
             "skipped": sum(rank["listed"] for rank in everyone) - scored,
-            "loss": sum(rank["loss_sum"] for rank in everyone) / max(scored, 1),
-            "accuracy": float(np.trace(confusion) / max(scored, 1)),
+            "loss": sum(rank["loss_sum"] for rank in everyone) / scored if scored else None,
+            "accuracy": float(np.trace(confusion) / scored) if scored else None,
             "per_class_accuracy": {
                 name: (float(confusion[index, index] / per_class_samples[index])
                        if per_class_samples[index] else None)
@@ -301,18 +312,32 @@ class Evaluation:
             "seconds": round(seconds, 2),
         }
 
-    def write(self, result: dict) -> str:
+    def output_path(self, model_source: str) -> str:
+        """--output, or RUN/evaluation-NAME.json: NAME the split, then the data's name when it
+        is not the run's, then the checkpoint's when it is not model.keras."""
         request = self.request
         if request.output:
-            path = os.path.abspath(request.output)
-        else:
-            name = request.name or (f"{request.split}-{_data_name(self.config)}"
-                                    if request.data_flags else request.split)
-            path = os.path.join(os.path.abspath(request.run_dir), f"evaluation-{name}.json")
-        if os.path.isdir(path) or os.path.islink(path):
-            raise UserError(f"--output {path} is a directory or a symlink: name a file")
-        RunDir(os.path.dirname(path), is_chief=True).write_json(os.path.basename(path), result)
-        return path
+            return os.path.abspath(request.output)
+        name = request.name
+        if name is None:
+            name = request.split
+            if request.data_flags:
+                name += f"-{_data_name(self.config)}"
+            if request.checkpoint is not None:
+                name += f"-{os.path.basename(model_source)}"  # ckpt-N
+        return os.path.join(os.path.abspath(request.run_dir), f"evaluation-{name}.json")
+
+
+def check_writable(path: str) -> None:
+    """``UserError`` unless ``path`` can be written as a file: not a directory or a symlink, and
+    its nearest existing directory writable."""
+    if os.path.isdir(path) or os.path.islink(path):
+        raise UserError(f"--output {path} is a directory or a symlink: name a file")
+    parent = os.path.dirname(path)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {path}: {parent} is not a writable directory")
 
 
 class Progress:
@@ -336,9 +361,10 @@ def summary(result: dict) -> str:
                  if value is not None}
     lowest = min(per_class, key=per_class.get) if per_class else None
     skipped = f" ({result['skipped']} did not decode, not scored)" if result["skipped"] else ""
+    scores = (f"loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f}"
+              if result["samples"] else "nothing to score")
     return (f"{result['samples']} samples{skipped} ({result['split']} of {result['data']}) on "
-            f"{result['ranks']} rank(s): loss {result['loss']:.4f}, accuracy "
-            f"{result['accuracy']:.4f}"
+            f"{result['ranks']} rank(s): {scores}"
             + (f", lowest class {lowest} {per_class[lowest]:.4f}" if lowest is not None else ""))
 
 
