@@ -45,6 +45,16 @@ LAUNCHED_RANKS = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
 #: A run's resume line; group 1: the epochs done (a checkpoint within an epoch adds its steps).
 RESUMED = r"resuming from \S+: (\d+) epoch\(s\)(?: and \d+ of \d+ steps)? done"
 
+@pytest.fixture(autouse=True)
+def no_rank_log_after_the_test():
+    """A job run in this process (through the API) starts its rank's log (hvdtrain.ranklog): a
+    later test in this process must not find it, or write into it."""
+    from hvdtrain import ranklog
+
+    yield
+    ranklog._current = None
+
+
 #: The integration tier (setup.cfg registers the marker): on a module (`pytestmark`) or a test.
 #: Under mpirun these tests skip (pytest_collection_modifyitems).
 integration = pytest.mark.integration

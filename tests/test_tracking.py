@@ -398,9 +398,15 @@ def test_a_preempted_and_resumed_job_is_one_mlflow_run(mlflow_server, tmp_path):
 
     second = run_job(job, timeout=300).stdout
     assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run_id
-    # One line each, rank 0's, and nothing else of MLflow's on the console.
+    # One line each, rank 0's, and nothing else of MLflow's on the console; on a loaded machine
+    # also hvdtrain's own note that the server took longer than a second for an epoch
+    # (test_a_silent_server_... is about that one).
     experiment_id = client.get_run(run_id).info.experiment_id
     page = f"{mlflow_server}/#/experiments/{experiment_id}/runs/{run_id}"
+    late = re.compile(r"^hvdtrain: tracking: MLflow at \S+ did not take epoch \d+ within 1 s; "
+                      r"the job does not wait for it: ")
+    first, second = ("\n".join(line for line in output.splitlines() if not late.match(line))
+                     for output in (first, second))
     assert tracking_lines(first) == [
         f"tracking: MLflow run {run_id} (new) in experiment 'hvdtrain.cnn' at {page}"
     ], first[-3000:]
