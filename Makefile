@@ -15,7 +15,7 @@ MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # The collective tests run once as 2 ranks. Oversubscribe: CI machines may have fewer cores.
 MPIRUN := $(MPI_ENV) mpirun -np 2 --oversubscribe --bind-to none
 
-.PHONY: install train test test-fast test-clusters test-local test-local1 test-local2 test-unit test-mpi test-stack bench docs slurm-up slurm-down cluster-up cluster-down clean distclean
+.PHONY: install train test test-fast test-clusters test-local test-unit test-mpi test-stack bench docs slurm-up slurm-down cluster-up cluster-down clean distclean
 
 $(STAMP): setup.cfg scripts/install.sh $(wildcard scripts/constraints/*.txt scripts/horovod-patches/*.patch)
 	HVDTRAIN_VENV=$(VENV) bash scripts/install.sh
@@ -29,49 +29,38 @@ train: $(STAMP)
 	$(MPI_ENV) TF_CPP_MIN_LOG_LEVEL=$${TF_CPP_MIN_LOG_LEVEL:-2} \
 	  $(VENV)/bin/horovodrun -np $(NP) $(PYTHON) -m hvdtrain.cnn $(ARGS)
 
-# `make test` is `make test-unit test-mpi` in three lanes at once, because no pass alone keeps 2
-# cores busy: the tests against the local clusters mostly wait (daemons, timeouts, requeues) while
-# the rest mostly compute, and even those left a third of 2 cores idle (2026-11-30: one lane of
-# job tests alone, 67% busy: a job's imports and a pytest process are one thread). The cluster
-# files share one cluster (and take it down), so they stay in one lane, in order, with the Keras 3
-# tests (test_keras3.py), the network and health checks' tests and the mpirun pass to even the
-# lanes out; the other lanes run the rest (2026-11-26, a machine half as fast as earlier ones:
-# 51:34 against 57:47 before test_keras3.py moved over; 2026-11-28: 44:21 and 45:40 before issue
-# 46's tests, which went mostly to the other lane; 2026-11-29, issue 57's faster starts, a fresh
-# clone's .ci/run on an Intel Xeon: [local] 32:06, [clusters] 30:34 + 1:14; later that day, issues
-# 58-60's tests in: [local] 29:52, [clusters] 27:29 + 1:38, before test_health.py, ~20 s, moved
-# over; 2026-11-30, two lanes: [local] 31:32, [clusters] 28:59 + 2:07; three: [local1] 26:11,
-# [local2] 21:50, [clusters] 30:19 + 1:10, before test_faults.py, ~5 min, left the cluster lane
-# for local2 and test_tfrecords.py, ~1.5 min, local2 for local1). The other files are split into
-# two lanes of about equal time (LOCAL2_LANE; a new file goes to local1). Each lane prints whole
-# lines under its name, and its slowest tests.
+# `make test` is `make test-unit test-mpi` in two lanes at once, because neither pass alone keeps
+# 2 cores busy: the tests against the local clusters mostly wait (daemons, timeouts, requeues)
+# while the rest mostly compute. The cluster files share one cluster (and take it down), so they
+# stay in one lane, in order, with the fault tests (test_faults.py), the Keras 3 tests
+# (test_keras3.py), the network check's tests and the mpirun pass to even the lanes out; the other
+# lane runs the rest (2026-11-26, a machine half as fast as earlier ones: 51:34 against 57:47
+# before test_keras3.py moved over; 2026-11-28: 44:21 and 45:40 before issue 46's tests, which
+# went mostly to the other lane; 2026-11-29, issue 57's faster starts, a fresh clone's .ci/run on
+# an Intel Xeon: [local] 32:06, [clusters] 30:34 + 1:14; later that day, issues 58-60's tests
+# in: [local] 29:52, [clusters] 27:29 + 1:38, before test_health.py, ~20 s, moved over;
+# 2026-11-30: [local] 31:32, [clusters] 28:59 + 2:07). Three lanes (the local files split in
+# two) were no faster that day: [clusters] 30:19 + 1:37, [local1] 26:11, [local2] 21:50, and
+# after moving test_faults.py to a local lane that lane ran it in 14 min, not 5: the cores were
+# 93% busy already, and more lanes only made each test slower. Each lane prints whole lines
+# under its name, and its slowest tests.
 CLUSTER_LANE := tests/test_multinode.py tests/test_slurm.py tests/test_cluster_safety.py \
-  tests/test_keras3.py tests/test_netcheck.py tests/test_health.py
-LOCAL2_LANE := tests/test_faults.py tests/test_tracking.py tests/test_api.py tests/test_gpus.py \
-  tests/test_data.py tests/test_affinity.py tests/test_bad_input.py tests/test_rundir.py \
-  tests/test_cli.py tests/test_install.py tests/test_stack.py tests/test_build_record.py \
-  tests/test_fixed_costs.py tests/test_compat.py tests/test_failures.py
+  tests/test_faults.py tests/test_keras3.py tests/test_netcheck.py tests/test_health.py
 # -u: pytest's lines reach the lane's prefixer as they are written, not in 8 KiB blocks.
 PYTEST := $(PYTHON) -u -m pytest
 PYTEST_MPI := $(MPIRUN) $(PYTHON) -u -m pytest tests/ -p no:cacheprovider --color=no $(PYTEST_ARGS)
 LANE_PREFIX = 2>&1 | sed -u "s/^/[$(@:test-%=%)] /"
 
 test: $(STAMP)
-	@$(MAKE) --no-print-directory -j3 test-clusters test-local1 test-local2
+	@$(MAKE) --no-print-directory -j2 test-clusters test-local
 
 test-clusters: $(STAMP)
 	set -o pipefail; { $(PYTEST) $(CLUSTER_LANE) -p no:cacheprovider --durations=30 \
 	  $(PYTEST_ARGS) && $(PYTEST_MPI); } $(LANE_PREFIX)
 
-# Every file outside the cluster lane, in its two lanes.
-test-local: test-local1 test-local2
-
-test-local1: $(STAMP)
-	set -o pipefail; $(PYTEST) tests/ $(addprefix --ignore=,$(CLUSTER_LANE) $(LOCAL2_LANE)) \
-	  --durations=30 $(PYTEST_ARGS) $(LANE_PREFIX)
-
-test-local2: $(STAMP)
-	set -o pipefail; $(PYTEST) $(LOCAL2_LANE) --durations=30 $(PYTEST_ARGS) $(LANE_PREFIX)
+test-local: $(STAMP)
+	set -o pipefail; $(PYTEST) tests/ $(addprefix --ignore=,$(CLUSTER_LANE)) --durations=40 \
+	  $(PYTEST_ARGS) $(LANE_PREFIX)
 
 # The pure tier for the inner loop: every test not marked `integration` (tests/conftest.py says
 # which are), in one process, no cluster or root needed; it must stay under 3 minutes (2026-11-29:

@@ -118,30 +118,25 @@ def test_make_install_defaults_to_the_repository_venv():
 
 
 def test_make_tests_lanes_run_every_test_file_once_and_keep_the_clusters_together():
-    # `make test` runs three lanes at once (Makefile): the single-process pass must still run
+    # `make test` runs two lanes at once (Makefile): the single-process pass must still run
     # every test file exactly once, the mpirun pass must follow, and every file that brings up
     # a test cluster must be in the cluster lane, whose files run in order (they share the
     # cluster and take it down).
-    assert any("-j3 test-clusters test-local1 test-local2" in line
-               for line in make_dry_run("test"))
+    assert any("-j2 test-clusters test-local" in line for line in make_dry_run("test"))
     lanes = {}
-    for lane in ("test-clusters", "test-local1", "test-local2"):
+    for lane in ("test-clusters", "test-local"):
         script = "\n".join(make_dry_run(lane)).replace("\\\n", " ")
         [command] = [line for line in script.splitlines() if " -m pytest " in line]
         lanes[lane] = shlex.split(command)
-    clusters, local1, local2 = lanes["test-clusters"], lanes["test-local1"], lanes["test-local2"]
+    clusters, local = lanes["test-clusters"], lanes["test-local"]
     cluster_files = {word for word in clusters if word.startswith("tests/test_")}
-    local2_files = {word for word in local2 if word.startswith("tests/test_")}
-    ignored = {word.removeprefix("--ignore=") for word in local1 if word.startswith("--ignore=")}
-    assert local1.count("tests/") == 1 and "mpirun" not in local1 + local2, local1
-    assert "tests/" not in local2 and len(local2_files) == len(
-        [word for word in local2 if word.startswith("tests/")]), local2
+    ignored = {word.removeprefix("--ignore=") for word in local if word.startswith("--ignore=")}
+    assert local.count("tests/") == 1 and "mpirun" not in local, local
     # The mpirun pass (all of tests/) runs once, after the cluster files.
     assert clusters.count("tests/") == 1 and "mpirun" in clusters, clusters
     assert clusters.index("tests/") > max(clusters.index(name) for name in cluster_files)
     every_file = {str(path.relative_to(REPO)) for path in (REPO / "tests").glob("test_*.py")}
-    assert not cluster_files & local2_files, cluster_files & local2_files
-    assert cluster_files | local2_files == ignored and ignored < every_file, ignored
+    assert cluster_files == ignored and cluster_files < every_file, (cluster_files, ignored)
     using_a_cluster = {name for name in every_file if re.search(
         r"(cluster|slurm)-local\.sh|^from cluster_helpers ", (REPO / name).read_text(), re.M)}
     assert using_a_cluster and using_a_cluster <= cluster_files, using_a_cluster - cluster_files
