@@ -28,6 +28,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                      "the API) into a directory"),
     "evaluate": ("hvdtrain.evaluate", "score a run's classifier over its validation split or "
                                       "other data, every sample once, on any number of ranks"),
+    "predict": ("hvdtrain.predict", "a run's model over an image folder, a list of files or "
+                                    "TFRecords: one row per input, in order, on any number of "
+                                    "ranks"),
     "export": ("hvdtrain.export", "write a run directory's model as a SavedModel that serves "
                                   "(no horovod ops)"),
     "convert": ("hvdtrain.tfrecords", "convert an image folder into TFRecord shards"),

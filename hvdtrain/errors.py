@@ -139,6 +139,12 @@ def first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+
+def op_error_line(error: BaseException) -> str:
+    """``first_line`` of a TensorFlow op's error without the internal names it wraps it in
+    (``{{function_node ...}}``, `` [Op:Name] name:``)."""
+    return re.sub(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\].*$", "", first_line(error))
+
 def leave(status: int) -> None:
     """Exit with ``status``. Once TensorFlow is loaded, without Python's finalization: a tf.data
     iterator freed with the exception that ended the run waits, holding the GIL, for its worker

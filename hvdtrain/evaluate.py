@@ -143,7 +143,9 @@ class Evaluation:
         listing = load_listing(self.config, self.runtime)
         self.check_classes(listing.class_names)
         splits = self.splits(listing)
-        model, model_source = self.model(listing)
+        model, model_source = scored_model(self.request.run_dir, self.request.checkpoint,
+                                           self.recorded, self.config, self.runtime,
+                                           listing.image_shape, len(listing.class_names))
         self.check_image_shape(model, listing.image_shape)
         path = self.output_path(model_source)
         # Rank 0 writes the result: it checks where, before anyone scores (a refusal reaches
@@ -181,48 +183,6 @@ class Evaluation:
                     if split == "validation" else f"the data has no {split} samples")
             raise UserError(f"{held}: pass --split all, or name other data")
         return chosen
-
-    def model(self, listing):
-        """(the model to score, what it is)."""
-        if self.request.checkpoint is None:
-            from hvdtrain.export import load_run_model
-
-            path = os.path.join(self.request.run_dir, MODEL_FILE)
-            return load_run_model(path, self.recorded), path
-        return self.checkpointed(listing)
-
-    def checkpointed(self, listing):
-        import tensorflow as tf
-
-        from hvdtrain.models import build_classifier
-        from hvdtrain.training.model import seed_and_precision
-
-        directory = RunDir(self.request.run_dir, is_chief=False).checkpoints
-        if self.request.checkpoint == "latest":
-            path = tf.train.latest_checkpoint(directory)
-        else:
-            path = os.path.join(directory, f"ckpt-{self.request.checkpoint}")
-            path = path if tf.io.gfile.exists(f"{path}.index") else None
-        if path is None:
-            kept = sorted(int(name[5:-6]) for name in _listdir(directory)
-                          if re.fullmatch(r"ckpt-\d+\.index", name))
-            raise UserError(f"{directory} holds no checkpoint {self.request.checkpoint} "
-                            f"(it holds {', '.join(map(str, kept)) or 'none'})")
-        seed_and_precision(self.config, self.runtime)  # the run's precision policy
-        try:
-            model = build_classifier(self.config.model, listing.image_shape,
-                                     len(listing.class_names))
-        except ValueError as error:
-            raise UserError(str(error)) from None
-        try:
-            tf.train.Checkpoint(model=model).read(path).expect_partial() \
-                .assert_existing_objects_matched()
-        except (AssertionError, ValueError, tf.errors.OpError) as error:
-            from hvdtrain.errors import first_line
-
-            raise UserError(f"cannot restore {path} into the run's model: "
-                            f"{first_line(error)}") from None
-        return model, path
 
     def check_image_shape(self, model, image_shape: tuple[int, int, int]) -> None:
         takes = tuple(getattr(model, "input_shape", (None,))[1:])
@@ -326,6 +286,49 @@ class Evaluation:
             if request.checkpoint is not None:
                 name += f"-{os.path.basename(model_source)}"  # ckpt-N
         return os.path.join(os.path.abspath(request.run_dir), f"evaluation-{name}.json")
+
+
+def scored_model(run_dir: str, checkpoint: str | None, recorded: dict, config, runtime,
+                 image_shape: tuple[int, int, int], num_classes: int):
+    """(the run's model, what it is): its ``model.keras``, or with ``checkpoint`` ('latest' or a
+    number) that checkpoint's weights restored into the run's classifier, built for
+    ``image_shape`` and ``num_classes`` in the run's precision. Shared with ``hvdtrain
+    predict``."""
+    if checkpoint is None:
+        from hvdtrain.export import load_run_model
+
+        path = os.path.join(run_dir, MODEL_FILE)
+        return load_run_model(path, recorded), path
+    import tensorflow as tf
+
+    from hvdtrain.models import build_classifier
+    from hvdtrain.training.model import seed_and_precision
+
+    directory = RunDir(run_dir, is_chief=False).checkpoints
+    if checkpoint == "latest":
+        path = tf.train.latest_checkpoint(directory)
+    else:
+        path = os.path.join(directory, f"ckpt-{checkpoint}")
+        path = path if tf.io.gfile.exists(f"{path}.index") else None
+    if path is None:
+        kept = sorted(int(name[5:-6]) for name in _listdir(directory)
+                      if re.fullmatch(r"ckpt-\d+\.index", name))
+        raise UserError(f"{directory} holds no checkpoint {checkpoint} "
+                        f"(it holds {', '.join(map(str, kept)) or 'none'})")
+    seed_and_precision(config, runtime)  # the run's precision policy
+    try:
+        model = build_classifier(config.model, image_shape, num_classes)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    try:
+        tf.train.Checkpoint(model=model).read(path).expect_partial() \
+            .assert_existing_objects_matched()
+    except (AssertionError, ValueError, tf.errors.OpError) as error:
+        from hvdtrain.errors import first_line
+
+        raise UserError(f"cannot restore {path} into the run's model: "
+                        f"{first_line(error)}") from None
+    return model, path
 
 
 def check_writable(path: str) -> None:

@@ -84,7 +84,7 @@ def write_savedmodel(run_dir: str, output: str) -> str:
         raise UserError(f"the model in {model_path} was not built from inputs (a subclassed "
                         "model), so its input shapes are unknown: save it with "
                         "tf.saved_model.save and an input signature of your own")
-    classes = _class_names(recorded, model)
+    classes = class_names_of(recorded, model)
     # Written beside the output and renamed into place whole (over an empty directory, which
     # rename replaces): an interrupted export leaves no half a SavedModel under the name a
     # server loads, and a failed one leaves no directory it made.
@@ -169,7 +169,7 @@ def load_run_model(model_path: str, recorded: dict):
         raise UserError(f"cannot load {model_path}: {as_one_line(error)}") from None
 
 
-def _class_names(recorded: dict, model) -> tuple[str, ...] | None:
+def class_names_of(recorded: dict, model) -> tuple[str, ...] | None:
     """The classes' names for the classifier's signature (numbered when the run directory did
     not record them), or None for a model that is not the built-in classifier's."""
     from hvdtrain.cnn import PROGRAM as CLASSIFIER  # its models end in class logits

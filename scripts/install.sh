@@ -324,11 +324,13 @@ fi
 constraints=("-c" "$constraints_file")
 say "installing $tf_requirement, tf_keras, mpi4py and the rest of the pinned stack"
 # mlflow-skinny: MLflow's client, for --track mlflow (the server its tests start has a venv of its
-# own, below). mkdocs: `make docs` and tests/test_docs.py. The constraints pin pymdown-extensions at
-# 12.3: 13.x needs Python >= 3.11.5, and the image's Debian Python (containers/build.sh) is 3.11.2.
+# own, below). pyarrow: `hvdtrain predict --output X.parquet` (TensorFlow and Keras do not import
+# it; pandas, which Keras 3 would, stays out). mkdocs: `make docs` and tests/test_docs.py. The
+# constraints pin pymdown-extensions at 12.3: 13.x needs Python >= 3.11.5, and the image's Debian
+# Python (containers/build.sh) is 3.11.2.
 pip install "${constraints[@]}" "$tf_requirement" \
   mpi4py scikit-learn matplotlib pytest pytest-timeout \
-  packaging cloudpickle psutil pyyaml cffi mlflow-skinny tensorboard \
+  packaging cloudpickle psutil pyyaml cffi mlflow-skinny tensorboard pyarrow \
   'mkdocs>=1.6,<2' 'pymdown-extensions>=10,<14'
 # The `mlflow server` of tests/test_tracking.py, in a venv of its own: full mlflow brings pandas
 # and pyarrow, and Keras 3 imports pandas wherever it is importable, 0.2 s of CPU at the start of

@@ -82,8 +82,8 @@ def _installed(distribution: str) -> bool:
 
 @pytest.mark.parametrize("args, line", [
     (["trian"], "hvdtrain: error: no command 'trian'; did you mean train? (commands: train, "
-                "autoencoder, launch, slurm, examples, evaluate, export, convert, stack, health, "
-                "gpu-check; hvdtrain --help)"),
+                "autoencoder, launch, slurm, examples, evaluate, predict, export, convert, "
+                "stack, health, gpu-check; hvdtrain --help)"),
     (["export", "--run-dir", "runs/x"], "hvdtrain export: error: the following arguments are "
                                         "required: --output (see --help)"),
     (["train", "--epoch", "3"], "hvdtrain train: error: unrecognized arguments: --epoch 3; did "

@@ -269,6 +269,124 @@ def test_validation_and_evaluate_count_every_sample_once_as_keras_evaluate_does(
     assert sorted(path.name for path in unfinished.iterdir()) == ["config.json"]
 
 
+
+def test_predict_writes_every_input_once_in_order_as_one_process_predicts(default_runs,
+                                                                          tmp_path):
+    """Issue 62's predict: the Keras 3 run's model over new images, each input's row once, in
+    input order, equal to Keras' own predict in this process over the images as hvdtrain decodes
+    them. An image folder at any depth on 1 rank (CSV), TFRecord shards on 2 ranks (JSON lines),
+    and a list of files on 2 ranks killed part-way, then resumed on 1 rank from its finished
+    parts (Parquet). A file that does not decode, a record that does not parse and a file that
+    is not there are rows that say so."""
+    import csv
+    import os
+    import random
+    import signal
+    import subprocess
+    import time
+
+    import keras
+    import numpy as np
+    import pyarrow.parquet as pq
+    import tensorflow as tf
+
+    from hvdtrain.data.images import decode_image
+    from hvdtrain.data.records import serialize_example
+    from processes import process_group
+
+    run_dir = default_runs[2, "3"][0]
+    folder = make_image_folder(tmp_path / "new", classes=3, per_class=6)
+    deeper = folder / "one" / "later" / "batch"
+    deeper.mkdir(parents=True)
+    for source in sorted((folder / "two").iterdir())[:2]:
+        (deeper / source.name).write_bytes(source.read_bytes())
+    (deeper / "broken.png").write_bytes(b"not an image")
+    (folder / "notes.txt").write_text("not an input")
+    files = sorted(path for path in folder.rglob("*") if path.suffix in (".png", ".jpg"))
+    good = [path for path in files if path.name != "broken.png"]
+    assert len(files) == 21
+
+    model = keras.models.load_model(run_dir / "model.keras", compile=False)
+    images = np.stack([decode_image(tf.io.read_file(str(path)), model.input_shape[1:]).numpy()
+                       for path in good])
+    probabilities = dict(zip(map(str, good), tf.nn.softmax(
+        model.predict(images, batch_size=7, verbose=0)).numpy()))
+    names = json.loads((run_dir / "config.json").read_text())["class_names"]
+
+    def check(rows, keys, path_of, failed):
+        assert [row["input"] for row in rows] == keys
+        for row in rows:
+            if row["input"] in failed:
+                assert row["error"].startswith(failed[row["input"]]), row
+                assert row["class_1"] is None and row["probability_3"] is None, row
+                continue
+            expected = probabilities[path_of(row["input"])]
+            top = np.argsort(-expected)[:3]
+            assert row["error"] is None, row
+            assert [row[f"class_{k}"] for k in (1, 2, 3)] == [names[i] for i in top], row
+            assert [float(row[f"probability_{k}"]) for k in (1, 2, 3)] == pytest.approx(
+                expected[top], abs=2e-6), row
+
+    predict = [sys.executable, "-m", "hvdtrain.predict", "--run-dir", str(run_dir), "--top-k",
+               "3"]
+    # An image folder at any depth, on 1 rank: the files in the order of their paths.
+    one = run_job([*predict, "--data-dir", str(folder), "--output", str(tmp_path / "one.csv")],
+                  timeout=150)
+    assert "left out 1 file(s) without an image's extension" in one.stdout, one.stdout
+    assert f"wrote {tmp_path / 'one.csv'}: 21 rows, 1 could not be read" in one.stdout
+    with open(tmp_path / "one.csv", newline="") as file:
+        rows = [{name: value or None for name, value in row.items()}
+                for row in csv.DictReader(file)]
+    check(rows, list(map(str, files)), str,
+          {str(deeper / "broken.png"): "not an image hvdtrain decodes: "})
+
+    # TFRecord shards on 2 ranks: the images' bytes as the converter stores them, and a record
+    # that is no Example; parts of 4 records, every other one on each rank.
+    shards, keys, of_key = tmp_path / "shards", [], {}
+    shards.mkdir()
+    for shard, paths in enumerate((good[:11], good[11:])):
+        name = f"train-{shard:05d}-of-00002.tfrecord"
+        with tf.io.TFRecordWriter(str(shards / name)) as writer:
+            for index, path in enumerate(paths):
+                writer.write(serialize_example(path.read_bytes(), 0))
+                keys.append(f"{name}:{index}")
+                of_key[keys[-1]] = str(path)
+            if shard == 0:
+                writer.write(b"no Example")
+                keys.append(f"{name}:{len(paths)}")
+    two = run_job([*mpirun_ranks(2), *predict, "--tfrecords", str(shards), "--part-size", "4",
+                   "--output", str(tmp_path / "two.jsonl")], timeout=150)
+    assert two.stdout.count("wrote ") == 1 and "21 rows, 1 could not be read" in two.stdout
+    rows = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
+    check(rows, keys, of_key.get, {"train-00000-of-00002.tfrecord:11": "record 11 of "})
+    assert not (tmp_path / "two.jsonl.parts").exists()
+
+    # A list of files (relative to the list, one twice, one not there) long enough to be
+    # stopped: 2 ranks killed once a part is finished, then the same command on 1 rank
+    # predicts only the parts left.
+    lines = [os.path.relpath(path, tmp_path) for path in good] * 400 + ["gone.png"]
+    random.Random(0).shuffle(lines)
+    (tmp_path / "list.txt").write_text("# new images\n" + "\n".join(lines) + "\n")
+    output = tmp_path / "three.parquet"
+    command = [*predict, "--files", str(tmp_path / "list.txt"), "--part-size", "100",
+               "--output", str(output)]
+    with process_group([*mpirun_ranks(2), *command], env=clean_env(), cwd=REPO,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as job:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "three.parquet.parts").glob("part-*.jsonl")):
+            assert job.poll() is None and time.monotonic() < deadline, "no part was written"
+            time.sleep(0.02)
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert not output.exists()
+    resumed = run_job(command, timeout=150)
+    finished = re.search(r"resuming: (\d+) of 81 part\(s\) already in ", resumed.stdout)
+    assert finished and 1 <= int(finished.group(1)) < 81, resumed.stdout
+    assert "8001 rows, 1 could not be read" in resumed.stdout, resumed.stdout
+    check(pq.read_table(output).to_pylist(), lines, lambda key: str(tmp_path / key),
+          {"gone.png": "cannot read: No such file or directory"})
+    assert sorted(path.name for path in tmp_path.glob("three*")) == ["three.parquet"]
+
 def test_four_ranks_on_two_cores(tmp_path):
     # Open MPI names the BTLs each rank opens: horovodrun's `-mca btl ^openib` would open
     # libfabric's too, which a job on one host does not load (HorovodRuntime says why).

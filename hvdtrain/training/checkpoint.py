@@ -22,7 +22,7 @@ from typing import Callable
 import tensorflow as tf
 import keras  # the Keras hvdtrain selected on import (Keras 3 unless --keras 2)
 
-from hvdtrain.errors import UserError, first_line
+from hvdtrain.errors import UserError, first_line, op_error_line
 from hvdtrain.training.preemption import StopRequest
 from hvdtrain.rundir import RunDir
 
@@ -151,8 +151,7 @@ def _recover_index(run_dir: RunDir) -> None:
 
 def _reading_error(error: Exception) -> str:
     """``Type: first line``, without the internal op name TensorFlow wraps its errors in."""
-    text = re.sub(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]", "", first_line(error))
-    return f"{type(error).__name__}: {text}"
+    return f"{type(error).__name__}: {op_error_line(error)}"
 
 
 def variables_bytes(variables) -> int:

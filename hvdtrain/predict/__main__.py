@@ -1,0 +1,3 @@
+from hvdtrain.predict import main
+
+main()
