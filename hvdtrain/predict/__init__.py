@@ -170,13 +170,17 @@ class Prediction:
         image_shape = self.image_shape(model)
         classes = None if request.raw else self.class_names(model)
         parts = Parts(request.output, len(inputs), request.part_size)
-        identity = {"inputs": inputs.digest(), "count": len(inputs), "model":
-                    _identity_of(model_source), "part_size": request.part_size,
+
+        def identity() -> dict:
+            """What the parts are of: a resume merges only parts of the same prediction."""
+            return {"inputs": inputs.digest(), "count": len(inputs),
+                    "model": _identity_of(model_source), "part_size": request.part_size,
                     "outputs": "raw" if request.raw else f"top {self.top_k(classes)}",
                     "image_shape": list(image_shape)}
+
         # Rank 0 checks where it writes and finds what a stopped run finished before anyone
         # predicts: a refusal reaches every rank.
-        finished = runtime.from_chief(lambda: self.prepare(parts, identity))
+        finished = runtime.from_chief(lambda: self.prepare(parts, identity()))
         todo = [part for part in range(parts.num_parts) if part not in set(finished)]
         runtime.print0(self.banner(inputs, parts, finished, model_source))
         # Every size-th part left: no collective while predicting, so a rank that gets one part

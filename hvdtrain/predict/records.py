@@ -38,6 +38,12 @@ class RecordInputs(Inputs):
         file = int(np.searchsorted(self.starts, index, side="right")) - 1
         return file, index - int(self.starts[file])
 
+    def digest(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(json.dumps([list(self.files), self.counts.tolist()]).encode()
+                              ).hexdigest()
+
     def key(self, index: int) -> str:
         file, record = self.where(index)
         return f"{os.path.basename(self.files[file])}:{record}"
