@@ -58,6 +58,23 @@ def test_every_help_answers_without_tensorflow_and_docs_cli_md_is_what_they_say(
     assert "see hvdtrain." not in generated  # help points at docs, not at internal code
 
 
+@pytest.mark.parametrize("args, line", [
+    (["--backend", "single"], "started as 2 ranks by a launcher, but --backend single runs one "
+                              "process; use --backend horovod (or auto), or start one process"),
+    (["--batch-policy", "global", "--batch-size", "33"],
+     "global batch 33 does not divide by 2 workers; use a multiple of 2 or --batch-policy "
+     "per-worker"),
+    (["--data-dir", "/nonexistent/images"], "--data-dir /nonexistent/images: no such directory"),
+])
+def test_what_the_flags_and_the_launch_show_is_refused_before_tensorflow_loads(
+        without_tensorflow, args, line):
+    """Rank 0 of 2 as mpirun starts it: each rank would spend seconds importing TensorFlow
+    before saying this (training/preflight.py); here TensorFlow cannot even be imported."""
+    result = hvdtrain("train", *args, env={**without_tensorflow, "OMPI_COMM_WORLD_RANK": "0",
+                                            "OMPI_COMM_WORLD_SIZE": "2"})
+    assert result.returncode == 2 and result.stderr == f"hvdtrain train: error: {line}\n", \
+        result.stderr
+
 def test_version_names_hvdtrain_and_the_stack_without_importing_it(without_tensorflow):
     result = hvdtrain("--version", env=without_tensorflow)
     assert result.returncode == 0 and result.stderr == "", result.stderr

@@ -133,6 +133,11 @@ def _listed(directory: str) -> list[os.DirEntry]:
         raise UserError(f"cannot list {directory}: {error.strerror or error}") from None
 
 
+def require_folder(data_dir: str) -> None:
+    if not os.path.isdir(data_dir):
+        raise UserError(f"--data-dir {data_dir}: no such directory")
+
+
 def list_image_folder(data_dir: str, *, image_size: int | None, validation_fraction: float,
                       seed: int, on_bad_image: str, channels: int = 3,
                       check_images: bool = False) -> FolderListing:
@@ -143,8 +148,7 @@ def list_image_folder(data_dir: str, *, image_size: int | None, validation_fract
     other extension get their header checked, and ``check_images`` checks every header.
     """
     started = time.monotonic()
-    if not os.path.isdir(data_dir):
-        raise UserError(f"--data-dir {data_dir}: no such directory")
+    require_folder(data_dir)
     class_names = sorted(entry.name for entry in _listed(data_dir)
                          if entry.is_dir() and not entry.name.startswith("."))
     unnamed_classes = [name for name in class_names if not _is_utf8(name)]

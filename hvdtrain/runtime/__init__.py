@@ -47,10 +47,8 @@ def select_backend(requested: str, env: Mapping[str, str] | None = None,
     return "single"
 
 
-def make_runtime(backend: str, *, threads_per_worker: int | None = None,
-                 needs_horovod: bool = False) -> Runtime:
-    """Start the runtime for ``--backend`` (after ``auto`` is resolved)."""
-    chosen = select_backend(backend, needs_horovod=needs_horovod)
+def check_launch(chosen: str, backend: str) -> None:
+    """A launcher's several ranks need the horovod backend (``chosen``: ``backend`` resolved)."""
     launched = launched_as()
     if chosen != "horovod" and launched and launched[1] != 1:
         # Every process would think it is the only one (and rank 0), train alone, and write
@@ -58,6 +56,13 @@ def make_runtime(backend: str, *, threads_per_worker: int | None = None,
         ranks = launched[1] or "several"
         raise UserError(f"started as {ranks} ranks by a launcher, but --backend {backend} runs "
                         "one process; use --backend horovod (or auto), or start one process")
+
+
+def make_runtime(backend: str, *, threads_per_worker: int | None = None,
+                 needs_horovod: bool = False) -> Runtime:
+    """Start the runtime for ``--backend`` (after ``auto`` is resolved)."""
+    chosen = select_backend(backend, needs_horovod=needs_horovod)
+    check_launch(chosen, backend)
     if chosen == "horovod":
         try:
             from hvdtrain.runtime.horovod import HorovodRuntime

@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Sequence
 
 from hvdtrain.cli import error_name, started_as_command, usage_name
 from hvdtrain.training.config import ImageConfig, TrainConfig, parse_config
+from hvdtrain.training.preflight import refuse_early
 from hvdtrain.data import disk_cache_failures_in_one_line
 from hvdtrain.errors import UserError, leave, reported
 from hvdtrain.rundir import TIMELINE_FILE
@@ -65,6 +66,7 @@ def run(task: TaskOrFactory, argv: Sequence[str] | None = None, *, name: str | N
     # 1. configuration: a preset, then command-line overrides, validated
     config = parse_config(argv, presets, prog=_usage_name(program),
                           description=_description(program))
+    refuse_early(config)
     from hvdtrain.training import train  # TensorFlow: once a job runs, not for --help or a bad flag
 
     timeline.mark("imported")

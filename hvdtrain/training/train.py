@@ -21,6 +21,7 @@ from hvdtrain import KERAS, tracking
 from hvdtrain.training.config import TrainConfig
 from hvdtrain.errors import UserError
 from hvdtrain.training.plan import TrainingPlan
+from hvdtrain.training.preflight import check_backend
 from hvdtrain.training.preemption import StopRequest, StopSignals
 from hvdtrain.runtime import Runtime, make_runtime, placement, select_backend
 from hvdtrain.task import Datasets, Task
@@ -38,14 +39,7 @@ def start_runtime(config: TrainConfig) -> Runtime:
     needs_horovod = config.grad_accum_steps > 1
     backend = select_backend(config.backend, needs_horovod=needs_horovod)
     # Resolved first, so `auto` landing on a strategy is refused before anything starts.
-    if KERAS == "3" and backend == "tpu":
-        raise UserError("Keras 3 (the default) runs on the horovod, single and mirrored "
-                        "backends; on 'tpu' it has never run here: pass --keras 2")
-    if KERAS == "3" and backend == "mirrored" and (config.steps_per_execution or 1) > 1:
-        # Keras 3.15's multi-step function under MirroredStrategy fails at its first call
-        # ("You must feed a value for placeholder tensor ..."); one step per call trains.
-        raise UserError("--steps-per-execution above 1 with --backend mirrored fails inside "
-                        "Keras 3: pass --keras 2, or --steps-per-execution 1")
+    check_backend(config, backend)
     return make_runtime(backend, threads_per_worker=config.threads_per_worker,
                         needs_horovod=needs_horovod)
 
