@@ -358,8 +358,14 @@ def test_predict_writes_every_input_once_in_order_as_one_process_predicts(defaul
                 writer.write(b"no Example")
                 keys.append(f"{name}:{len(paths)}")
     two = run_job([*mpirun_ranks(2), *predict, "--tfrecords", str(shards), "--part-size", "4",
-                   "--raw", "--output", str(tmp_path / "two.jsonl")], timeout=150)
+                   "--raw", "--batch-size", "2", "--progress-seconds", "0.001", "--output",
+                   str(tmp_path / "two.jsonl")], timeout=150)
     assert two.stdout.count("wrote ") == 1 and "21 rows, 1 could not be read" in two.stdout
+    # Progress from rank 0 alone, its count times the ranks (an estimate), never past the end.
+    progress = re.findall(r"^\[1,(\d)\]<stdout>:hvdtrain.predict: about (\d+) of 21 inputs "
+                          r"predicted \(\d+/s\)$", two.stdout, re.MULTILINE)
+    assert progress and {rank for rank, _ in progress} == {"0"}, two.stdout
+    assert all(int(done) <= 21 for _, done in progress), progress
     rows = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
     check(rows, keys, of_key.get, {"train-00000-of-00002.tfrecord:11": "record 11 of "})
     assert not (tmp_path / "two.jsonl.parts").exists()

@@ -19,6 +19,7 @@ from hvdtrain.predict.parts import MANIFEST, Parts
     (["--data-dir", "a", "--checkpoint", "newest"], "--checkpoint must be 'latest' or"),
     (["--data-dir", "a", "--top-k", "0"], "--top-k must be at least 1"),
     (["--data-dir", "a", "--part-size", "0"], "--part-size must be at least 1"),
+    (["--data-dir", "a", "--progress-seconds", "-1"], "--progress-seconds must be >= 0"),
     (["--data-dir", "a", "--output", "rows.xlsx"], "name a .csv, .jsonl or .parquet file"),
 ])
 def test_bad_arguments_are_one_line_before_anything_is_read(argv, message):

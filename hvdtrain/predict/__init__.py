@@ -35,8 +35,6 @@ from hvdtrain.flags import OneLineParser
 from hvdtrain.rundir import MODEL_FILE
 
 PROGRAM = "hvdtrain.predict"
-#: Seconds between rank 0's progress lines.
-PROGRESS_SECONDS = 30.0
 DEFAULT_PART_SIZE = 10_000
 DEFAULT_TOP_K = 5
 
@@ -54,6 +52,7 @@ class Request:
     batch_size: int | None
     part_size: int
     overwrite: bool
+    progress_seconds: float
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -95,6 +94,9 @@ def parse(argv: Sequence[str] | None) -> Request:
     parser.add_argument("--part-size", type=int, default=DEFAULT_PART_SIZE,
                         help="inputs per part: what a stopped run loses at most per rank, and "
                              "what a rank holds at once (default %(default)s)")
+    parser.add_argument("--progress-seconds", type=float, default=30.0,
+                        help="seconds between rank 0's progress lines (default %(default)s; 0: "
+                             "none)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace --output when it exists (once the new one is whole)")
     parser.add_argument("--keras", choices=("2", "3"), default=hvdtrain.KERAS,
@@ -115,9 +117,12 @@ def parse(argv: Sequence[str] | None) -> Request:
                         ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be at least 1, got {value}")
+    if args.progress_seconds < 0:
+        raise UserError(f"--progress-seconds must be >= 0, got {args.progress_seconds}")
     format_of(args.output)
     return Request(args.run_dir, args.checkpoint, given[0], os.path.abspath(args.output),
-                   args.top_k, args.raw, args.batch_size, args.part_size, args.overwrite)
+                   args.top_k, args.raw, args.batch_size, args.part_size, args.overwrite,
+                   args.progress_seconds)
 
 
 def run(request: Request) -> int:
@@ -189,7 +194,7 @@ class Prediction:
         predictor = Predictor(model, image_shape, self.config, classes, self.top_k(classes),
                               self.batch_size(), runtime.devices.threads)
         left = sum(parts.bounds(part)[1] - parts.bounds(part)[0] for part in todo)
-        progress = Progress(runtime, left)
+        progress = Progress(runtime, left, request.progress_seconds)
         failed, writing = 0, None
         for part, rows, ended in predictor.stream(inputs, [parts.bounds(p) for p in mine],
                                                   progress):
@@ -431,16 +436,18 @@ def _identity_of(model_source: str) -> dict:
 
 
 class Progress:
-    """Rank 0's line every ``PROGRESS_SECONDS`` (its own count times the ranks: an estimate)."""
+    """Rank 0's line every ``seconds`` (its own count times the ranks: an estimate)."""
 
-    def __init__(self, runtime, total: int):
-        self.runtime, self.total, self.done = runtime, total, 0
+    def __init__(self, runtime, total: int, seconds: float):
+        self.runtime, self.total, self.done, self.seconds = runtime, total, 0, seconds
         self.started = self.last = time.monotonic()
 
     def advance(self, inputs: int) -> None:
+        if not inputs:
+            return
         self.done += inputs * self.runtime.world.size
         now = time.monotonic()
-        if now - self.last >= PROGRESS_SECONDS:
+        if self.seconds and now - self.last >= self.seconds:
             self.last = now
             rate = self.done / max(now - self.started, 1e-9)
             self.runtime.print0(f"{error_name(PROGRAM)}: about {min(self.done, self.total)} of "
