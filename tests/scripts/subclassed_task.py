@@ -59,8 +59,9 @@ def weights(model: keras.Model) -> dict:
     return {f"w{index}": np.asarray(value) for index, value in enumerate(model.get_weights())}
 
 
-if __name__ == "__main__":
-    status = hvdtrain.run(TASK, sys.argv[1:], name="subclassed_task")
+def main(argv: list[str]) -> int:
+    """The job on ``argv``, then this rank's weights to ``$ANY_MODEL_WEIGHTS`` (when set)."""
+    status = hvdtrain.run(TASK, argv, name="subclassed_task")
     out = os.environ.get("ANY_MODEL_WEIGHTS")
     if out and MODELS:
         rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
@@ -71,4 +72,8 @@ if __name__ == "__main__":
         fresh = WineNet()
         fresh(np.zeros((1, FEATURES), np.float32))
         np.savez(os.path.join(out, f"initial-rank{rank}.npz"), **weights(fresh))
-    sys.exit(status)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
