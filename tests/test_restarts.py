@@ -21,7 +21,7 @@ from typing import Callable
 import pytest
 
 from conftest import (RESUMED, clean_env, integration, mpirun_job, mpirun_ranks, one_error,
-                      run_job, wait_for_first_epoch)
+                      run_job)
 from hvdtrain.launcher_env import processes
 from processes import process_group
 
@@ -30,10 +30,10 @@ SCRIPTS = Path(__file__).parent / "scripts"
 LAUNCH = [sys.executable, "-m", "hvdtrain.launch"]
 
 
-def ranks_of(run_dir: Path) -> dict[int, int]:
-    """{rank: pid} of the running training ranks writing to ``run_dir``."""
+def ranks_of(run_dir: Path, program: str = "hvdtrain.cnn") -> dict[int, int]:
+    """{rank: pid} of the running training ranks of ``program`` writing to ``run_dir``."""
     return {process.rank: process.pid for process in processes()
-            if str(run_dir) in process.argv and "hvdtrain.cnn" in process.argv
+            if str(run_dir) in process.argv and program in process.argv
             and process.rank is not None}
 
 
@@ -47,42 +47,6 @@ def running(pid: int) -> bool:
 def runs_in(record: Path) -> int:
     """How many times exit_status.py was started (its rank 0 notes each run)."""
     return sum(" rank=0 " in line for line in record.read_text().splitlines())
-
-
-@pytest.mark.timeout(240)
-def test_a_killed_rank_is_restarted_and_the_job_resumes_to_the_end(tmp_path):
-    run_dir = tmp_path / "run"
-    # --via mpirun: the restart path of horovodrun without horovodrun's own TensorFlow import,
-    # which costs many seconds per attempt on 2 busy cores (the user-error test uses horovodrun).
-    with process_group(
-            [*LAUNCH, "--np", "2", "--via", "mpirun", "--max-restarts", "1", "--skip-preflight",
-             "--", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "4", "--steps-per-epoch", "30",
-             "--no-tensorboard", "--no-export", "--run-dir", str(run_dir)],
-            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True) as launcher:
-        deadline = time.monotonic() + 150
-        # The first epoch is done and checkpointed (its metrics are written just before).
-        while not (run_dir / "checkpoints" / "checkpoint").exists():
-            if launcher.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("the job ended or never finished an epoch")
-            time.sleep(0.1)
-        ranks = ranks_of(run_dir)
-        epochs_before = len(json.loads((run_dir / "metrics.json").read_text()))
-        assert sorted(ranks) == [0, 1] and epochs_before < 4, (ranks, epochs_before)
-        os.kill(ranks[1], signal.SIGKILL)
-        output, _ = launcher.communicate(timeout=150)
-        assert launcher.returncode == 0, output[-4000:]
-        restarts = re.findall(r"hvdtrain\.launch: job exited (\d+): rank 1 on (\S+) (.*); its "
-                              r"log: (\S+); restart (\d) of 1", output)
-        # The killed rank said nothing: the launcher names it, its host (as mpirun does), its log.
-        assert restarts == [("137", socket.gethostname(), "ended on SIGKILL (killed: the "
-                             "out-of-memory killer, or by hand)", f"{run_dir}/logs/rank-1.log",
-                             "1")], output[-4000:]
-        resumed = re.search(RESUMED, output)
-        assert resumed and int(resumed.group(1)) >= epochs_before - 1, output[-4000:]
-        epochs = [row["epoch"] for row in json.loads((run_dir / "metrics.json").read_text())]
-        assert epochs == [1, 2, 3, 4], epochs  # every epoch once, none lost or logged twice
-        assert not ranks_of(run_dir), "ranks outlived the job"
 
 
 @pytest.mark.timeout(120)
@@ -148,45 +112,75 @@ def test_a_user_error_is_not_restarted(tmp_path):
     assert not run_dir.exists()
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("signum, controller, exit_code", [
-    (signal.SIGUSR1, "mpi", 75), (signal.SIGUSR1, "gloo", 75), (signal.SIGTERM, "mpi", 143)])
-def test_a_stop_signal_to_the_launcher_checkpoints_stops_and_a_rerun_resumes(
-        tmp_path, signum, controller, exit_code):
+#: (signal, controller, the launcher's exit status): one stop each, in this order, on one run.
+STOPS = [(signal.SIGUSR1, "mpi", 75), (signal.SIGUSR1, "gloo", 75), (signal.SIGTERM, "mpi", 143)]
+
+
+def epochs_logged(run_dir: Path) -> int:
+    try:
+        return len(json.loads((run_dir / "metrics.json").read_text()))
+    except (OSError, ValueError):  # not written yet, or being written
+        return 0
+
+
+@pytest.mark.timeout(600)
+def test_a_stop_signal_to_the_launcher_checkpoints_stops_and_a_rerun_resumes(tmp_path):
     """What an sbatch script's trap does at the time-limit warning, or scancel, without Slurm:
     the ranks checkpoint and stop, nothing restarts (--max-restarts where the controller allows
     it), and the launcher exits only once they are done (an sbatch script that exits earlier
-    would have Slurm kill the ranks in the middle of their checkpoint). A rerun resumes."""
-    run_dir, log = tmp_path / "run", tmp_path / "launcher.log"
-    # Gloo jobs cannot restart (the launcher refuses --max-restarts with --controller gloo), and
-    # only horovodrun starts them; MPI jobs start through mpirun, without horovodrun's own
-    # TensorFlow import (see test_a_killed_rank_is_restarted...).
-    restarts = ["--max-restarts", "2"] if controller == "mpi" else []
-    via = ["--via", "mpirun"] if controller == "mpi" else []
-    # A file, not a pipe: ranks holding a pipe would hide in wait().
-    with log.open("w") as sink, process_group(
-            [*LAUNCH, "--np", "2", "--controller", controller, *via, *restarts,
-             "--skip-preflight", "--", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "200",
-             "--no-tensorboard", "--run-dir", str(run_dir)],
-            env=clean_env(), stdout=sink, stderr=subprocess.STDOUT) as launcher:
-        wait_for_first_epoch(run_dir, launcher, log)
-        launcher.send_signal(signum)
-        launcher.wait(timeout=120)
-        ranks_left = ranks_of(run_dir)  # at the moment the launcher is gone
-        output = log.read_text()
-    assert launcher.returncode == exit_code, output[-3000:]
-    assert not ranks_left, f"ranks {ranks_left} still ran after the launcher exited"
-    stopped = re.search(rf"stopped by {signal.Signals(signum).name} in epoch (\d+); "
-                        "checkpoint written", output)
-    assert stopped, output[-3000:]
-    assert "restart 1" not in output
+    would have Slurm kill the ranks in the middle of their checkpoint). A rerun resumes.
+
+    The stops of STOPS go one after the other on one run directory: each job after the first is
+    also the rerun of the stop before it, and a last short job the rerun of the last stop."""
+    run_dir = tmp_path / "run"
+    stopped_in = None  # the epoch the previous job stopped in
+    for attempt, (signum, controller, exit_code) in enumerate(STOPS):
+        log = tmp_path / f"launcher-{attempt}.log"
+        # Gloo jobs cannot restart (the launcher refuses --max-restarts with --controller
+        # gloo), and only horovodrun starts them; MPI jobs start through mpirun, without
+        # horovodrun's own TensorFlow import (see test_a_killed_rank_is_restarted...).
+        restarts = ["--max-restarts", "2"] if controller == "mpi" else []
+        via = ["--via", "mpirun"] if controller == "mpi" else []
+        epochs_before = epochs_logged(run_dir)
+        # A file, not a pipe: ranks holding a pipe would hide in wait().
+        with log.open("w") as sink, process_group(
+                [*LAUNCH, "--np", "2", "--controller", controller, *via, *restarts,
+                 "--skip-preflight", "--", "hvdtrain.cnn", "--preset", "tiny", "--epochs", "200",
+                 "--no-tensorboard", "--run-dir", str(run_dir)],
+                env=clean_env(), stdout=sink, stderr=subprocess.STDOUT) as launcher:
+            # An epoch of this job's own is done: it trains (wait_for_first_epoch's test, for
+            # a run directory that already holds epochs).
+            deadline = time.monotonic() + 240
+            while epochs_logged(run_dir) <= epochs_before:
+                if launcher.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the job ended or never finished an epoch:\n"
+                                f"{log.read_text()[-3000:]}")
+                time.sleep(0.1)
+            launcher.send_signal(signum)
+            launcher.wait(timeout=120)
+            ranks_left = ranks_of(run_dir)  # at the moment the launcher is gone
+            output = log.read_text()
+        if stopped_in is not None:
+            resumed_at(output, stopped_in)
+        assert launcher.returncode == exit_code, (signum, controller, output[-3000:])
+        assert not ranks_left, f"ranks {ranks_left} still ran after the launcher exited"
+        stopped = re.search(rf"stopped by {signal.Signals(signum).name} in epoch (\d+); "
+                            "checkpoint written", output)
+        assert stopped, output[-3000:]
+        assert "restart 1" not in output
+        stopped_in = int(stopped.group(1))
     rerun = run_job([*LAUNCH, "--np", "2", "--controller", controller, *via,
                      "--skip-preflight", "--", "hvdtrain.cnn", "--preset", "tiny",
-                     "--epochs", str(int(stopped.group(1)) + 1), "--no-tensorboard",
+                     "--epochs", str(stopped_in + 1), "--no-tensorboard",
                      "--run-dir", str(run_dir)], timeout=200)
-    # At the step it stopped in (a stop's checkpoint holds it), or at an epoch's end.
-    resumed = re.search(RESUMED, rerun.stdout)
-    assert resumed and int(resumed.group(1)) >= int(stopped.group(1)) - 1, rerun.stdout[-2000:]
+    resumed_at(rerun.stdout, stopped_in)
+
+
+def resumed_at(output: str, stopped_in: int) -> None:
+    """The job resumed at the step it stopped in (a stop's checkpoint holds it), or at an
+    epoch's end."""
+    resumed = re.search(RESUMED, output)
+    assert resumed and int(resumed.group(1)) >= stopped_in - 1, output[-2000:]
 
 
 @pytest.mark.timeout(120)
@@ -387,36 +381,48 @@ def test_a_damaged_checkpoint_index_is_rebuilt_from_the_checkpoints(four_checkpo
         1, 2, 3, 4, 5]
 
 
-# --- checkpoints within an epoch ----------------------------------------------------------------
+# --- a killed rank, restarted from its checkpoint within an epoch -------------------------------
 @integration
-@pytest.mark.timeout(300)
-def test_a_job_killed_mid_epoch_resumes_at_its_last_step_checkpoint_as_if_never_stopped(
+@pytest.mark.timeout(400)
+def test_a_killed_rank_is_restarted_and_resumes_at_its_last_step_checkpoint_as_if_never_stopped(
         tmp_path):
-    """--checkpoint-every-steps 5: rank 0 SIGKILLed after step 33 (epoch 2's 11th of 22) loses
-    one step; the rerun resumes at step 10 of epoch 2 with the data where it stopped (its pass,
-    in its order, from the next batch), the schedule and the optimizer state, and ends with the
-    weights of a run never stopped (deterministic ops; no dropout, whose masks Keras draws from
-    generators no checkpoint holds)."""
+    """The launcher with --max-restarts 1 and --checkpoint-every-steps 5: rank 0 SIGKILLed after
+    step 33 (epoch 2's 11th of 22), saying nothing; the launcher names it, restarts the job, and
+    the restart loses one step: it resumes at step 10 of epoch 2 with the data where it stopped
+    (its pass, in its order, from the next batch), the schedule and the optimizer state, and ends
+    with every epoch once and the weights of a run never stopped (deterministic ops; no dropout,
+    whose masks Keras draws from generators no checkpoint holds)."""
     import numpy as np
 
     script = SCRIPTS / "killed_at_step.py"
     flags = ["--preset", "tiny", "--epochs", "2", "--checkpoint-every-steps", "5",
              "--model", f"{script}:build"]
     env = clean_env(TF_DETERMINISTIC_OPS="1")
-
-    def job(run_dir: Path, kill_at: int | None = None, check: bool = True):
-        extra = {"HVDTRAIN_TEST_KILL_AT": str(kill_at)} if kill_at else {}
-        return run_job([*mpirun_ranks(2), "-x", "HVDTRAIN_TEST_KILL_AT", sys.executable,
-                        str(script), *flags, "--run-dir", str(run_dir)], timeout=240,
-                       check=check, env={**env, **extra})
-
     never_stopped, killed = tmp_path / "never-stopped", tmp_path / "killed"
-    job(never_stopped)
-    crashed = job(killed, kill_at=33, check=False)
-    assert crashed.returncode != 0 and not (killed / "model.keras").exists(), crashed.stdout[-2000:]
-    resumed = job(killed).stdout
+    run_job([*mpirun_ranks(2), sys.executable, str(script), *flags, "--run-dir",
+             str(never_stopped)], timeout=240, env=env)
+    # --via mpirun: the restart path of horovodrun without horovodrun's own TensorFlow import,
+    # which costs many seconds per attempt on 2 busy cores (the user-error test uses horovodrun).
+    # The kill is in the first attempt only (killed_at_step.py). A script's run directory, for
+    # the launcher's line, is HVDTRAIN_RUN_DIR (as the sbatch templates set it).
+    restarted = run_job(
+        [*LAUNCH, "--np", "2", "--via", "mpirun", "--max-restarts", "1", "--skip-preflight",
+         "--", str(script), *flags, "--run-dir", str(killed)], timeout=300, check=False,
+        env={**env, "HVDTRAIN_RUN_DIR": str(killed), "HVDTRAIN_TEST_KILL_AT": "33"})
+    output = restarted.stdout
+    assert restarted.returncode == 0, output[-4000:]
+    assert not ranks_of(killed, str(script)), "ranks outlived the job"
+    restarts = re.findall(r"hvdtrain\.launch: job exited (\d+): rank 0 on (\S+) (.*); its "
+                          r"log: (\S+); restart (\d) of 1", output)
+    # The killed rank said nothing: the launcher names it, its host (as mpirun does), its log.
+    assert restarts == [("137", socket.gethostname(), "ended on SIGKILL (killed: the "
+                         "out-of-memory killer, or by hand)", f"{killed}/logs/rank-0.log",
+                         "1")], output[-4000:]
+    # It was killed in epoch 2, before the end (and so before its export), and the restart
+    # resumed at the last step checkpoint, not at the last epoch's.
     assert re.search(r"resuming from \S+ckpt-\d+: 1 epoch\(s\) and 10 of 22 steps done",
-                     resumed), resumed[-3000:]
+                     output), output[-3000:]
+    assert len(re.findall(RESUMED, output)) == 1, output[-3000:]
 
     def weights(run_dir: Path) -> list:
         """The arrays model.keras holds (a zip with model.weights.h5 inside)."""
@@ -436,6 +442,8 @@ def test_a_job_killed_mid_epoch_resumes_at_its_last_step_checkpoint_as_if_never_
         return [(row["epoch"], row["learning_rate"])
                 for row in json.loads((run_dir / "metrics.json").read_text())]
 
+    # Every epoch once, none lost or logged twice, at the rate of the run never stopped.
+    assert [epoch for epoch, _ in rows(killed)] == [1, 2], rows(killed)
     assert rows(killed) == rows(never_stopped)
     expected, got = weights(never_stopped), weights(killed)
     assert len(got) == len(expected) > 0

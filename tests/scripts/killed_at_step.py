@@ -1,6 +1,7 @@
 """hvdtrain.cnn's classifier, rank 0 SIGKILLed right after global step HVDTRAIN_TEST_KILL_AT
-(unset: an uninterrupted run); ``build`` is a model without dropout, whose masks a resumed run
-would draw anew (Keras keeps their generators' state out of checkpoints)."""
+(unset: an uninterrupted run), in the launcher's first attempt only (its restarts run to the
+end); ``build`` is a model without dropout, whose masks a resumed run would draw anew (Keras
+keeps their generators' state out of checkpoints)."""
 import dataclasses
 import os
 import signal
@@ -11,6 +12,9 @@ import keras  # noqa: E402
 from hvdtrain.cnn import PRESETS, classifier  # noqa: E402
 
 KILL_AT = int(os.environ.get("HVDTRAIN_TEST_KILL_AT", "0"))
+# The launcher's mark on every process of an attempt: "PID.N", N counting its restarts.
+if os.environ.get("HVDTRAIN_LAUNCH_ATTEMPT", "0.0").rsplit(".", 1)[-1] != "0":
+    KILL_AT = 0
 
 
 class KillAt(keras.callbacks.Callback):
