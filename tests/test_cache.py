@@ -18,17 +18,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import clean_env, integration, mpirun_job, small_disk_at
+from conftest import clean_env, integration, mpirun_ranks, run_job, small_disk_at
 from processes import process_group
 
 pytestmark = [integration, pytest.mark.timeout(600)]
+SCRIPTS = Path(__file__).parent / "scripts"
 
 IMAGES = 4096  # 2,048 per rank
 PER_WORKER_BATCH = 32  # a pass over a rank's share: 64 steps
 STEPS_PER_EPOCH = 16  # a quarter of a pass: epochs end while the first pass is being stored
 PASSES = 3
 
-# A model that appends the numbers of the images of every training step to a file per rank.
+# A model that appends the numbers of the images of every training step to a file per model file
+# and rank.
 # The batch-norm recompute at each epoch's end also runs the model in training mode, on its own
 # iterator: it sets the layers' momentum to 0 while it does, which is how it is told apart.
 RECORDER = """
@@ -38,7 +40,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-RECORD = os.environ["HVDTRAIN_TEST_RECORD"] + "-" + os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+# A file per model file (recorder-CACHE.py: one per run of a job) and rank.
+RECORD = "-".join([os.environ["HVDTRAIN_TEST_RECORD"], os.path.basename(__file__)[:-3],
+                   os.environ.get("OMPI_COMM_WORLD_RANK", "0")])
 
 
 class Recorder(keras.layers.Layer):
@@ -86,13 +90,6 @@ def numbered_folder(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def recorder(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "recorder.py"
-    path.write_text(RECORDER)
-    return path
-
-
 def passes_seen(record: Path) -> list[np.ndarray]:
     """The numbers one rank trained on, cut into passes over its share."""
     seen = np.array(record.read_text().split(), dtype=np.int64)
@@ -108,38 +105,53 @@ def spearman(first: np.ndarray, second: np.ndarray) -> float:
     return float(np.corrcoef(where_first, where_second)[0, 1])
 
 
-@pytest.mark.parametrize("cache", ["memory", "disk", "off"])
-def test_every_epoch_trains_in_a_new_order_with_any_cache(numbered_folder, recorder, tmp_path,
-                                                          cache):
+CACHES = ["memory", "disk", "off"]
+
+
+def test_every_epoch_trains_in_a_new_order_with_any_cache(numbered_folder, tmp_path):
+    """One job of 2 ranks trains with each cache in turn (tests/scripts/cnn_runs.py: the ranks
+    start once), each run through its own copy of the recorder, which records to its own files."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     record = tmp_path / "seen"
     epochs = PASSES * (IMAGES // 2 // PER_WORKER_BATCH) // STEPS_PER_EPOCH
-    result = mpirun_job(
-        2, "hvdtrain.cnn", "--data-dir", str(numbered_folder), "--image-size", "8",
-        "--validation-fraction", "0", "--model", f"{recorder}:build", "--cache", cache,
-        "--batch-size", str(PER_WORKER_BATCH), "--steps-per-epoch", str(STEPS_PER_EPOCH),
-        "--epochs", str(epochs), "--run-dir", str(tmp_path / "run"), "--no-export",
-        # Keras 2: the recorder layer (a py_function beside the model's own BatchNormalization,
-        # read by momentum) is written against tf_keras; the subject here is the input order.
-        "--keras", "2",
-        env=clean_env(TMPDIR=str(scratch), HVDTRAIN_TEST_RECORD=str(record)), timeout=300)
-    assert f"cache: {cache}" in result.stdout, result.stdout[-3000:]
-    assert f"done: {epochs} epoch(s)" in result.stdout, result.stdout[-3000:]
-    shares = []
-    correlations = []
-    for rank in range(2):
-        passes = passes_seen(Path(f"{record}-{rank}"))
-        share = np.sort(passes[0])
-        # Every sample of the share once per pass: each pass is a permutation of the same share.
-        assert len(np.unique(share)) == len(share)
-        assert all(np.array_equal(np.sort(seen), share) for seen in passes)
-        shares.append(share)
-        correlations += [spearman(passes[p], passes[p + 1]) for p in range(PASSES - 1)]
-    # The ranks' shares are disjoint and cover the folder.
-    assert np.array_equal(np.sort(np.concatenate(shares)), np.arange(IMAGES))
-    # Consecutive passes are uncorrelated (a random pair of permutations of 2,048: |rho| ~ 0.02).
-    assert max(map(abs, correlations)) < 0.1, correlations
+    runs = []
+    for cache in CACHES:
+        recorder = tmp_path / f"recorder-{cache}.py"
+        recorder.write_text(RECORDER)
+        runs += ["--then"] * bool(runs) + [
+            "--data-dir", str(numbered_folder), "--image-size", "8", "--validation-fraction", "0",
+            "--model", f"{recorder}:build", "--cache", cache, "--batch-size",
+            str(PER_WORKER_BATCH), "--steps-per-epoch", str(STEPS_PER_EPOCH), "--epochs",
+            str(epochs), "--run-dir", str(tmp_path / f"run-{cache}"), "--no-export",
+            # Keras 2: the recorder layer (a py_function beside the model's own
+            # BatchNormalization, read by momentum) is written against tf_keras; the subject
+            # here is the input order.
+            "--keras", "2"]
+    result = run_job([*mpirun_ranks(2), sys.executable, str(SCRIPTS / "cnn_runs.py"), *runs],
+                     env=clean_env(TMPDIR=str(scratch), HVDTRAIN_TEST_RECORD=str(record)),
+                     timeout=400)
+    # Rank 0's banners and summaries, in the order the runs went.
+    banners = re.findall(r"^\[1,0\]<stdout>:cache: (\w+)", result.stdout, re.MULTILINE)
+    assert banners == CACHES, result.stdout[-3000:]
+    for cache in CACHES:
+        assert f"run-{cache}: done: {epochs} epoch(s)" in result.stdout, result.stdout[-3000:]
+        shares = []
+        correlations = []
+        for rank in range(2):
+            passes = passes_seen(Path(f"{record}-recorder-{cache}-{rank}"))
+            share = np.sort(passes[0])
+            # Every sample of the share once per pass: each pass is a permutation of the same
+            # share.
+            assert len(np.unique(share)) == len(share), cache
+            assert all(np.array_equal(np.sort(seen), share) for seen in passes), cache
+            shares.append(share)
+            correlations += [spearman(passes[p], passes[p + 1]) for p in range(PASSES - 1)]
+        # The ranks' shares are disjoint and cover the folder.
+        assert np.array_equal(np.sort(np.concatenate(shares)), np.arange(IMAGES)), cache
+        # Consecutive passes are uncorrelated (a random pair of permutations of 2,048:
+        # |rho| ~ 0.02).
+        assert max(map(abs, correlations)) < 0.1, (cache, correlations)
     # A disk cache is gone with the job (the batch-norm recompute read it while it was written).
     assert list(scratch.iterdir()) == []
 

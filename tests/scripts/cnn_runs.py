@@ -13,6 +13,7 @@ from hvdtrain.training import train
 from hvdtrain.cnn import PRESETS, PROGRAM, classifier
 from hvdtrain.training.config import parse_config
 from hvdtrain.runtime.horovod import HorovodRuntime
+from hvdtrain.scratch import use_rank_scratch
 
 
 def main(argv: list[str]) -> int:
@@ -30,6 +31,9 @@ def main(argv: list[str]) -> int:
         else:
             current.append(arg)
     runs.append(current)
+    # As hvdtrain.cnn's main does (hvdtrain.training.job.main): what the runs write to temporary
+    # storage (a disk cache) goes to this process's own directory, removed however it ends.
+    use_rank_scratch()
     runtime = HorovodRuntime()
     for flags in runs:
         config = parse_config(flags, PRESETS, prog=PROGRAM, description=None)
