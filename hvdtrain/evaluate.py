@@ -169,9 +169,9 @@ class Evaluation:
     def check_classes(self, class_names: tuple[str, ...]) -> None:
         trained = self.recorded.get("class_names")
         if trained is not None and list(class_names) != list(trained):
-            raise UserError(f"the data's classes ({_few(class_names)}) are not the ones the "
-                            f"model was trained on ({_few(trained)}): score data with the same "
-                            "class folders (or TFRecords converted from them)")
+            raise UserError(f"the data's classes ({few_names(class_names)}) are not the ones "
+                            f"the model was trained on ({few_names(trained)}): score data with the "
+                            "same class folders (or TFRecords converted from them)")
 
     def splits(self, listing) -> list:
         split = self.request.split
@@ -380,7 +380,7 @@ def _data_name(config) -> str:
     return re.sub(r"[^\w.-]+", "_", base).strip("._") or "data"
 
 
-def _few(names) -> str:
+def few_names(names) -> str:
     names = list(names)
     return ", ".join(names[:5]) + (f", ... ({len(names)} classes)" if len(names) > 5 else "")
 

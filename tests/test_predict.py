@@ -34,13 +34,21 @@ def test_a_folder_is_listed_at_any_depth_in_path_order(tmp_path):
         (tmp_path / name).write_bytes(b"")
     (tmp_path / "loop").symlink_to(tmp_path)  # a link to a folder is not followed
     (tmp_path / "gone.png").symlink_to(tmp_path / "nowhere.png")  # an input that fails
+    (tmp_path / "self.png").symlink_to(tmp_path / "self.png")  # ELOOP: the same
+    os.mkfifo(tmp_path / "pipe.png")  # never opened: its read would wait forever
+    (tmp_path / os.fsdecode(b"caf\xe9.png")).write_bytes(b"")  # not UTF-8: a row all the same
     inputs = list_folder(str(tmp_path))
     keys = [inputs.key(index) for index in range(len(inputs))]
-    assert keys == [str(tmp_path / name) for name in ("a/0.gif", "a/deeper/1.JPG", "a/x.jpeg",
-                                                      "b/2.png", "c.bmp", "gone.png")]
+    assert keys == [str(tmp_path / name) for name in (
+        "a/0.gif", "a/deeper/1.JPG", "a/x.jpeg", "b/2.png", "c.bmp", "caf\\xe9.png",
+        "gone.png", "self.png")]
     assert inputs.notes == ("left out 1 file(s) without an image's extension (.bmp, .gif, "
-                            ".jpeg, .jpg, .png)", "did not follow 1 link(s) to folders")
-    assert inputs.failure(5, decode=None).startswith("cannot read: No such file")
+                            ".jpeg, .jpg, .png)", "did not follow 1 link(s) to folders",
+                            "left out 1 named like images that are not files (a FIFO, a "
+                            "socket, a device)")
+    assert inputs.failure(6, decode=None) == "cannot read: No such file or directory"
+    assert inputs.failure(7, decode=None) == "cannot read: Too many levels of symbolic links"
+    assert inputs.path(5) == os.fsencode(tmp_path) + b"/caf\xe9.png"
     # What travels to the other ranks is the same listing.
     import pickle
 
@@ -61,6 +69,10 @@ def test_a_list_keeps_its_order_and_reads_relative_paths_from_its_folder(tmp_pat
                                                                     "b.png"]
     assert [inputs.path(index) for index in range(3)] == [
         os.fsencode(tmp_path / "b.png"), b"/abs/a.png", os.fsencode(tmp_path / "b.png")]
+    # A list's names are checked as they are read: what is not a regular file is never opened.
+    os.mkfifo(tmp_path / "b.png")
+    assert not inputs.listed_as_files and not inputs._is_regular(0)
+    assert inputs.failure(0, decode=None) == "not a regular file"
     (tmp_path / "empty.txt").write_text("# nothing\n\n")
     with pytest.raises(UserError, match="names no file"):
         list_file_list(str(tmp_path / "empty.txt"))
@@ -72,23 +84,54 @@ def test_parts_resume_only_their_own_prediction(tmp_path):
     parts = Parts(output, count=25, part_size=10)
     assert parts.num_parts == 3 and parts.bounds(2) == (20, 25)
     assert parts.prepare(identity) == []
-    finished = parts.writing(1)
-    finished.write([{"input": "x", "error": None}])
-    finished.finish()
-    stopped = parts.writing(0)  # a rank killed while writing it
-    stopped.write([{"input": "y", "error": None}])
-    assert parts.prepare(identity) == [1]
-    assert sorted(os.listdir(parts.directory)) == ["part-000001.jsonl", MANIFEST]
+    parts.write(1, [[{"input": "x", "error": None}]])
+    # A rank killed while writing part 0 leaves the file it was writing beside the name.
+    (tmp_path / "rows.csv.parts" / ".part-000000.jsonl.k2j4x9.jsonl").write_text('{"input"')
+    parts.release()  # the job ended
+    again = Parts(output, count=25, part_size=10)
+    assert again.prepare(identity) == [1]
+    assert sorted(os.listdir(again.directory)) == ["part-000001.jsonl", MANIFEST]
+    again.release()
     with pytest.raises(UserError, match=r"holds the parts of another prediction \(inputs "
                                         r"differ\): remove it"):
-        parts.prepare({**identity, "inputs": "other"})
+        Parts(output, count=25, part_size=10).prepare({**identity, "inputs": "other"})
+    parts = Parts(output, count=25, part_size=10)
+    parts.prepare(identity)
     assert json.loads((tmp_path / "rows.csv.parts" / MANIFEST).read_text()) == identity
 
-    # Made by someone else, or a link: never used.
+    assert oct(os.stat(parts.directory).st_mode & 0o777) == "0o700"
+    # Another predict into the same output while this one holds it.
+    with pytest.raises(UserError, match="another hvdtrain predict is writing"):
+        Parts(output, count=25, part_size=10).prepare(identity)
+    parts.remove()
+    assert not os.path.exists(parts.directory)
+
+    # Made by someone else, a link, or open to others (who could put a part in): never used.
     planted = Parts(str(tmp_path / "other.csv"), count=25, part_size=10)
     os.symlink(tmp_path, planted.directory)
     with pytest.raises(UserError, match="is not a directory of yours that predict made"):
         planted.prepare(identity)
+    opened = Parts(str(tmp_path / "open.csv"), count=25, part_size=10)
+    os.mkdir(opened.directory, 0o777)
+    os.chmod(opened.directory, 0o777)
+    with pytest.raises(UserError, match="open to others"):
+        opened.prepare(identity)
+
+
+def test_the_merge_writes_every_part_in_order_and_counts_the_failed_rows(tmp_path):
+    from hvdtrain.predict.formats import open_writer
+
+    parts = Parts(str(tmp_path / "rows.jsonl"), count=5, part_size=2)
+    parts.prepare({"inputs": "abc"})
+    for part, rows in ((2, [["e"]]), (0, [["a"], ["b"]]), (1, [["c", "d"]])):
+        parts.write(part, ([{"input": key, "error": "gone" if key == "d" else None}
+                            for key in block] for block in rows))
+    parts.wait_for_all(say=print, every_seconds=0)  # all there: returns at once
+    writer = open_writer(str(tmp_path / "rows.jsonl"), ".jsonl", ["input", "error"])
+    assert parts.merge(writer) == (5, 1)
+    writer.close()
+    assert [json.loads(line)["input"] for line in
+            (tmp_path / "rows.jsonl").read_text().splitlines()] == ["a", "b", "c", "d", "e"]
 
 
 def test_a_run_of_another_job_needs_raw_and_one_without_a_model_is_refused(tmp_path):

@@ -174,6 +174,14 @@ class Prediction:
         model, model_source = self.model()
         image_shape = self.image_shape(model)
         classes = None if request.raw else self.class_names(model)
+        from hvdtrain.evaluate import few_names
+
+        converted_from = getattr(inputs, "class_names", None)
+        if classes is not None and converted_from and tuple(converted_from) != tuple(classes):
+            raise UserError(f"the shards' classes ({few_names(converted_from)}, as their "
+                            f"dataset.json says) are not the model's ({few_names(classes)}): "
+                            "predict shards converted from folders of the model's classes, or "
+                            "pass --raw")
         parts = Parts(request.output, len(inputs), request.part_size)
 
         def identity() -> dict:
@@ -185,31 +193,28 @@ class Prediction:
 
         # Rank 0 checks where it writes and finds what a stopped run finished before anyone
         # predicts: a refusal reaches every rank.
-        finished = runtime.from_chief(lambda: self.prepare(parts, identity()))
-        todo = [part for part in range(parts.num_parts) if part not in set(finished)]
-        runtime.print0(self.banner(inputs, parts, finished, model_source))
-        # Every size-th part left: no collective while predicting, so a rank that gets one part
-        # more than another only finishes later.
+        finished = set(runtime.from_chief(lambda: self.prepare(parts, identity())))
+        todo = [part for part in range(parts.num_parts) if part not in finished]
+        runtime.print0(self.banner(inputs, parts, len(finished), model_source))
+        # Every size-th part left, and no collective from here on: a rank with a part more
+        # than another (or none) finishes later (or at once), and rank 0 merges once it finds
+        # every part (Parts.wait_for_all says why not a collective).
         mine = todo[runtime.world.rank::runtime.world.size]
         predictor = Predictor(model, image_shape, self.config, classes, self.top_k(classes),
                               self.batch_size(), runtime.devices.threads)
-        left = sum(parts.bounds(part)[1] - parts.bounds(part)[0] for part in todo)
-        progress = Progress(runtime, left, request.progress_seconds)
-        failed, writing = 0, None
-        for part, rows, ended in predictor.stream(inputs, [parts.bounds(p) for p in mine],
-                                                  progress):
-            writing = writing or parts.writing(mine[part])
-            writing.write(rows)
-            failed += sum(1 for row in rows if row["error"] is not None)
-            if ended:
-                writing.finish()
-                writing = None
-        # Rank 0 merges once every rank is done; the counts of failed inputs come along.
-        everyone = runtime.allgather_object(failed)
+        def inputs_of(chosen: list[int]) -> int:
+            return sum(parts.bounds(part)[1] - parts.bounds(part)[0] for part in chosen)
+
+        left = inputs_of(todo)
+        progress = Progress(runtime, left, inputs_of(mine), request.progress_seconds)
+        stream = predictor.stream(inputs, [parts.bounds(part) for part in mine], progress)
+        for part in mine:
+            parts.write(part, _rows_of_one_range(stream))
         if not runtime.world.is_chief:
             return 0
-        written = self.merge(parts, classes)
-        failed = sum(everyone)
+        parts.wait_for_all(lambda line: print(f"{error_name(PROGRAM)}: {line}", flush=True),
+                           request.progress_seconds)
+        written, failed = self.merge(parts, classes)
         seconds = time.monotonic() - started
         unread = f", {failed} could not be read (their rows say why)" if failed else ""
         print(f"{error_name(PROGRAM)}: wrote {request.output}: {written} rows{unread}; {left} "
@@ -283,38 +288,38 @@ class Prediction:
         os.makedirs(os.path.dirname(output), exist_ok=True)
         return parts.prepare(identity)
 
-    def merge(self, parts, classes) -> int:
-        import tempfile
-
+    def merge(self, parts, classes) -> tuple[int, int]:
+        """The parts into the output, whole under its name (rundir.replace_atomically); then
+        the parts are removed. (rows, rows that say an input gave no image)."""
         from hvdtrain.predict.formats import format_of, open_writer
+        from hvdtrain.rundir import replace_atomically
 
         output = self.request.output
         columns = ["input", *_class_columns(self.top_k(classes)), "error"] \
             if classes is not None else ["input", "output", "error"]
-        handle, staging = tempfile.mkstemp(prefix=f".{os.path.basename(output)}.",
-                                           dir=os.path.dirname(output))
-        os.close(handle)
-        try:
+        counts = (0, 0)
+
+        def write(staging: str) -> None:
+            nonlocal counts
             writer = open_writer(staging, format_of(output), columns, ("output",))
             try:
-                written = parts.merge(writer)
+                counts = parts.merge(writer)
             finally:
                 writer.close()
-            os.replace(staging, output)
+
+        try:
+            replace_atomically(output, write)
         except OSError as error:
             raise UserError(f"cannot write {output}: {as_one_line(error)}") from None
-        finally:
-            if os.path.exists(staging):
-                os.remove(staging)
         parts.remove()
-        return written
+        return counts
 
-    def banner(self, inputs, parts, finished: list[int], model_source: str) -> str:
+    def banner(self, inputs, parts, finished: int, model_source: str) -> str:
         lines = [f"{error_name(PROGRAM)}: {inputs.description}; model {model_source}; "
                  f"{parts.num_parts} part(s) of up to {parts.part_size} on "
                  f"{self.runtime.world.size} rank(s)"]
         if finished:
-            lines.append(f"{error_name(PROGRAM)}: resuming: {len(finished)} of "
+            lines.append(f"{error_name(PROGRAM)}: resuming: {finished} of "
                          f"{parts.num_parts} part(s) already in {parts.directory}")
         lines += [f"{error_name(PROGRAM)}: {note}" for note in inputs.notes]
         return "\n".join(lines)
@@ -421,6 +426,14 @@ class Predictor:
                 "error": reason}
 
 
+def _rows_of_one_range(stream) -> Iterator[list[dict]]:
+    """``Predictor.stream``'s blocks up to the end of its current range."""
+    for _, rows, ended in stream:
+        yield rows
+        if ended:
+            return
+
+
 def _class_columns(top_k: int) -> list[str]:
     return [name for rank in range(1, top_k + 1)
             for name in (f"class_{rank}", f"probability_{rank}")]
@@ -436,19 +449,22 @@ def _identity_of(model_source: str) -> dict:
 
 
 class Progress:
-    """Rank 0's line every ``seconds`` (its own count times the ranks: an estimate)."""
+    """Rank 0's line every ``seconds``: the inputs left, done as far as rank 0 is through its
+    own share of them (an estimate: the ranks' shares differ by a part at most)."""
 
-    def __init__(self, runtime, total: int, seconds: float):
-        self.runtime, self.total, self.done, self.seconds = runtime, total, 0, seconds
+    def __init__(self, runtime, total: int, own: int, seconds: float):
+        self.runtime, self.total, self.own, self.seconds = runtime, total, own, seconds
+        self.done = 0
         self.started = self.last = time.monotonic()
 
     def advance(self, inputs: int) -> None:
         if not inputs:
             return
-        self.done += inputs * self.runtime.world.size
+        self.done += inputs
         now = time.monotonic()
         if self.seconds and now - self.last >= self.seconds:
             self.last = now
-            rate = self.done / max(now - self.started, 1e-9)
-            self.runtime.print0(f"{error_name(PROGRAM)}: about {min(self.done, self.total)} of "
+            estimate = round(self.total * self.done / max(self.own, 1))
+            rate = estimate / max(now - self.started, 1e-9)
+            self.runtime.print0(f"{error_name(PROGRAM)}: about {min(estimate, self.total)} of "
                                 f"{self.total} inputs predicted ({rate:.0f}/s)")

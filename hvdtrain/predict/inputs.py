@@ -8,8 +8,11 @@ of files, TFRecord shards (``records.py``).
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import hashlib
 import os
+import stat
 import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,6 +21,8 @@ import numpy as np
 
 from hvdtrain.data.images import IMAGE_EXTENSIONS
 from hvdtrain.errors import UserError, op_error_line
+
+STAT_THREADS = 16
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -72,6 +77,9 @@ class FileInputs(Inputs):
     """The names, joined (file system bytes), each relative to ``base`` or absolute."""
     offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
     """Where each name starts in ``names``, and its end last."""
+    listed_as_files: bool = True
+    """Every name was seen a regular file (or a link) when listed: a folder's. A list's names are
+    checked as they are read: a FIFO named like an image would block its read forever."""
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -88,24 +96,39 @@ class FileInputs(Inputs):
         return os.path.join(self.key_base, name) if self.key_base else name
 
     def digest(self) -> str:
-        return hashlib.sha256(os.fsencode(self.key_base) + b"\0"
-                              + self.names + self.offsets.tobytes()).hexdigest()
+        return hashlib.sha256(os.fsencode(self.base) + b"\0" + os.fsencode(self.key_base)
+                              + b"\0" + self.names + self.offsets.tobytes()).hexdigest()
 
     def encoded(self, ranges: list[tuple[int, int]]) -> tf.data.Dataset:
         import tensorflow as tf
 
         def named():  # a name at a time: the whole list is never a tensor
-            for start, stop in ranges:
-                for index in range(start, stop):
-                    yield index, self.path(index)
+            indices = (index for start, stop in ranges for index in range(start, stop))
+            if self.listed_as_files:
+                yield from ((index, self.path(index)) for index in indices)
+                return
+            # Stat'd ahead by threads (on a shared file system each is a round trip); what is
+            # not a regular file is never opened: left out here, its row says why.
+            with concurrent.futures.ThreadPoolExecutor(STAT_THREADS) as pool:
+                for index, regular in _ahead(pool, self._is_regular, indices):
+                    if regular:
+                        yield index, self.path(index)
 
         return (tf.data.Dataset.from_generator(named, output_signature=(
                     tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string)))
                 .map(lambda index, path: (index, tf.io.read_file(path)),
                      num_parallel_calls=tf.data.AUTOTUNE))  # in order
 
+    def _is_regular(self, index: int) -> bool:
+        try:
+            return stat.S_ISREG(os.stat(self.path(index)).st_mode)
+        except OSError:
+            return False
+
     def failure(self, index: int, decode) -> str:
         try:
+            if not stat.S_ISREG(os.stat(self.path(index)).st_mode):
+                return "not a regular file"
             with open(self.path(index), "rb") as file:
                 encoded = file.read()
         except OSError as error:
@@ -128,6 +151,19 @@ class FileInputs(Inputs):
             object.__setattr__(self, name, value)
 
 
+def _ahead(pool, function, items, window: int = 256):
+    """``(item, function(item))`` in order, ``function`` run by ``pool`` up to ``window`` items
+    ahead (``pool.map`` would submit every item at once: a future per input of the list)."""
+    pending: collections.deque = collections.deque()
+    for item in items:
+        pending.append((item, pool.submit(function, item)))
+        if len(pending) >= window:
+            item, future = pending.popleft()
+            yield item, future.result()
+    for item, future in pending:
+        yield item, future.result()
+
+
 def _joined(names: list[bytes]) -> tuple[bytes, np.ndarray]:
     offsets = np.zeros(len(names) + 1, np.int64)
     np.cumsum([len(name) for name in names], out=offsets[1:])
@@ -146,7 +182,7 @@ def list_folder(directory: str) -> FileInputs:
     if not os.path.isdir(directory):
         raise UserError(f"--data-dir {directory}: no such directory")
     names: list[bytes] = []
-    others, linked_folders = 0, 0
+    others, linked_folders, special = 0, 0, 0
     pending = [b""]
     while pending:
         relative = pending.pop()
@@ -159,14 +195,22 @@ def list_folder(directory: str) -> FileInputs:
                 from None
         for entry in listed:
             name = os.path.join(relative, entry.name) if relative else entry.name
-            if entry.is_dir(follow_symlinks=False):
-                pending.append(name)
-            elif entry.is_symlink() and entry.is_dir():
-                linked_folders += 1
-            elif _is_image_name(entry.name):
-                names.append(name)
-            else:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(name)
+                    continue
+                if entry.is_symlink() and entry.is_dir():
+                    linked_folders += 1
+                    continue
+                regular = entry.is_file()
+            except OSError:  # ELOOP: a link to itself, or a longer cycle
+                regular = False
+            if not _is_image_name(entry.name):
                 others += 1
+            elif regular or entry.is_symlink():
+                names.append(name)  # a link that leads nowhere: a row says it cannot be read
+            else:
+                special += 1  # a FIFO, socket or device named like an image: never opened
     if not names:
         raise UserError(f"--data-dir {directory} holds no PNG/JPEG/GIF/BMP files (at any depth)")
     names.sort()
@@ -176,6 +220,9 @@ def list_folder(directory: str) -> FileInputs:
                      f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
     if linked_folders:
         notes.append(f"did not follow {linked_folders} link(s) to folders")
+    if special:
+        notes.append(f"left out {special} named like images that are not files (a FIFO, a "
+                     "socket, a device)")
     blob, offsets = _joined(names)
     return FileInputs(description=f"{directory}: {len(names)} image file(s)",
                       notes=tuple(notes), base=directory, key_base=directory, names=blob,
@@ -198,4 +245,4 @@ def list_file_list(path: str) -> FileInputs:
     blob, offsets = _joined(names)
     return FileInputs(description=f"{path}: a list of {len(names)} file(s)", notes=(),
                       base=os.path.dirname(os.path.abspath(path)), key_base="", names=blob,
-                      offsets=offsets)
+                      offsets=offsets, listed_as_files=False)

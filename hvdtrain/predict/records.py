@@ -3,8 +3,8 @@ name order and each file's records in file order; a row's key is ``SHARD:N``, th
 place in its file."""
 from __future__ import annotations
 
+import functools
 import glob
-import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -24,8 +24,10 @@ class RecordInputs(Inputs):
     files: tuple[str, ...] = ()
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     """Records in each file."""
+    class_names: tuple[str, ...] | None = None
+    """The classes the shards were converted from (their dataset.json's), when it says."""
 
-    @property
+    @functools.cached_property
     def starts(self) -> np.ndarray:
         """The index of each file's first record."""
         return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
@@ -53,20 +55,27 @@ class RecordInputs(Inputs):
 
         from hvdtrain.data.records import parse_example
 
-        pieces = None
-        for (start, stop), (file, (first, count)) in itertools.product(
-                ranges, enumerate(zip(self.starts, self.counts))):
-            begin, end = max(start, first), min(stop, first + count)
-            if begin >= end:
-                continue
+        # One (file, first record wanted, end, the file's first index) per piece of a range in
+        # a file, read by one flat_map: a chain of datasets, one per piece, grew to gigabytes
+        # for a thousand shards.
+        pieces = [(file, begin, end, first)
+                  for start, stop in ranges
+                  for file, (first, count) in enumerate(zip(self.starts.tolist(),
+                                                            self.counts.tolist()))
+                  for begin, end in [(max(start, first), min(stop, first + count))]
+                  if begin < end]
+        files = tf.constant(self.files)
+
+        def piece(file, begin, end, first):
             # Numbered as read, before anything can fail: a record that does not parse or
             # decode is dropped downstream, and its number's gap makes its row.
-            records = tf.data.TFRecordDataset(self.files[file]).skip(begin - first) \
+            records = tf.data.TFRecordDataset(tf.gather(files, file)).skip(begin - first) \
                 .take(end - begin)
-            piece = tf.data.Dataset.zip(tf.data.Dataset.range(begin, end), records).map(
-                lambda index, record: (index, parse_example(record)[0]))
-            pieces = piece if pieces is None else pieces.concatenate(piece)
-        return pieces
+            return tf.data.Dataset.zip(tf.data.Dataset.range(begin, end), records)
+
+        columns = np.array(pieces, np.int64).reshape(-1, 4).T
+        return (tf.data.Dataset.from_tensor_slices(tuple(columns)).flat_map(piece)
+                .map(lambda index, record: (index, parse_example(record)[0])))
 
     def failure(self, index: int, decode) -> str:
         file, record = self.where(index)
@@ -74,38 +83,60 @@ class RecordInputs(Inputs):
 
 
 def list_records(location: str) -> RecordInputs:
-    """The shards of a directory (``*.tfrecord``, counted from its dataset.json where it
-    counts them) or a glob."""
+    """The shards of a directory (``*.tfrecord``) or a glob, counted from the dataset.json
+    beside them where it counts a file of the size it has (the converter's), else read to
+    their end (on rank 0: a large set without its dataset.json takes as long as reading it)."""
     from hvdtrain.data.records import METADATA
 
-    if os.path.isdir(location):
-        files = sorted(glob.glob(os.path.join(location, "*.tfrecord")))
-        try:
-            with open(os.path.join(location, METADATA)) as file:
-                counted = json.load(file).get("counts", {})
-        except (OSError, ValueError, AttributeError):
-            counted = {}
-    else:
-        files, counted = sorted(glob.glob(location)), {}
-    files = [path for path in files if os.path.isfile(path)]
+    pattern = (os.path.join(glob.escape(location), "*.tfrecord") if os.path.isdir(location)
+               else location)
+    files = [path for path in sorted(glob.glob(pattern)) if os.path.isfile(path)]
     if not files:
         raise UserError(f"--tfrecords {location}: no TFRecord files there")
-    counts = np.array([counted.get(os.path.basename(path)) or _count(path) for path in files],
-                      np.int64)
+    metadata = {}
+    for folder in sorted({os.path.dirname(path) for path in files}):
+        try:
+            with open(os.path.join(folder, METADATA)) as file:
+                metadata[folder] = json.load(file)
+        except (OSError, ValueError):
+            continue
+    counted = [_count(path, metadata.get(os.path.dirname(path))) for path in files]
+    counts = np.array([count for count, _ in counted], np.int64)
     if not counts.sum():
         raise UserError(f"--tfrecords {location}: its {len(files)} file(s) hold no records")
+    names = {tuple(found["class_names"]) for found in metadata.values()
+             if isinstance(found, dict) and isinstance(found.get("class_names"), list)}
     return RecordInputs(description=f"{location}: {int(counts.sum())} record(s) in "
-                                    f"{len(files)} file(s)", notes=(), files=tuple(files),
-                        counts=counts)
+                                    f"{len(files)} file(s)",
+                        notes=tuple(note for _, note in counted if note), files=tuple(files),
+                        counts=counts, class_names=names.pop() if len(names) == 1 else None)
 
 
-def _count(path: str) -> int:
-    """The records of a shard dataset.json does not count, read to its end."""
-    from hvdtrain.data.records import count_records
+def _count(path: str, metadata: dict | None) -> tuple[int, str | None]:
+    """The records of a shard, and a note when it cannot be read to its end. dataset.json's
+    count when it also has the file's size; else the file is read: to its end (a shard
+    rewritten since: its own count), or to a record that cannot be read (a shard cut short:
+    dataset.json's count where it has one, the rows of the records past the damage saying
+    so, else the records read, with a note)."""
+    import tensorflow as tf
+
     from hvdtrain.errors import op_error_line
 
+    counted = None
+    if isinstance(metadata, dict):
+        name = os.path.basename(path)
+        counted = (metadata.get("counts") or {}).get(name)
+        counted = counted if isinstance(counted, int) else None
+        if counted is not None and (metadata.get("bytes") or {}).get(name) == \
+                os.path.getsize(path):
+            return counted, None
+    read = 0
     try:
-        return count_records(path)
-    except Exception as error:  # noqa: BLE001 - TensorFlow's DataLossError, an OSError
-        raise UserError(f"cannot count the records of {path} (and no dataset.json counts "
-                        f"them): {op_error_line(error)}") from None
+        for _ in tf.data.TFRecordDataset(path):
+            read += 1
+    except (tf.errors.OpError, OSError) as error:
+        if counted is not None:
+            return max(counted, read), None
+        return read, (f"{path}: read {read} record(s), then: {op_error_line(error)}; the rest "
+                      "of it is not predicted")
+    return read, None
