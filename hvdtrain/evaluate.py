@@ -83,12 +83,7 @@ def parse(argv: Sequence[str] | None) -> Request:
     parser.add_argument("--keras", choices=("2", "3"), default=hvdtrain.KERAS,
                         help="the Keras the run trained with (it says so in one line otherwise)")
     args = parser.parse_args(argv)
-    if args.keras != hvdtrain.KERAS:
-        raise UserError(f"--keras {args.keras} must be on the command line that starts "
-                        f"{PROGRAM} (this process runs Keras {hvdtrain.KERAS})")
-    if args.checkpoint is not None and not re.fullmatch(r"latest|\d+", args.checkpoint):
-        raise UserError(f"--checkpoint must be 'latest' or a checkpoint's number, got "
-                        f"{args.checkpoint!r}")
+    check_model_flags(args.keras, args.checkpoint, PROGRAM)
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.name is not None and not re.fullmatch(r"[\w.-]+", args.name):
@@ -103,29 +98,15 @@ def parse(argv: Sequence[str] | None) -> Request:
 
 def run(request: Request) -> int:
     """Score the run's model as ``request`` asks, on every rank; rank 0 writes and prints."""
-    from hvdtrain.cnn import PROGRAM as CLASSIFIER, ClassifierConfig
+    from hvdtrain.cnn import PROGRAM as CLASSIFIER
     from hvdtrain.export import read_run_config
-    from hvdtrain.training.config import read_config_file
 
     recorded = read_run_config(request.run_dir)
     if recorded.get("program") != CLASSIFIER:
         raise UserError(f"{request.run_dir} is a run of {recorded.get('program')}; evaluate "
                         f"scores runs of the classifier ({CLASSIFIER}, `hvdtrain train`)")
-    if request.checkpoint is None and not os.path.isfile(os.path.join(request.run_dir,
-                                                                      MODEL_FILE)):
-        raise UserError(f"{request.run_dir} holds no {MODEL_FILE} (its job has not finished, ran "
-                        "with --no-export, or its model could only be saved as weights): pass "
-                        "--checkpoint latest")
-    try:
-        fields = read_config_file(os.path.join(request.run_dir, "config.json"), ClassifierConfig)
-        if request.data_flags:
-            fields.update({"data": "digits", "data_dir": None, "tfrecords": None,
-                           **request.data_flags})
-        # Evaluation starts whatever world it was launched as; the run's accumulation (which
-        # keeps horovod) and strategy are training's.
-        config = ClassifierConfig(**{**fields, "backend": "auto", "grad_accum_steps": 1})
-    except ValueError as error:
-        raise UserError(str(error)) from None
+    require_model_file(request.run_dir, request.checkpoint, classifier=True)
+    config = classifier_config(request.run_dir, request.data_flags)
     from hvdtrain.training import train  # TensorFlow: after the arguments and the run are read
 
     runtime = train.start_runtime(config)
@@ -286,6 +267,42 @@ class Evaluation:
             if request.checkpoint is not None:
                 name += f"-{os.path.basename(model_source)}"  # ckpt-N
         return os.path.join(os.path.abspath(request.run_dir), f"evaluation-{name}.json")
+
+
+# --- what evaluate and predict share: the run's model and its config -----------------------------
+def check_model_flags(keras: str, checkpoint: str | None, program: str) -> None:
+    """The --keras and --checkpoint of a command that loads a run's model."""
+    if keras != hvdtrain.KERAS:
+        raise UserError(f"--keras {keras} must be on the command line that starts "
+                        f"{program} (this process runs Keras {hvdtrain.KERAS})")
+    if checkpoint is not None and not re.fullmatch(r"latest|\d+", checkpoint):
+        raise UserError(f"--checkpoint must be 'latest' or a checkpoint's number, got "
+                        f"{checkpoint!r}")
+
+
+def require_model_file(run_dir: str, checkpoint: str | None, *, classifier: bool) -> None:
+    """Without ``checkpoint``, the run's model.keras must be there (checked before TensorFlow
+    loads)."""
+    if checkpoint is None and not os.path.isfile(os.path.join(run_dir, MODEL_FILE)):
+        raise UserError(f"{run_dir} holds no {MODEL_FILE} (its job has not finished, ran with "
+                        "--no-export, or its model could only be saved as weights)"
+                        + (": pass --checkpoint latest" if classifier else ""))
+
+
+def classifier_config(run_dir: str, data_flags: dict | None = None):
+    """The classifier run's config (``data_flags`` naming other data), as a command that loads
+    its model runs it: in whatever world it was launched as (the run's accumulation, which
+    keeps horovod, and its strategy are training's)."""
+    from hvdtrain.cnn import ClassifierConfig
+    from hvdtrain.training.config import read_config_file
+
+    try:
+        fields = read_config_file(os.path.join(run_dir, "config.json"), ClassifierConfig)
+        if data_flags:
+            fields.update({"data": "digits", "data_dir": None, "tfrecords": None, **data_flags})
+        return ClassifierConfig(**{**fields, "backend": "auto", "grad_accum_steps": 1})
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def scored_model(run_dir: str, checkpoint: str | None, recorded: dict, config, runtime,

@@ -31,6 +31,7 @@ from typing import Iterator, Sequence
 import hvdtrain
 from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import UserError, as_one_line, leave, reported
+from hvdtrain.evaluate import check_model_flags, classifier_config, require_model_file
 from hvdtrain.flags import OneLineParser
 from hvdtrain.rundir import MODEL_FILE
 
@@ -102,17 +103,12 @@ def parse(argv: Sequence[str] | None) -> Request:
     parser.add_argument("--keras", choices=("2", "3"), default=hvdtrain.KERAS,
                         help="the Keras the run trained with (it says so in one line otherwise)")
     args = parser.parse_args(argv)
-    if args.keras != hvdtrain.KERAS:
-        raise UserError(f"--keras {args.keras} must be on the command line that starts "
-                        f"{PROGRAM} (this process runs Keras {hvdtrain.KERAS})")
+    check_model_flags(args.keras, args.checkpoint, PROGRAM)
     given = [(kind, value) for kind, value in (("data_dir", args.data_dir),
                                                ("files", args.files),
                                                ("tfrecords", args.tfrecords)) if value]
     if len(given) != 1:
         raise UserError("name the inputs once: --data-dir, --files or --tfrecords")
-    if args.checkpoint is not None and not re.fullmatch(r"latest|\d+", args.checkpoint):
-        raise UserError(f"--checkpoint must be 'latest' or a checkpoint's number, got "
-                        f"{args.checkpoint!r}")
     for flag, value in (("--top-k", args.top_k), ("--part-size", args.part_size),
                         ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
@@ -127,9 +123,8 @@ def parse(argv: Sequence[str] | None) -> Request:
 
 def run(request: Request) -> int:
     """Predict as ``request`` asks, on every rank; rank 0 writes the output and prints."""
-    from hvdtrain.cnn import PROGRAM as CLASSIFIER, ClassifierConfig
+    from hvdtrain.cnn import PROGRAM as CLASSIFIER
     from hvdtrain.export import read_run_config
-    from hvdtrain.training.config import read_config_file
 
     recorded = read_run_config(request.run_dir)
     is_classifier = recorded.get("program") == CLASSIFIER
@@ -139,20 +134,8 @@ def run(request: Request) -> int:
     if request.checkpoint is not None and not is_classifier:
         raise UserError("--checkpoint rebuilds the classifier's network; for a run of "
                         f"{recorded.get('program')}, predict with its {MODEL_FILE}")
-    if request.checkpoint is None and not os.path.isfile(os.path.join(request.run_dir,
-                                                                      MODEL_FILE)):
-        raise UserError(f"{request.run_dir} holds no {MODEL_FILE} (its job has not finished, ran "
-                        "with --no-export, or its model could only be saved as weights)"
-                        + (": pass --checkpoint latest" if is_classifier else ""))
-    config = None
-    if is_classifier:
-        try:
-            fields = read_config_file(os.path.join(request.run_dir, "config.json"),
-                                      ClassifierConfig)
-            # Prediction starts whatever world it was launched as (accumulation keeps horovod).
-            config = ClassifierConfig(**{**fields, "backend": "auto", "grad_accum_steps": 1})
-        except ValueError as error:
-            raise UserError(str(error)) from None
+    require_model_file(request.run_dir, request.checkpoint, classifier=is_classifier)
+    config = classifier_config(request.run_dir) if is_classifier else None
     from hvdtrain.runtime import make_runtime  # TensorFlow: after the arguments and the run
 
     threads = recorded.get("config", {}).get("threads_per_worker")
