@@ -17,9 +17,10 @@ run is reproducible, and a resumed pass crops as the whole one.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from hvdtrain.data.images import decode_jpeg_window, decode_pixels, is_jpeg, resampled_to
+from hvdtrain.data.images import (decode_center_square, decode_image, decode_jpeg_window,
+                                  decode_pixels, is_jpeg, resampled_to)
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -42,6 +43,16 @@ def decoded_shape(image_shape: tuple[int, int, int], *, augment: bool) -> tuple[
     """The shape training at ``image_shape`` decodes (and stores) images at: with ``augment``
     the larger square its crops are cut from, else ``image_shape`` itself."""
     return stored_shape(image_shape) if augment else image_shape
+
+
+def pixel_decoder(image_shape: tuple[int, int, int], *, augment: bool) -> Callable:
+    """Encoded bytes -> the uint8 image training at ``image_shape`` decodes (and stores): the
+    whole image resized to ``image_shape``, or with ``augment`` the central square at
+    ``decoded_shape`` (aspect ratio kept) that crops are cut from. Validation and predict decode
+    through it too, so a model sees at inference what it saw while validated."""
+    shape = decoded_shape(image_shape, augment=augment)
+    to_pixels = decode_center_square if augment else decode_image
+    return lambda encoded: to_pixels(encoded, shape)
 
 
 def pass_seed(seed: int, pass_index):

@@ -88,8 +88,7 @@ class EmbeddedListing(Listing):
         return positions.map(lambda position: (
             position, (tf.gather(rows, position), tf.gather(labels, position))))
 
-    def decoder(self, image_shape: tuple[int, int, int], *,
-                center_square: bool = False) -> Callable:
+    def decoder(self, to_pixels: Callable) -> Callable:
         import tensorflow as tf
 
         # The arrays were resized to image_shape (a square) when loaded (load_embedded).

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
 
-from hvdtrain.data.images import decode_center_square, decode_image
 from hvdtrain.data.shares import rank_share, samples_for_rank
 from hvdtrain.runtime.base import World
 
@@ -269,17 +268,14 @@ class Listing:
         """``record -> (encoded image bytes, int64 label)``, for a source read from files."""
         raise NotImplementedError(f"{type(self).__name__} holds no encoded images")
 
-    def decoder(self, image_shape: tuple[int, int, int], *,
-                center_square: bool = False) -> Callable:
-        """``record -> (uint8 image of image_shape, int64 label)``, for ``Dataset.map``: the
-        whole image resized to ``image_shape``, or with ``center_square`` its central square
-        (aspect ratio kept, ``decode_center_square``)."""
+    def decoder(self, to_pixels: Callable) -> Callable:
+        """``record -> (uint8 image, int64 label)``, for ``Dataset.map``: its encoded image made
+        pixels by ``to_pixels`` (``augment.pixel_decoder``)."""
         read = self.reader()
-        to_pixels = decode_center_square if center_square else decode_image
 
         def decode(*record):
             encoded, label = read(*record)
-            return to_pixels(encoded, image_shape), label
+            return to_pixels(encoded), label
 
         return decode
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from hvdtrain.data.augment import (augmented, center_cropped, decode_random_crop, decoded_shape,
-                                   seed_stream)
+                                   pixel_decoder, seed_stream)
 from hvdtrain.data.cache import CacheChoice, process_cache_dir
 from hvdtrain.data.listing import Listing, Split, pass_order
 from hvdtrain.data.store import SampleStore, stored_pass
@@ -210,7 +210,7 @@ def build_pipelines(listing: Listing, world: World, *, batch_size: int,
 
     by_file = tfrecord_sharding == "file"  # only TFRecords can be shared out by file
     listing.check_sharding(world, batch_size, seed=seed, by_file=by_file)
-    decode = listing.decoder(shape, center_square=augment)
+    decode = listing.decoder(pixel_decoder(listing.image_shape, augment=augment))
     failures, stores = [], []
     cache_dir = process_cache_dir(cache)
     rank_seed = seed + world.rank

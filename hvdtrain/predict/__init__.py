@@ -315,6 +315,8 @@ class Predictor:
                  threads: int | None):
         import tensorflow as tf
 
+        from hvdtrain.data.augment import pixel_decoder
+
         self.model, self.image_shape, self.classes = model, image_shape, classes
         self.top_k, self.batch_size, self.threads = top_k, batch_size, threads
         self.augment = bool(config and config.augment)
@@ -331,16 +333,9 @@ class Predictor:
         self.infer = infer
         # Traced once: each part's dataset calls it instead of tracing the decoder anew (a
         # third of a second a part on 2 cores).
-        self.decode = tf.function(self.decoded, input_signature=[tf.TensorSpec([], tf.string)])
-
-    def decoded(self, encoded):
-        """Encoded bytes -> the image the run's validation would have made of it: resized whole,
-        or (a run that augmented) the central crop of the square training stores."""
-        from hvdtrain.data.augment import decoded_shape
-        from hvdtrain.data.images import decode_center_square, decode_image
-
-        shape = decoded_shape(self.image_shape, augment=self.augment)
-        return (decode_center_square if self.augment else decode_image)(encoded, shape)
+        # Decoded as the run's validation decoded (the central crop follows in stream).
+        self.decode = tf.function(pixel_decoder(self.image_shape, augment=self.augment),
+                                  input_signature=[tf.TensorSpec([], tf.string)])
 
     def stream(self, inputs, ranges: list[tuple[int, int]], progress
                ) -> Iterator[tuple[int, list[dict], bool]]:
