@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from hvdtrain import evaluate
+from hvdtrain import evaluate, runmodel
 from hvdtrain.cnn import ClassifierConfig
 from hvdtrain.errors import UserError
 
@@ -39,7 +39,7 @@ def test_the_output_is_named_by_split_data_and_checkpoint_and_checked_before_sco
     assert path("--name", "final") == "run/evaluation-final.json"
     assert path("--output", str(tmp_path / "scores" / "a.json")) == "scores/a.json"
 
-    evaluate.check_writable(str(tmp_path / "new" / "deeper" / "a.json"))  # made when written
+    runmodel.check_writable(str(tmp_path / "new" / "deeper" / "a.json"))  # made when written
     (tmp_path / "a-file").write_text("")
     (tmp_path / "a-dir").mkdir()
     (tmp_path / "link.json").symlink_to(tmp_path / "elsewhere.json")
@@ -47,7 +47,7 @@ def test_the_output_is_named_by_split_data_and_checkpoint_and_checked_before_sco
                            (tmp_path / "link.json", "is a directory or a symlink"),
                            (tmp_path / "a-file" / "a.json", "is not a writable directory")):
         with pytest.raises(UserError, match=message):
-            evaluate.check_writable(str(where))
+            runmodel.check_writable(str(where))
     assert not (tmp_path / "elsewhere.json").exists()
 
 

@@ -31,7 +31,8 @@ from typing import Iterator, Sequence
 import hvdtrain
 from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import UserError, as_one_line, leave, reported
-from hvdtrain.evaluate import check_model_flags, classifier_config, require_model_file
+from hvdtrain.runmodel import (check_model_flags, check_writable, classifier_config, few_names,
+                               require_model_file, scored_model)
 from hvdtrain.flags import OneLineParser
 from hvdtrain.rundir import MODEL_FILE
 
@@ -157,8 +158,6 @@ class Prediction:
         model, model_source = self.model()
         image_shape = self.image_shape(model)
         classes = None if request.raw else self.class_names(model)
-        from hvdtrain.evaluate import few_names
-
         converted_from = getattr(inputs, "class_names", None)
         if classes is not None and converted_from and tuple(converted_from) != tuple(classes):
             raise UserError(f"the shards' classes ({few_names(converted_from)}, as their "
@@ -215,8 +214,6 @@ class Prediction:
         return lister(where)
 
     def model(self):
-        from hvdtrain.evaluate import scored_model
-
         shape = self.recorded_image_shape()
         classes = self.recorded.get("class_names")
         if self.request.checkpoint is not None and (shape is None or not classes):
@@ -261,8 +258,6 @@ class Prediction:
 
     # --- where it is written -------------------------------------------------------------------
     def prepare(self, parts, identity: dict) -> list[int]:
-        from hvdtrain.evaluate import check_writable
-
         output = self.request.output
         check_writable(output)
         if os.path.exists(output) and not self.request.overwrite:
