@@ -13,8 +13,7 @@ import sys
 
 import pytest
 
-from conftest import (REPO, VENV_BIN, clean_env, integration, mpirun_job, mpirun_ranks, one_error,
-                      run_job)
+from conftest import REPO, VENV_BIN, clean_env, integration, mpirun_job, one_error, run_job
 from hvdtrain import gpucheck
 from hvdtrain.gpus import (ALLOW_CPU, GPU_BUILD_RECORD, given_gpus, gpu_build_problems,
                            gpu_of_its_own, not_seen, runs_on, visible_devices)

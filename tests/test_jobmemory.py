@@ -3,7 +3,6 @@
 memory cgroup that a job runs in."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import uuid
