@@ -414,20 +414,33 @@ def test_four_ranks_on_two_cores(tmp_path):
     assert final_metrics(tmp_path / "r")["epoch"] == 3
 
 
-def test_image_folder_then_tfrecords(tmp_path):
-    images = make_image_folder(tmp_path / "images", classes=3, per_class=60)
+#: The image folder's job: the default classifier, as the user-model test compares it with.
+FOLDER_FLAGS = ("--image-size", "16", "--epochs", "8", "--batch-size", "8", "--no-tensorboard")
+
+
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory):
+    """A 3-class image folder and the default classifier trained on it on 2 ranks, with progress
+    lines inside the epochs: (folder, run dir, stdout). Shared by the two tests below."""
+    root = tmp_path_factory.mktemp("folder")
+    images = make_image_folder(root / "images", classes=3, per_class=60)
+    result = horovodrun(2, "hvdtrain.cnn", "--data-dir", str(images), "--run-dir",
+                        str(root / "cnn"), "--progress-seconds", "0.01", *FOLDER_FLAGS)
+    return images, root / "cnn", result.stdout
+
+
+def test_image_folder_then_tfrecords(folder_run, tmp_path):
+    images, folder_dir, folder_stdout = folder_run
     common = ["--preset", "tiny", "--image-size", "16", "--epochs", "6", "--batch-size", "8",
               "--no-tensorboard"]
-    folder = horovodrun(2, "hvdtrain.cnn", "--data-dir", str(images), "--run-dir",
-                        str(tmp_path / "folder"), "--progress-seconds", "0.01", *common)
-    folder_accuracy = final_metrics(tmp_path / "folder")["val_accuracy"]
+    folder_accuracy = final_metrics(folder_dir)["val_accuracy"]
     # Progress inside the epochs, from rank 0 only, as whole lines under horovodrun's prefix.
-    progress = re.findall(r"^\[1,(\d)\]<stdout>:epoch \d/6 step (\d+)/\d+ \(\d+%\) \| [\d.]+ "
+    progress = re.findall(r"^\[1,(\d)\]<stdout>:epoch \d/8 step (\d+)/\d+ \(\d+%\) \| [\d.]+ "
                           r"samples/s \| loss [\d.]+ \| epoch ends in \dm\d\ds$",
-                          folder.stdout, re.MULTILINE)
-    assert progress and {rank for rank, _ in progress} == {"0"}, folder.stdout[-3000:]
-    assert folder.stdout.count("first step done") == 1
-    rows = json.loads((tmp_path / "folder" / "metrics.json").read_text())
+                          folder_stdout, re.MULTILINE)
+    assert progress and {rank for rank, _ in progress} == {"0"}, folder_stdout[-3000:]
+    assert folder_stdout.count("first step done") == 1
+    rows = json.loads((folder_dir / "metrics.json").read_text())
     assert rows[0]["first_step_seconds"] > 0 and "first_step_seconds" not in rows[1]
     assert all(100 < row["resident_mb"] < 8000 for row in rows), rows  # a TF process's size
 
@@ -439,7 +452,7 @@ def test_image_folder_then_tfrecords(tmp_path):
     result = horovodrun(2, "hvdtrain.cnn", "--tfrecords", str(tmp_path / "records"),
                         "--run-dir", str(tmp_path / "tfr"), *common)
     # The folder's own split, written into the shards.
-    folder_training = re.search(r"of (\d+) training samples\)", folder.stdout)[1]
+    folder_training = re.search(r"of (\d+) training samples\)", folder_stdout)[1]
     assert (f"{folder_training} training records in 4 shard(s), 1 validation shard(s)"
             in result.stdout), result.stdout[-3000:]
     too_small = "stores images at a shorter side of at most 16 pixels"
@@ -447,7 +460,7 @@ def test_image_folder_then_tfrecords(tmp_path):
     tfrecord_accuracy = final_metrics(tmp_path / "tfr")["val_accuracy"]
     # No warning from either run on Keras 3, the default: it warned on every rank that the
     # "input ran out of data" when it had to count the validation batches by exhausting them.
-    for output in (folder.stdout, result.stdout):
+    for output in (folder_stdout, result.stdout):
         warnings = [line for line in output.splitlines() if WARNING_LINE.search(line)]
         assert not warnings, "\n".join(warnings)
     # Three easy digit classes: both routes learn them (chance is 33%).
@@ -502,13 +515,11 @@ def test_the_autoencoder_under_horovodrun_two_ranks(autoencoder_runs):
 
 
 @pytest.mark.timeout(900)
-def test_a_user_model_file_trains_an_image_folder_to_the_cnns_accuracy(tmp_path):
-    folder = make_image_folder(tmp_path / "images", classes=3, per_class=40)
-    accuracy = {}
-    for name, model in (("cnn", "cnn"), ("user", f"{REPO}/examples/my_model.py:build")):
-        horovodrun(2, "hvdtrain.cnn", "--model", model, "--data-dir", str(folder),
-                   "--image-size", "16", "--batch-size", "8", "--epochs", "8",
-                   "--no-tensorboard", "--run-dir", str(tmp_path / name), timeout=400)
-        accuracy[name] = final_metrics(tmp_path / name)["val_accuracy"]
-        assert (tmp_path / name / "model.keras").exists()
+def test_a_user_model_file_trains_an_image_folder_to_the_cnns_accuracy(folder_run, tmp_path):
+    images, cnn_dir, _ = folder_run
+    horovodrun(2, "hvdtrain.cnn", "--model", f"{REPO}/examples/my_model.py:build", "--data-dir",
+               str(images), *FOLDER_FLAGS, "--run-dir", str(tmp_path / "user"), timeout=400)
+    accuracy = {name: final_metrics(run_dir)["val_accuracy"]
+                for name, run_dir in (("cnn", cnn_dir), ("user", tmp_path / "user"))}
+    assert (cnn_dir / "model.keras").exists() and (tmp_path / "user" / "model.keras").exists()
     assert accuracy["cnn"] >= 0.9 and accuracy["user"] >= accuracy["cnn"] - 0.05, accuracy
