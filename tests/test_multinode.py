@@ -151,17 +151,25 @@ def test_sbatch_multinode_template(cluster_env, run_dir, tmp_path, via):
     # The shipped template, unedited: sbatch flags for 2 ranks per node, the probe as the
     # program, HVDTRAIN_VIA for srun. Plain mpirun would hang on eth1 (measured: "Open MPI failed
     # to TCP connect to a peer MPI process", still running 90 s later); the launcher's network
-    # check keeps the ranks on eth0.
+    # check keeps the ranks on eth0: found by itself under srun, and named by
+    # HVDTRAIN_NETWORK_INTERFACE under mpirun (test_a_named_interface_in_slurm names one that
+    # connects nothing; the preemption test's template job finds eth0 by itself under mpirun).
     started = time.monotonic()
     log = tmp_path / "slurm.out"
     env = {**cluster_env, "HVDTRAIN_MODULE": str(PROBE), "HVDTRAIN_RUN_DIR": str(run_dir),
            "HVDTRAIN_VIA": via}
+    if via == "mpirun":
+        env["HVDTRAIN_NETWORK_INTERFACE"] = "eth0"
     job_id = sbatch(env, log, "-N", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
                     "slurm/multinode.sh", "--run-dir", str(run_dir), *JOB_ARGS)
     output = wait_for_job(env, job_id, log)
     assert {"mpirun": "mpirun -np 4", "srun": "srun --mpi=pmix --ntasks=4"}[via] in output, \
         output[-3000:]
-    assert AVOIDED_ETH1 in output, output[-3000:]
+    if via == "mpirun":
+        assert "network: eth0 connects every node (node1, node2)" in output, output[-3000:]
+        assert "--mca btl_tcp_if_include eth0" in output, output[-3000:]
+    else:
+        assert AVOIDED_ETH1 in output, output[-3000:]
     check_job(output, run_dir)
     print(f"sbatch slurm/multinode.sh via {via}: {time.monotonic() - started:.0f} s")
 
@@ -295,14 +303,7 @@ def test_a_named_interface_in_slurm(cluster_env, run_dir, tmp_path):
     assert re.search(r"hvdtrain\.launch: error: network check: node[12] cannot reach node[12] on "
                      r"eth1 ", output), output[-3000:]
     assert not run_dir.exists()
-    # Told the right one, the same template trains.
-    env["HVDTRAIN_NETWORK_INTERFACE"] = "eth0"
-    log = tmp_path / "slurm-eth0.out"
-    output = wait_for_job(env, sbatch(env, log, "-N", "2", "--ntasks-per-node=2",
-                                      "--cpus-per-task=1", "slurm/multinode.sh",
-                                      "--epochs", "1", "--preset", "tiny"), log)
-    assert "network: eth0 connects every node (node1, node2)" in output, output[-3000:]
-    assert "--mca btl_tcp_if_include eth0" in output and "done: 1 epoch(s)" in output
+    # Told the right one, the same template trains: test_sbatch_multinode_template[mpirun].
 
 
 # --- faults across hosts -------------------------------------------------------------------------
@@ -367,7 +368,7 @@ class FaultedRun:
         self.done_at_fault = None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def shared_faulted_run(cluster_env, tmp_path_factory):
     run = FaultedRun(tmp_path_factory.mktemp("faults") / "run", cluster_env)
     yield run
@@ -383,83 +384,90 @@ def faulted_run(shared_faulted_run):
     kill_processes_mentioning(shared_faulted_run.path)
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "ssh connection lost"])
-def test_the_launchers_death_leaves_no_rank_on_any_node(cluster_env, faulted_run, tmp_path, how):
-    log = tmp_path / "job.out"
-    run_dir = faulted_run.path
-    command = launch_on_node1(run_dir)
-    if how == "ssh connection lost":
-        # A user's terminal on node1: ssh with a terminal, the launcher in the foreground.
-        remote = " ".join(f"{name}={value}" for name, value in cluster_env.items()
-                          if name.startswith(("OMPI_", "TF_", "PYTHON")))
-        command = ["ssh", "-tt", "node1", f"cd {REPO} && exec env {remote} "
-                   + " ".join(command[command.index(PYTHON):])]
-    with started_job(command, log, cluster_env) as job:
-        faulted_run.wait_for_training(log)
-        assert len(job_processes(run_dir)) >= 4
-        if how == "SIGKILL":
-            launcher = next(int(line.split(":")[0]) for line in job_processes(run_dir)
-                            if "hvdtrain.launch" in line)
-            os.kill(launcher, signal.SIGKILL)
-        else:
-            os.kill(job.pid, signal.SIGKILL)  # the ssh client: the connection drops
-        seconds = wait_until(lambda: not job_processes(run_dir), 120,
-                             f"the job outlived its launcher: {job_processes(run_dir)}")
-    print(f"{how}: the job was gone {seconds:.0f} s later")
-    if how == "SIGKILL":
-        assert "the launcher (pid" in log.read_text() and "died; stopping its job" in \
-            log.read_text(), log.read_text()[-3000:]
-    # The ranks stopped on the SIGTERM the launcher's watcher sent: the next job resumes.
-    faulted_run.faulted()
+class TestFaultsOnOneRun:
+    """The faults that share one run (FaultedRun), in file order; the last one's checkpoint is
+    resumed as the class ends, while the cluster still has its 2 nodes (at the module's end it
+    had to be shrunk back from the lost-node tests' 3 first)."""
 
-
-def test_a_rank_killed_on_node2_ends_the_job_in_one_line_naming_it(cluster_env, faulted_run,
-                                                                   tmp_path):
-    log = tmp_path / "job.out"
-    with faulted_run.start(log) as job:
-        faulted_run.wait_for_training(log)
-        rank_3 = [process.pid for process in processes() if process.rank == 3
-                  and "hvdtrain.cnn" in process.argv and str(faulted_run.path) in process.argv]
-        assert len(rank_3) == 1, job_processes(faulted_run.path)
-        os.kill(rank_3[0], signal.SIGKILL)  # as the OOM killer does
-        wait_until(lambda: job.poll() is not None, 60, "the job to end")
-        output = log.read_text()
-    assert job.returncode not in (0, None), output[-3000:]
-    assert one_failure_line(output) == (
-        "rank 3 on node2 ended on SIGKILL (killed: the out-of-memory killer, or by hand); its "
-        f"log: {faulted_run.path}/logs/rank-3.log")
-    faulted_run.faulted()
-
-
-def test_a_link_down_ends_the_job_instead_of_hanging(cluster_env, faulted_run, tmp_path):
-    # Linux retries the allreduce's TCP segments for ~15 minutes; horovod's stall check is stuck
-    # behind them. The ranks' stall watchdog (limit below) and the launcher end the job. The
-    # tiny preset's steps take milliseconds and its epoch ends about a second: 15 s is no step.
-    limit, inspections = 15, 3
-    # The watchdog leaves horovod's inspector 4 inspections after the limit (see
-    # HorovodRuntime.stall_limit_seconds): a short interval keeps the test short.
-    watchdog = limit + 4 * inspections
-    log = tmp_path / "job.out"
-    with faulted_run.start(log, "--stall-check-shutdown-seconds", str(limit),
-                           "--stall-check-warning-seconds", str(inspections)) as job:
-        try:
+    @pytest.mark.parametrize("how", ["SIGKILL", "ssh connection lost"])
+    def test_the_launchers_death_leaves_no_rank_on_any_node(self, cluster_env, faulted_run,
+                                                            tmp_path, how):
+        log = tmp_path / "job.out"
+        run_dir = faulted_run.path
+        command = launch_on_node1(run_dir)
+        if how == "ssh connection lost":
+            # A user's terminal on node1: ssh with a terminal, the launcher in the foreground.
+            remote = " ".join(f"{name}={value}" for name, value in cluster_env.items()
+                              if name.startswith(("OMPI_", "TF_", "PYTHON")))
+            command = ["ssh", "-tt", "node1", f"cd {REPO} && exec env {remote} "
+                       + " ".join(command[command.index(PYTHON):])]
+        with started_job(command, log, cluster_env) as job:
             faulted_run.wait_for_training(log)
-            subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "down"], check=True)
-            budget = watchdog + launch_module().ORPHANED_COMMAND_SECONDS + 30
-            seconds = wait_until(lambda: job.poll() is not None, budget, "the job to end")
-        finally:
-            subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "up"], check=True)
-        output = log.read_text()
-        assert job.returncode != 0
-        assert re.fullmatch(rf"no training step finished in {watchdog} s on rank 0 on node1: .*; "
-                            rf"its log: {faulted_run.path}/logs/rank-0.log|node2 stopped "
-                            r"answering.*", one_failure_line(output)), output[-3000:]
-        print(f"link down: the job ended {seconds:.0f} s later (watchdog {watchdog} s)")
-        # With the link back, node2's leftovers (its ranks ended by their own watchdogs; orted's
-        # connection resets) go too; checked before the block ends what is left of the group.
-        wait_until(lambda: not job_processes(faulted_run.path), 90,
-                   f"orphans: {job_processes(faulted_run.path)}")
-    faulted_run.faulted()
+            assert len(job_processes(run_dir)) >= 4
+            if how == "SIGKILL":
+                launcher = next(int(line.split(":")[0]) for line in job_processes(run_dir)
+                                if "hvdtrain.launch" in line)
+                os.kill(launcher, signal.SIGKILL)
+            else:
+                os.kill(job.pid, signal.SIGKILL)  # the ssh client: the connection drops
+            seconds = wait_until(lambda: not job_processes(run_dir), 120,
+                                 f"the job outlived its launcher: {job_processes(run_dir)}")
+        print(f"{how}: the job was gone {seconds:.0f} s later")
+        if how == "SIGKILL":
+            assert "the launcher (pid" in log.read_text() and "died; stopping its job" in \
+                log.read_text(), log.read_text()[-3000:]
+        # The ranks stopped on the SIGTERM the launcher's watcher sent: the next job resumes.
+        faulted_run.faulted()
+
+
+    def test_a_rank_killed_on_node2_ends_the_job_in_one_line_naming_it(self, cluster_env,
+                                                                       faulted_run, tmp_path):
+        log = tmp_path / "job.out"
+        with faulted_run.start(log) as job:
+            faulted_run.wait_for_training(log)
+            rank_3 = [process.pid for process in processes() if process.rank == 3
+                      and "hvdtrain.cnn" in process.argv and str(faulted_run.path) in process.argv]
+            assert len(rank_3) == 1, job_processes(faulted_run.path)
+            os.kill(rank_3[0], signal.SIGKILL)  # as the OOM killer does
+            wait_until(lambda: job.poll() is not None, 60, "the job to end")
+            output = log.read_text()
+        assert job.returncode not in (0, None), output[-3000:]
+        assert one_failure_line(output) == (
+            "rank 3 on node2 ended on SIGKILL (killed: the out-of-memory killer, or by hand); its "
+            f"log: {faulted_run.path}/logs/rank-3.log")
+        faulted_run.faulted()
+
+
+    def test_a_link_down_ends_the_job_instead_of_hanging(self, cluster_env, faulted_run, tmp_path):
+        # Linux retries the allreduce's TCP segments for ~15 minutes; horovod's stall check is stuck
+        # behind them. The ranks' stall watchdog (limit below) and the launcher end the job. The
+        # tiny preset's steps take milliseconds and its epoch ends about a second: 15 s is no step.
+        limit, inspections = 15, 3
+        # The watchdog leaves horovod's inspector 4 inspections after the limit (see
+        # HorovodRuntime.stall_limit_seconds): a short interval keeps the test short.
+        watchdog = limit + 4 * inspections
+        log = tmp_path / "job.out"
+        with faulted_run.start(log, "--stall-check-shutdown-seconds", str(limit),
+                               "--stall-check-warning-seconds", str(inspections)) as job:
+            try:
+                faulted_run.wait_for_training(log)
+                subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "down"],
+                               check=True)
+                budget = watchdog + launch_module().ORPHANED_COMMAND_SECONDS + 30
+                seconds = wait_until(lambda: job.poll() is not None, budget, "the job to end")
+            finally:
+                subprocess.run(["ip", "-n", "hvdt-node2", "link", "set", "eth0", "up"], check=True)
+            output = log.read_text()
+            assert job.returncode != 0
+            assert re.fullmatch(rf"no training step finished in {watchdog} s on rank 0 on node1: "
+                                rf".*; its log: {faulted_run.path}/logs/rank-0.log|node2 stopped "
+                                r"answering.*", one_failure_line(output)), output[-3000:]
+            print(f"link down: the job ended {seconds:.0f} s later (watchdog {watchdog} s)")
+            # With the link back, node2's leftovers (its ranks ended by their own watchdogs; orted's
+            # connection resets) go too; checked before the block ends what is left of the group.
+            wait_until(lambda: not job_processes(faulted_run.path), 90,
+                       f"orphans: {job_processes(faulted_run.path)}")
+        faulted_run.faulted()
 
 
 def test_the_orphan_guard_waits_while_rank_0_elsewhere_writes_its_last_checkpoint(
