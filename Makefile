@@ -44,10 +44,12 @@ train: $(STAMP)
 # 2026-11-30: [local] 31:32, [clusters] 28:59 + 2:07). Three lanes (the local files split in
 # two) were no faster that day: [clusters] 30:19 + 1:37, [local1] 26:11, [local2] 21:50, and
 # after moving test_faults.py to a local lane that lane ran it in 14 min, not 5: the cores were
-# 93% busy already, and more lanes only made each test slower. Each lane prints whole lines
-# under its name, and its slowest tests.
+# 93% busy already, and more lanes only made each test slower. Later (a faster day, 2026-11-30
+# again): [local] 24:06, [clusters] 24:23 + 0:52; once test_multinode.py lost two waits (~50 s),
+# test_netcheck.py and test_health.py (~30 s) went back to the local lane. Each lane prints
+# whole lines under its name, and its slowest tests.
 CLUSTER_LANE := tests/test_multinode.py tests/test_slurm.py tests/test_cluster_safety.py \
-  tests/test_faults.py tests/test_keras3.py tests/test_netcheck.py tests/test_health.py
+  tests/test_faults.py tests/test_keras3.py
 # -u: pytest's lines reach the lane's prefixer as they are written, not in 8 KiB blocks.
 PYTEST := $(PYTHON) -u -m pytest
 PYTEST_MPI := $(MPIRUN) $(PYTHON) -u -m pytest tests/ -p no:cacheprovider --color=no $(PYTEST_ARGS)
