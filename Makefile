@@ -13,8 +13,8 @@ PYTEST_ARGS ?=
 # OpenMPI refuses to start as root without these; harmless for other users.
 MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # The collective tests run once as 2 ranks. Oversubscribe: CI machines may have fewer cores.
-# (Not told to yield when idle, as the jobs of tests/conftest.py's clean_env are: this pass, the
-# cluster lane's last 2 minutes, took 2:19 yielding against 1:57 before, 2026-11-30.)
+# (Its ranks yield when idle as every hvdtrain rank does: HorovodRuntime sets Open MPI's
+# mpi_yield_when_idle before MPI starts, unless the environment sets it.)
 MPIRUN := $(MPI_ENV) mpirun -np 2 --oversubscribe --bind-to none
 
 .PHONY: install train test test-fast test-clusters test-local test-unit test-mpi test-stack bench docs slurm-up slurm-down cluster-up cluster-down clean distclean

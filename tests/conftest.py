@@ -138,10 +138,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PATH=f"{VENV_BIN}:{env.get('PATH', '')}", PYTHONUNBUFFERED="1",
                # `make test` runs two lanes of jobs on 2 cores, more ranks than cores, which
-               # Open MPI cannot see (each job's host has as many slots as ranks): a rank waiting
-               # in a collective would spin on a core another job's rank needs. Told, it yields,
-               # as it does by itself on a host it knows is oversubscribed. Two 2-rank jobs at
-               # once: 13-14 s and 24-27 CPU-s instead of 21 s and 36-41 (2026-11-30).
+               # Open MPI cannot see (each job's host has as many slots as ranks): a process
+               # waiting in a collective would spin on a core another job's rank needs. hvdtrain's
+               # ranks yield by themselves (HorovodRuntime); this tells the other MPI programs
+               # the tests start (plain horovod scripts, mpi4py in the health check) the same.
                OMPI_MCA_mpi_yield_when_idle="1")
     env.update(extra)
     return env

@@ -31,10 +31,10 @@ from typing import Iterator, Sequence
 import hvdtrain
 from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import UserError, as_one_line, leave, reported
-from hvdtrain.runmodel import (check_model_flags, check_writable, classifier_config, few_names,
-                               require_model_file, scored_model)
 from hvdtrain.flags import OneLineParser
 from hvdtrain.rundir import MODEL_FILE
+from hvdtrain.runmodel import (check_model_flags, check_writable, classifier_config, few_names,
+                               require_model_file, scored_model)
 
 PROGRAM = "hvdtrain.predict"
 DEFAULT_PART_SIZE = 10_000
