@@ -59,6 +59,7 @@ def scored_model(run_dir: str, checkpoint: str | None, recorded: dict, config, r
     import tensorflow as tf
 
     from hvdtrain.models import build_classifier
+    from hvdtrain.training.checkpoint import checkpoint_numbers
     from hvdtrain.training.model import seed_and_precision
 
     directory = RunDir(run_dir, is_chief=False).checkpoints
@@ -68,8 +69,7 @@ def scored_model(run_dir: str, checkpoint: str | None, recorded: dict, config, r
         path = os.path.join(directory, f"ckpt-{checkpoint}")
         path = path if tf.io.gfile.exists(f"{path}.index") else None
     if path is None:
-        kept = sorted(int(name[5:-6]) for name in listdir_or_empty(directory)
-                      if re.fullmatch(r"ckpt-\d+\.index", name))
+        kept = checkpoint_numbers(directory)
         raise UserError(f"{directory} holds no checkpoint {checkpoint} "
                         f"(it holds {', '.join(map(str, kept)) or 'none'})")
     seed_and_precision(config, runtime)  # the run's precision policy
@@ -103,10 +103,3 @@ def check_writable(path: str) -> None:
 def few_names(names) -> str:
     names = list(names)
     return ", ".join(names[:5]) + (f", ... ({len(names)} classes)" if len(names) > 5 else "")
-
-
-def listdir_or_empty(directory: str) -> list[str]:
-    try:
-        return os.listdir(directory)
-    except OSError:
-        return []

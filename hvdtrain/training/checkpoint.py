@@ -118,6 +118,15 @@ def _position_file(path: str) -> str:
     return f"checkpoints/{posixpath.basename(path)}.json"
 
 
+def checkpoint_numbers(directory: str) -> list[int]:
+    """The N of every ``ckpt-N`` checkpoint in ``directory`` (by its ``.index`` file), in
+    ascending order; none when there is no such directory."""
+    if not tf.io.gfile.isdir(directory):
+        return []
+    return sorted(int(found.group(1)) for found in map(
+        re.compile(r"ckpt-(\d+)\.index").fullmatch, tf.io.gfile.listdir(directory)) if found)
+
+
 def _recover_index(run_dir: RunDir) -> None:
     """Rank 0: rewrite CheckpointManager's ``checkpoint`` index from the checkpoints beside it
     when it cannot be read (emptied by a node crash, garbled): the manager would fail on an empty
@@ -136,8 +145,7 @@ def _recover_index(run_dir: RunDir) -> None:
         pass
     finally:
         logger.setLevel(level)
-    numbers = sorted(int(found.group(1)) for found in map(
-        re.compile(r"ckpt-(\d+)\.index").fullmatch, tf.io.gfile.listdir(directory)) if found)
+    numbers = checkpoint_numbers(directory)
     if numbers:  # CheckpointState's text format; the manager lists only timestamped ones
         run_dir.write_text("checkpoints/checkpoint", "".join(
             [f'model_checkpoint_path: "ckpt-{numbers[-1]}"\n']
