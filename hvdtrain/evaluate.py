@@ -12,8 +12,8 @@ during training does (``build_pipelines``' validation side: every size-th sample
 partial, no cache), and sums the per-sample loss and a confusion matrix over it; rank 0 adds the
 ranks' sums. No collective runs per batch, so shares a sample apart need no padding. A file that
 does not decode is counted as skipped, never scored, never a crash. The loss is the job's (the run's
-``--label-smoothing`` included) and accuracy the argmax's, as Keras' ``evaluate`` of the compiled
-classifier computes them in one process.
+``--label-smoothing`` included, and the penalties of the model's own regularizers) and accuracy the
+argmax's, as Keras' ``evaluate`` of the compiled classifier computes them in one process.
 
 Rank 0 writes ``evaluation-NAME.json`` into the run directory (or ``--output``) atomically and
 prints one summary line.
@@ -185,24 +185,14 @@ class Evaluation:
         from hvdtrain.data.cache import CacheChoice
 
         world, config = self.runtime.world, self.config
-        loss = classifier(config.model, config.label_smoothing).loss()
-        per_sample = loss.call if hasattr(loss, "call") else loss  # unreduced, as Keras has it
-        classes = len(listing.class_names)
-
-        @tf.function(reduce_retracing=True)
-        def sums(images, labels, weights):
-            logits = tf.cast(model(images, training=False), tf.float32)
-            weights = tf.cast(weights, tf.float32)
-            losses = tf.cast(per_sample(labels, logits), tf.float32)
-            confusion = tf.math.confusion_matrix(tf.reshape(labels, [-1]),
-                                                 tf.argmax(logits, axis=-1), classes,
-                                                 weights=weights, dtype=tf.float64)
-            return tf.reduce_sum(tf.cast(losses * weights, tf.float64)), confusion
+        sums = batch_sums(model, classifier(config.model, config.label_smoothing).loss(),
+                          len(listing.class_names))
 
         # The run's batch per worker (under --batch-policy global, --batch-size is the job's).
         batch_size = (self.request.batch_size
                       or self.recorded.get("plan", {}).get("per_worker_batch_size")
                       or config.batch_size)
+        classes = len(listing.class_names)
         loss_sum, confusion, samples = 0.0, np.zeros((classes, classes)), 0
         progress = Progress(self.runtime, sum(part.num_samples for part in splits))
         for split in splits:
@@ -285,6 +275,32 @@ class Progress:
             self.last = time.monotonic()
             self.runtime.print0(f"{error_name(PROGRAM)}: about {min(self.done, self.total)} of "
                                 f"{self.total} samples scored")
+
+
+def batch_sums(model, loss, classes: int):
+    """A function of a batch (images, labels, weights) to its summed loss and its confusion
+    matrix, counted as Keras' ``evaluate`` counts them: each sample's loss plus the penalties
+    the model's layers add themselves (weight and activity regularizers; Keras adds their sum to
+    each batch's mean loss and averages the batches by their sizes), for the samples of weight
+    1 only."""
+    import tensorflow as tf
+
+    per_sample = loss.call if hasattr(loss, "call") else loss  # unreduced, as Keras has it
+
+    @tf.function(reduce_retracing=True)
+    def sums(images, labels, weights):
+        logits = tf.cast(model(images, training=False), tf.float32)
+        weights = tf.cast(weights, tf.float32)
+        losses = tf.cast(per_sample(labels, logits), tf.float32)
+        # Read after the call, so the activity penalties are this batch's.
+        penalty = tf.add_n([tf.cast(tf.reduce_sum(term), tf.float32) for term in model.losses]
+                           or [tf.constant(0.0)])
+        confusion = tf.math.confusion_matrix(tf.reshape(labels, [-1]),
+                                             tf.argmax(logits, axis=-1), classes,
+                                             weights=weights, dtype=tf.float64)
+        return tf.reduce_sum(tf.cast((losses + penalty) * weights, tf.float64)), confusion
+
+    return sums
 
 
 def summary(result: dict) -> str:

@@ -61,3 +61,37 @@ def test_the_summary_names_the_lowest_class_and_says_when_nothing_was_scored():
     nothing = {**result, "samples": 0, "skipped": 3, "loss": None, "accuracy": None,
                "per_class_accuracy": {"0": None}}
     assert evaluate.summary(nothing).endswith("on 2 rank(s): nothing to score")
+
+
+def test_a_batchs_sums_are_keras_evaluates_with_the_models_own_penalties():
+    """What each rank adds up, over uneven batches, is Keras' evaluate of the compiled model:
+    its loss with the penalties of the layers' weight and activity regularizers (which a
+    ``--model`` file may carry), and its accuracy."""
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu",
+                                kernel_regularizer=keras.regularizers.L2(0.05),
+                                activity_regularizer=keras.regularizers.L1(0.01))(inputs)
+    logits = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.1))(hidden)
+    model = keras.Model(inputs, logits)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(loss=loss, metrics=["accuracy"])
+    images = np.random.default_rng(0).normal(size=(103, 6)).astype("float32")
+    labels = np.random.default_rng(1).integers(0, 3, size=103)
+    keras_says = model.evaluate(images, labels, batch_size=10, verbose=0, return_dict=True)
+
+    sums = evaluate.batch_sums(model, loss, classes=3)
+    loss_sum, confusion = 0.0, np.zeros((3, 3))
+    for start in range(0, 103, 25):  # other batches than Keras': 25, 25, 25, 25, 3
+        batch_loss, batch_confusion = sums(images[start:start + 25], labels[start:start + 25],
+                                           np.ones(len(labels[start:start + 25]), "float32"))
+        loss_sum, confusion = loss_sum + float(batch_loss), confusion + batch_confusion.numpy()
+    assert confusion.sum() == 103
+    assert loss_sum / 103 == pytest.approx(keras_says["loss"], rel=1e-5)
+    assert np.trace(confusion) / 103 == pytest.approx(keras_says["accuracy"], abs=1e-6)
+    # Without the penalties the loss is not Keras' by far more than the tolerance.
+    plain = float(loss(labels, model(images, training=False)))
+    assert keras_says["loss"] - plain > 0.1, (keras_says, plain)
