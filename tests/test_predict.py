@@ -62,6 +62,26 @@ def test_a_folder_is_listed_at_any_depth_in_path_order(tmp_path):
         list_folder(str(tmp_path / "nothing"))
 
 
+def test_a_records_key_names_its_shard_apart_from_a_shard_of_the_same_name_elsewhere():
+    """Shards of one folder are keyed by their names; a glob reaching two folders (two
+    converted sets, each with its val-00000-of-00001.tfrecord) by their paths below the folder
+    holding both, so no two rows share a key."""
+    import numpy as np
+
+    from hvdtrain.predict.records import RecordInputs
+
+    def keys(*files):
+        inputs = RecordInputs(description="", notes=(), files=files,
+                              counts=np.array([2] * len(files)))
+        return [inputs.key(index) for index in range(len(inputs))]
+
+    assert keys("/d/a/val-0.tfrecord", "/d/a/val-1.tfrecord") == [
+        "val-0.tfrecord:0", "val-0.tfrecord:1", "val-1.tfrecord:0", "val-1.tfrecord:1"]
+    assert keys("/d/a/val-0.tfrecord", "/d/b/c/val-0.tfrecord") == [
+        "a/val-0.tfrecord:0", "a/val-0.tfrecord:1", "b/c/val-0.tfrecord:0",
+        "b/c/val-0.tfrecord:1"]
+
+
 def test_a_list_keeps_its_order_and_reads_relative_paths_from_its_folder(tmp_path):
     (tmp_path / "list.txt").write_text("# new photos\nb.png\n\n/abs/a.png\nb.png\r\n")
     inputs = list_file_list(str(tmp_path / "list.txt"))

@@ -1,6 +1,7 @@
 """TFRecord shards as `hvdtrain predict`'s inputs: every record of every shard, the shards in
 name order and each file's records in file order; a row's key is ``SHARD:N``, the record's
-place in its file."""
+place in its file (SHARD the file's name, or its path from the folder holding every shard when
+they lie in several)."""
 from __future__ import annotations
 
 import functools
@@ -46,9 +47,20 @@ class RecordInputs(Inputs):
         return hashlib.sha256(json.dumps([list(self.files), self.counts.tolist()]).encode()
                               ).hexdigest()
 
+    @functools.cached_property
+    def shard_names(self) -> tuple[str, ...]:
+        """Each file as its rows name it: its name, or, when the shards lie in several folders
+        (a glob can reach two ``train-00000-of-00004.tfrecord``), its path from the deepest
+        folder holding them all."""
+        folders = {os.path.dirname(path) for path in self.files}
+        if len(folders) == 1:
+            return tuple(os.path.basename(path) for path in self.files)
+        root = os.path.commonpath(sorted(folders))
+        return tuple(os.path.relpath(path, root) for path in self.files)
+
     def key(self, index: int) -> str:
         file, record = self.where(index)
-        return f"{os.path.basename(self.files[file])}:{record}"
+        return f"{self.shard_names[file]}:{record}"
 
     def encoded(self, ranges: list[tuple[int, int]]) -> tf.data.Dataset:
         import tensorflow as tf
