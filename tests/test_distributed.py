@@ -409,7 +409,7 @@ def test_epoch_metrics_are_the_mean_over_ranks(runtime):
 
     def local_and_synced_loss():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.layers.Dense(1, input_shape=(4,))])
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
         before, after = Record(), Record()
         model.fit(features, targets, batch_size=16, epochs=1, verbose=0,
