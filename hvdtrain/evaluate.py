@@ -30,7 +30,7 @@ import hvdtrain
 from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import UserError, as_one_line, leave, reported
 from hvdtrain.flags import OneLineParser
-from hvdtrain.rundir import RunDir
+from hvdtrain.rundir import COPY_IT_DOWN, COPY_IT_UP, RunDir, require_file_system_path
 from hvdtrain.runmodel import (check_model_flags, check_writable, classifier_config, few_names,
                                require_model_file, scored_model)
 
@@ -86,6 +86,9 @@ def parse(argv: Sequence[str] | None) -> Request:
                         help="the Keras the run trained with (it says so in one line otherwise)")
     args = parser.parse_args(argv)
     check_model_flags(args.keras, args.checkpoint, PROGRAM)
+    require_file_system_path("--run-dir", args.run_dir, COPY_IT_DOWN)
+    if args.output:
+        require_file_system_path("--output", args.output, COPY_IT_UP)
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.name is not None and not re.fullmatch(r"[\w.-]+", args.name):

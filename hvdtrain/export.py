@@ -31,7 +31,8 @@ import hvdtrain
 from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import EXIT_USAGE, UserError, as_one_line
 from hvdtrain.flags import OneLineParser
-from hvdtrain.rundir import CONFIG_FILE, MODEL_FILE, WEIGHTS_FILE
+from hvdtrain.rundir import (CONFIG_FILE, COPY_IT_DOWN, COPY_IT_UP, MODEL_FILE, WEIGHTS_FILE,
+                             require_file_system_path)
 
 PROGRAM = "hvdtrain.export"
 SIGNATURE = "serving_default"
@@ -66,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def write_savedmodel(run_dir: str, output: str) -> str:
     """Write ``run_dir``'s model to ``output`` (nothing there, nor any directory made for it,
     unless all of it was written); the line saying what was written."""
+    require_file_system_path("--run-dir", run_dir, COPY_IT_DOWN)
+    require_file_system_path("--output", output, COPY_IT_UP)
     recorded = read_run_config(run_dir)
     model_path = os.path.join(run_dir, MODEL_FILE)
     if not os.path.isfile(model_path):

@@ -70,6 +70,20 @@ def is_url(path: str) -> bool:
     return _URL.match(path) is not None
 
 
+#: What a command that takes file system paths only says to a URL, by what the path is for.
+COPY_IT_DOWN = "copy it to a file system first (gcloud storage cp -r, gsutil -m cp -r)"
+COPY_IT_UP = "write to a file system path, then copy it up"
+
+
+def require_file_system_path(flag: str, path: str, remedy: str) -> None:
+    """One line for a URL given to a command that reads or writes through the file system's own
+    calls (hvdtrain evaluate, predict, export), which would take ``gs://b/x`` for a relative
+    path and read or write ``./gs:/b/x``."""
+    if is_url(path):
+        raise UserError(f"{flag} {path}: this command takes file system paths, not URLs: "
+                        f"{remedy}")
+
+
 def nearest_existing(path: str) -> str | None:
     """``path``, or its closest ancestor that exists; None when none of them does (a relative
     path whose first part is missing)."""

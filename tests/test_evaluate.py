@@ -16,6 +16,10 @@ from hvdtrain.errors import UserError
     (["--data", "digits", "--data-dir", "x"], "name one data source"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--name", "../up"], "--name must be letters, digits"),
+    # URLs are refused, never taken for relative paths (./gs:/b/scores.json).
+    (["--output", "gs://b/scores.json"], "--output gs://b/scores.json: this command takes "
+                                         "file system paths, not URLs: write to a file system"),
+    (["--run-dir", "gs://b/run"], "--run-dir gs://b/run: this command takes file system paths"),
 ])
 def test_bad_arguments_are_one_line_before_anything_is_read(argv, message):
     with pytest.raises(UserError, match=message):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -68,7 +69,8 @@ def test_another_jobs_model_is_served_as_its_own_call_with_every_output_named(tm
     np.testing.assert_allclose(served["embedding"].numpy(), np.asarray(expected[1]), atol=1e-6)
 
 
-def test_horovods_ops_are_found_in_a_savedmodel_and_a_planted_output_is_refused(tmp_path):
+def test_horovods_ops_are_found_in_a_savedmodel_and_a_planted_output_or_a_url_is_refused(
+        tmp_path, monkeypatch):
     import tensorflow as tf
     from horovod.tensorflow.mpi_ops import _allreduce  # the op itself: traced, never run
 
@@ -86,3 +88,13 @@ def test_horovods_ops_are_found_in_a_savedmodel_and_a_planted_output_is_refused(
     with pytest.raises(UserError, match="link exists and is not an empty directory"):
         export.write_savedmodel(str(tmp_path / "run"), str(tmp_path / "link"))
     assert os.listdir(tmp_path / "theirs") == []
+    # A URL is refused, never taken for a relative path (it wrote ./gs:/bucket/model).
+    monkeypatch.chdir(tmp_path)
+    for run_dir, output, message in (
+            ("gs://bucket/run", "served", "--run-dir gs://bucket/run: this command takes file "
+                                          "system paths, not URLs: copy it to a file system"),
+            ("run", "gs://bucket/model", "--output gs://bucket/model: this command takes file "
+                                         "system paths, not URLs: write to a file system path")):
+        with pytest.raises(UserError, match=re.escape(message)):
+            export.write_savedmodel(run_dir, output)
+    assert not (tmp_path / "gs:").exists() and not (tmp_path / "served").exists()

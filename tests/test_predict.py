@@ -21,6 +21,12 @@ from hvdtrain.predict.parts import MANIFEST, Parts
     (["--data-dir", "a", "--part-size", "0"], "--part-size must be at least 1"),
     (["--data-dir", "a", "--progress-seconds", "-1"], "--progress-seconds must be >= 0"),
     (["--data-dir", "a", "--output", "rows.xlsx"], "name a .csv, .jsonl or .parquet file"),
+    # URLs are refused, never taken for relative paths (./gs:/b/rows.csv).
+    (["--tfrecords", "gs://b/shards"], "--tfrecords gs://b/shards: this command takes file "
+                                       "system paths, not URLs: copy it to a file system"),
+    (["--data-dir", "a", "--output", "gs://b/rows.csv"], "--output gs://b/rows.csv: this "
+                                                         "command takes file system paths"),
+    (["--data-dir", "a", "--run-dir", "s3://b/run"], "--run-dir s3://b/run: this command"),
 ])
 def test_bad_arguments_are_one_line_before_anything_is_read(argv, message):
     argv = argv if any(arg == "--output" for arg in argv) else [*argv, "--output", "rows.csv"]

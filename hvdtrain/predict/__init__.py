@@ -32,7 +32,7 @@ import hvdtrain
 from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import UserError, as_one_line, leave, reported
 from hvdtrain.flags import OneLineParser
-from hvdtrain.rundir import MODEL_FILE
+from hvdtrain.rundir import COPY_IT_DOWN, COPY_IT_UP, MODEL_FILE, require_file_system_path
 from hvdtrain.runmodel import (check_model_flags, check_writable, classifier_config, few_names,
                                require_model_file, scored_model)
 
@@ -110,6 +110,10 @@ def parse(argv: Sequence[str] | None) -> Request:
                                                ("tfrecords", args.tfrecords)) if value]
     if len(given) != 1:
         raise UserError("name the inputs once: --data-dir, --files or --tfrecords")
+    for flag, path, remedy in (("--run-dir", args.run_dir, COPY_IT_DOWN),
+                               (f"--{given[0][0].replace('_', '-')}", given[0][1], COPY_IT_DOWN),
+                               ("--output", args.output, COPY_IT_UP)):
+        require_file_system_path(flag, path, remedy)
     for flag, value in (("--top-k", args.top_k), ("--part-size", args.part_size),
                         ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
