@@ -62,7 +62,7 @@ from hvdtrain.data.records import (METADATA, SPLIT_BY_NAME, TRAIN, VALIDATION,
                                    serialize_example, shard_name, shorter_side_decoded)
 from hvdtrain.errors import UserError, first_line, reported
 from hvdtrain.flags import FlagHelpFormatter, OneLineParser
-from hvdtrain.rundir import current_umask, replace_atomically
+from hvdtrain.rundir import current_umask, replace_atomically, require_file_system_path
 
 if TYPE_CHECKING:
     from multiprocessing.sharedctypes import Synchronized
@@ -272,6 +272,8 @@ def write_dataset(data_dir: str, out_dir: str, *, shards: int, validation_shards
         raise UserError(f"--image-size must be at least 1, got {image_size}")
     limit = max_resolution_for(image_size, max_resolution, jpeg_quality)
     # The output checks are cheap, the listing is not: a mistyped --out fails first.
+    require_file_system_path("--out", out_dir, "write the shards to a file system path, then "
+                             "copy them up (training reads --tfrecords at a URL)")
     _check_out(out_dir, data_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} is a file; name a new directory")

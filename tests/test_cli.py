@@ -65,6 +65,10 @@ def test_every_help_answers_without_tensorflow_and_docs_cli_md_is_what_they_say(
      "global batch 33 does not divide by 2 workers; use a multiple of 2 or --batch-policy "
      "per-worker"),
     (["--data-dir", "/nonexistent/images"], "--data-dir /nonexistent/images: no such directory"),
+    (["--data-dir", "gs://bucket/images"], "--data-dir gs://bucket/images: an image folder is "
+                                           "read from a file system, not a URL: copy it down "
+                                           "(training reads TFRecord shards at a URL: "
+                                           "--tfrecords)"),
 ])
 def test_what_the_flags_and_the_launch_show_is_refused_before_tensorflow_loads(
         without_tensorflow, args, line):
@@ -112,6 +116,11 @@ def _installed(distribution: str) -> bool:
                                "--help)"),
     (["convert", "--data-dir", "/nonexistent", "--out", "/nonexistent-out"],
      "hvdtrain convert: error: --data-dir /nonexistent: no such directory"),
+    # Never taken for a relative path (it wrote ./gs:/bucket/shards and said gs://).
+    (["convert", "--data-dir", "/nonexistent", "--out", "gs://bucket/shards"],
+     "hvdtrain convert: error: --out gs://bucket/shards: this command takes file system paths, "
+     "not URLs: write the shards to a file system path, then copy them up (training reads "
+     "--tfrecords at a URL)"),
     (["launch", "--hostz", "a:1", "hvdtrain.cnn"], "hvdtrain.launch: error: unrecognized "
                                                    "arguments: --hostz; did you mean --hosts? "
                                                    "(see --help)"),

@@ -21,6 +21,7 @@ from hvdtrain.data.listing import (DEFAULT_FILE_IMAGE_SIZE, FileTable, Listing, 
                                    split_by_mask, split_identity)
 from hvdtrain.data.shares import rank_share
 from hvdtrain.errors import UserError
+from hvdtrain.rundir import is_url
 from hvdtrain.runtime.base import World
 
 if TYPE_CHECKING:
@@ -134,6 +135,10 @@ def _listed(directory: str) -> list[os.DirEntry]:
 
 
 def require_folder(data_dir: str) -> None:
+    if is_url(data_dir):  # os.path would take it for a relative path
+        raise UserError(f"--data-dir {data_dir}: an image folder is read from a file system, "
+                        "not a URL: copy it down (training reads TFRecord shards at a URL: "
+                        "--tfrecords)")
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir}: no such directory")
 
