@@ -111,7 +111,7 @@ def run(request: Request) -> int:
         raise UserError(f"{request.run_dir} is a run of {recorded.get('program')}; evaluate "
                         f"scores runs of the classifier ({CLASSIFIER}, `hvdtrain train`)")
     require_model_file(request.run_dir, request.checkpoint, classifier=True)
-    config = classifier_config(request.run_dir, request.data_flags)
+    config = classifier_config(request.run_dir, recorded, request.data_flags)
     from hvdtrain.training import train  # TensorFlow: after the arguments and the run are read
 
     runtime = train.start_runtime(config)

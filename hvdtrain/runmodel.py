@@ -30,7 +30,16 @@ def require_model_file(run_dir: str, checkpoint: str | None, *, classifier: bool
                         + (": pass --checkpoint latest" if classifier else ""))
 
 
-def classifier_config(run_dir: str, data_flags: dict | None = None):
+def recorded_image_shape(recorded: dict) -> tuple[int, int, int] | None:
+    """The run's images (height, width, channels), 'HxWxC' in its config.json's fingerprint."""
+    images = str(recorded.get("fingerprint", {}).get("images", ""))
+    if not re.fullmatch(r"\d+x\d+x\d+", images):
+        return None
+    height, width, channels = map(int, images.split("x"))
+    return height, width, channels
+
+
+def classifier_config(run_dir: str, recorded: dict, data_flags: dict | None = None):
     """The classifier run's config (``data_flags`` naming other data), as a command that loads
     its model runs it: in whatever world it was launched as (the run's accumulation, which
     keeps horovod, and its strategy are training's)."""
@@ -41,6 +50,12 @@ def classifier_config(run_dir: str, data_flags: dict | None = None):
         fields = read_config_file(os.path.join(run_dir, "config.json"), ClassifierConfig)
         if data_flags:
             fields.update({"data": "digits", "data_dir": None, "tfrecords": None, **data_flags})
+            # A run on embedded data has no --image-size or --channels (its images come in
+            # their own): files are decoded to the images the run trained on, not 64x64x3.
+            shape = recorded_image_shape(recorded)
+            if shape and shape[0] == shape[1]:
+                fields["image_size"] = fields.get("image_size") or shape[0]
+                fields["channels"] = fields.get("channels") or shape[2]
         return ClassifierConfig(**{**fields, "backend": "auto", "grad_accum_steps": 1})
     except ValueError as error:
         raise UserError(str(error)) from None

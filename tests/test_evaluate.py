@@ -2,6 +2,7 @@
 trained run scored on 1 and 2 ranks against Keras' own evaluate is test_jobs.py's."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -99,3 +100,22 @@ def test_a_batchs_sums_are_keras_evaluates_with_the_models_own_penalties():
     # Without the penalties the loss is not Keras' by far more than the tolerance.
     plain = float(loss(labels, model(images, training=False)))
     assert keras_says["loss"] - plain > 0.1, (keras_says, plain)
+
+
+def test_other_data_is_decoded_to_the_images_the_run_trained_on(tmp_path):
+    """A run on the embedded digits has no --image-size or --channels: an image folder scored
+    with it decodes to its 8x8x1 images, not the 64x64x3 files default to (which the model
+    refused). A run on files keeps its own."""
+    def config(recorded_config, images, data_flags):
+        recorded = {"program": "hvdtrain.cnn", "config": recorded_config,
+                    "fingerprint": {"images": images}}
+        (tmp_path / "config.json").write_text(json.dumps(recorded))
+        return runmodel.classifier_config(str(tmp_path), recorded, data_flags)
+
+    scored = config({"data": "digits"}, "8x8x1", {"data_dir": "new"})
+    assert (scored.data_dir, scored.image_size, scored.channels) == ("new", 8, 1)
+    assert config({"data": "digits"}, "8x8x1", None).image_size is None  # its own data
+    files = config({"data_dir": "old", "image_size": 32, "channels": 3}, "32x32x3",
+                   {"tfrecords": "shards"})
+    assert (files.tfrecords, files.data_dir, files.image_size, files.channels) == (
+        "shards", None, 32, 3)

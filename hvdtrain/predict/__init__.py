@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import time
 from typing import Iterator, Sequence
 
@@ -34,7 +33,7 @@ from hvdtrain.errors import UserError, as_one_line, leave, reported
 from hvdtrain.flags import OneLineParser
 from hvdtrain.rundir import COPY_IT_DOWN, COPY_IT_UP, MODEL_FILE, require_file_system_path
 from hvdtrain.runmodel import (check_model_flags, check_writable, classifier_config, few_names,
-                               require_model_file, scored_model)
+                               recorded_image_shape, require_model_file, scored_model)
 
 PROGRAM = "hvdtrain.predict"
 DEFAULT_PART_SIZE = 10_000
@@ -140,7 +139,7 @@ def run(request: Request) -> int:
         raise UserError("--checkpoint rebuilds the classifier's network; for a run of "
                         f"{recorded.get('program')}, predict with its {MODEL_FILE}")
     require_model_file(request.run_dir, request.checkpoint, classifier=is_classifier)
-    config = classifier_config(request.run_dir) if is_classifier else None
+    config = classifier_config(request.run_dir, recorded) if is_classifier else None
     from hvdtrain.runtime import make_runtime  # TensorFlow: after the arguments and the run
 
     threads = recorded.get("config", {}).get("threads_per_worker")
@@ -218,7 +217,7 @@ class Prediction:
         return lister(where)
 
     def model(self):
-        shape = self.recorded_image_shape()
+        shape = recorded_image_shape(self.recorded)
         classes = self.recorded.get("class_names")
         if self.request.checkpoint is not None and (shape is None or not classes):
             raise UserError(f"{self.request.run_dir}'s config.json does not say its images' "
@@ -227,21 +226,13 @@ class Prediction:
         return scored_model(self.request.run_dir, self.request.checkpoint, self.recorded,
                             self.config, self.runtime, shape, len(classes or ()))
 
-    def recorded_image_shape(self) -> tuple[int, int, int] | None:
-        """The run's images, 'HxWxC' in its fingerprint."""
-        images = str(self.recorded.get("fingerprint", {}).get("images", ""))
-        if not re.fullmatch(r"\d+x\d+x\d+", images):
-            return None
-        height, width, channels = map(int, images.split("x"))
-        return height, width, channels
-
     def image_shape(self, model) -> tuple[int, int, int]:
         """What every input is decoded to: the model's input (the run's images when the model
         takes any size)."""
         takes = tuple(getattr(model, "input_shape", (None,))[1:])
         if len(takes) == 3 and None not in takes:
             return takes
-        recorded = self.recorded_image_shape()
+        recorded = recorded_image_shape(self.recorded)
         if recorded is None or len(takes) != 3:
             raise UserError(f"the model takes inputs of shape {takes}, not images "
                             "(height x width x channels): predict reads images")
