@@ -51,6 +51,8 @@ class Checkpoints:
         self.manager = (tf.train.CheckpointManager(self.checkpoint, run_dir.checkpoints,
                                                    max_to_keep=keep)
                         if run_dir.is_chief else None)
+        self.refused_non_finite = False
+        """A save was refused for weights that are not finite (said once)."""
 
     def restore_latest(self, written_otherwise: Callable[[], str | None] = lambda: None
                        ) -> tuple[int, str | None]:
@@ -92,10 +94,21 @@ class Checkpoints:
                             "another --run-dir")
         return 0, None
 
-    def save(self, resume_epoch: int, step: int = 0) -> str:
+    def save(self, resume_epoch: int, step: int = 0) -> str | None:
         """Rank 0: a checkpoint of the state now, to resume at epoch ``resume_epoch`` (0-based)
         after its first ``step`` steps; beside it ``ckpt-N.json`` says so, with the plan's facts
-        (another one's steps differ)."""
+        (another one's steps differ). None, and nothing written, while a weight is NaN or
+        infinite."""
+        if not _all_finite(self.model.weights):
+            # On N ranks a NaN that one rank's loss caught reaches every rank's weights through
+            # the averaged gradient before the ranks agree to stop (TerminateOnNaN on that rank),
+            # and rank 0's own loss may still be finite: a checkpoint now would resume as NaN.
+            if not self.refused_non_finite:
+                self.refused_non_finite = True
+                print(f"not writing a checkpoint: the model's weights hold NaN or infinite "
+                      f"values; the run keeps {self.manager.latest_checkpoint or 'no checkpoint'}",
+                      flush=True)
+            return None
         self.resume_epoch.assign(resume_epoch)
         path = self.manager.save()
         if self.plan_facts is not None:
@@ -112,6 +125,14 @@ class Checkpoints:
         before hvdtrain wrote it, or unreadable)."""
         found = self.run_dir.read_json(_position_file(path), {})
         return found if isinstance(found, dict) else {}
+
+
+def _all_finite(variables) -> bool:
+    """Whether every floating-point value of ``variables`` is finite (one answer from the
+    device, not the weights)."""
+    checks = [tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(variable)))
+              for variable in variables if tf.as_dtype(variable.dtype).is_floating]
+    return bool(tf.reduce_all(checks)) if checks else True
 
 
 def _position_file(path: str) -> str:
