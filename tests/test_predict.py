@@ -1,5 +1,6 @@
-"""hvdtrain predict's arguments, its listings and its parts directory, in process. A trained run
-predicted on 1 and 2 ranks against Keras' own predict, and a resume, are test_jobs.py's."""
+"""hvdtrain predict's arguments, its listings, its parts directory and the rows of damaged shards
+(a tiny model's), in process. A trained run predicted on 1 and 2 ranks against Keras' own
+predict, and a resume, are test_jobs.py's."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import pytest
 
 from hvdtrain import predict
 from hvdtrain.errors import UserError
-from hvdtrain.predict.inputs import list_file_list, list_folder
+from hvdtrain.predict.inputs import InputFailure, list_file_list, list_folder
 from hvdtrain.predict.parts import MANIFEST, Parts
 
 
@@ -52,8 +53,10 @@ def test_a_folder_is_listed_at_any_depth_in_path_order(tmp_path):
                             ".jpeg, .jpg, .png)", "did not follow 1 link(s) to folders",
                             "left out 1 named like images that are not files (a FIFO, a "
                             "socket, a device)")
-    assert inputs.failure(6, decode=None) == "cannot read: No such file or directory"
-    assert inputs.failure(7, decode=None) == "cannot read: Too many levels of symbolic links"
+    with pytest.raises(InputFailure, match="^cannot read: No such file or directory$"):
+        inputs.read_alone(6)
+    with pytest.raises(InputFailure, match="^cannot read: Too many levels of symbolic links$"):
+        inputs.read_alone(7)
     assert inputs.path(5) == os.fsencode(tmp_path) + b"/caf\xe9.png"
     # What travels to the other ranks is the same listing.
     import pickle
@@ -98,7 +101,8 @@ def test_a_list_keeps_its_order_and_reads_relative_paths_from_its_folder(tmp_pat
     # A list's names are checked as they are read: what is not a regular file is never opened.
     os.mkfifo(tmp_path / "b.png")
     assert not inputs.listed_as_files and not inputs._is_regular(0)
-    assert inputs.failure(0, decode=None) == "not a regular file"
+    with pytest.raises(InputFailure, match="^not a regular file$"):
+        inputs.read_alone(0)
     (tmp_path / "empty.txt").write_text("# nothing\n\n")
     with pytest.raises(UserError, match="names no file"):
         list_file_list(str(tmp_path / "empty.txt"))
@@ -175,3 +179,69 @@ def test_a_run_of_another_job_needs_raw_and_one_without_a_model_is_refused(tmp_p
     with pytest.raises(UserError, match="holds no model.keras"):
         predict.run(raw)
     assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+@pytest.mark.parametrize("augment", [False, True])
+def test_a_corrupt_record_is_the_only_row_it_costs_whatever_the_part_size(tmp_path, augment):
+    """A byte flipped in one record's image (its data's CRC fails, its framing holds) ends the
+    TFRecordDataset reading its run of records: the records it dropped are read again alone, so
+    its row alone says so and every other record's prediction is the clean shards' (issue 62:
+    a corrupt file is a row that says so; each input once, as one process predicts it). A
+    shard cut short that its dataset.json still counts: the missing record's row says so."""
+    import keras
+    import tensorflow as tf
+
+    from hvdtrain.cnn import ClassifierConfig
+    from hvdtrain.data.records import METADATA, serialize_example
+    from hvdtrain.predict import Predictor, Progress
+    from hvdtrain.predict.records import list_records
+    from images import make_image_folder
+
+    images = sorted(path for path in make_image_folder(tmp_path / "images", classes=2,
+                                                        per_class=6).rglob("*.*"))
+    clean, damaged = tmp_path / "clean", tmp_path / "damaged"
+    for folder in (clean, damaged):
+        folder.mkdir()
+        for shard, paths in enumerate((images[:6], images[6:])):
+            with tf.io.TFRecordWriter(str(folder / f"train-{shard}.tfrecord")) as writer:
+                for path in paths:
+                    writer.write(serialize_example(path.read_bytes(), 0))
+        names = [path.name for path in sorted(folder.glob("*.tfrecord"))]
+        (folder / METADATA).write_text(json.dumps({  # as the converter counts them
+            "counts": dict.fromkeys(names, 6),
+            "bytes": {name: os.path.getsize(folder / name) for name in names}}))
+    corrupt = damaged / "train-0.tfrecord"
+    data = bytearray(corrupt.read_bytes())
+    flipped = data.index(images[2].read_bytes()) + 100  # inside record 2's image
+    data[flipped] ^= 0xFF
+    corrupt.write_bytes(data)
+    cut = damaged / "train-1.tfrecord"
+    cut.write_bytes(cut.read_bytes()[:-10])  # its last record's end is lost
+
+    inputs = keras.Input((8, 8, 3), dtype="uint8")
+    model = keras.Model(inputs, keras.layers.Dense(3)(
+        keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(inputs))))
+    config = ClassifierConfig(tfrecords=str(clean), image_size=8, channels=3, augment=augment)
+    predictor = Predictor(model, (8, 8, 3), config, classes=None, top_k=0, batch_size=4,
+                          threads=None)
+
+    def rows(folder, ranges):
+        listed = list_records(str(folder))
+        # No runtime: a Progress of 0 seconds never prints.
+        stream = predictor.stream(listed, ranges, Progress(None, 12, 12, seconds=0))
+        return [row for _, block, _ in stream for row in block]
+
+    expected = rows(clean, [(0, 12)])
+    assert all(row["error"] is None for row in expected)
+    for ranges in ([(0, 12)], [(0, 5), (5, 10), (10, 12)]):  # one part, parts of 5
+        got = rows(damaged, ranges)
+        assert [row["input"] for row in got] == [row["input"] for row in expected]
+        errors = {row["input"]: row["error"] for row in got if row["error"]}
+        assert sorted(errors) == ["train-0.tfrecord:2", "train-1.tfrecord:5"], (ranges, errors)
+        assert errors["train-0.tfrecord:2"].startswith(
+            f"record 2 of {corrupt} cannot be read: corrupted record at ")
+        assert errors["train-1.tfrecord:5"] == (f"record 5 of {cut} cannot be read: the file ends "
+                                                "before the record does (cut short)")
+        for row, clean_row in zip(got, expected):
+            if not row["error"]:
+                assert row["output"] == pytest.approx(clean_row["output"], abs=1e-6), row

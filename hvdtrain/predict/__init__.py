@@ -17,8 +17,10 @@ template's program) or as one process. How it goes:
 A row holds the input (its path, the line of the list, or ``SHARD:N``), the top-k classes and
 their probabilities for a classifier (``--raw``: the model's outputs, for a model of one's own),
 and ``error``: why an input gave no image (a file that does not decode is a row that says so,
-never a crash). Images are decoded as the run's validation decodes them. A run stopped part-way
-resumes from its finished parts when the same command runs again, on any number of ranks.
+never a crash; an input the dataset drops is read again alone, so a corrupt record costs no other
+record of its shard its prediction). Images are decoded as the run's validation decodes them. A
+run stopped part-way resumes from its finished parts when the same command runs again, on any
+number of ranks.
 """
 from __future__ import annotations
 
@@ -323,7 +325,7 @@ class Predictor:
         self.infer = infer
         # Traced once: each part's dataset calls it instead of tracing the decoder anew (a
         # third of a second a part on 2 cores).
-        # Decoded as the run's validation decoded (the central crop follows in stream).
+        # Decoded as the run's validation decoded (the central crop follows: center_cropped).
         self.decode = tf.function(pixel_decoder(self.image_shape, augment=self.augment),
                                   input_signature=[tf.TensorSpec([], tf.string)])
 
@@ -340,7 +342,9 @@ class Predictor:
         images = (inputs.encoded(ranges)
                   .map(lambda index, encoded: (self.decode(encoded), index),
                        num_parallel_calls=tf.data.AUTOTUNE)  # keeps order
-                  .ignore_errors())  # an input that did not decode: a gap in the numbers
+                  # An input that did not read or decode: a gap in the numbers, read
+                  # again alone (rows_read_alone).
+                  .ignore_errors())
         if self.augment:
             images = center_cropped(images, self.image_shape)
         images = images.batch(self.batch_size).prefetch(tf.data.AUTOTUNE)
@@ -356,19 +360,19 @@ class Predictor:
             rows = []
             for row, index in enumerate(indices.numpy().tolist()):
                 while index >= stop:  # the range is done: its last inputs failed, if any
-                    rows += [self.failed(inputs, gap) for gap in range(expected, stop)]
+                    rows += self.rows_read_alone(inputs, expected, stop)
                     progress.advance(len(rows))
                     yield current, rows, True
                     current, rows = current + 1, []
                     start, stop = ranges[current]
                     expected = start
-                rows += [self.failed(inputs, gap) for gap in range(expected, index)]
+                rows += self.rows_read_alone(inputs, expected, index)
                 rows.append(self.row(inputs.key(index), first[row], second[row]))
                 expected = index + 1
             progress.advance(len(rows))
             yield current, rows, False
         for current in range(current, len(ranges)):
-            rows = [self.failed(inputs, gap) for gap in range(expected, ranges[current][1])]
+            rows = self.rows_read_alone(inputs, expected, ranges[current][1])
             progress.advance(len(rows))
             yield current, rows, True
             if current + 1 < len(ranges):
@@ -384,14 +388,48 @@ class Predictor:
         row["error"] = None
         return row
 
-    def failed(self, inputs, index: int) -> dict:
+    def rows_read_alone(self, inputs, start: int, stop: int) -> list[dict]:
+        """The rows of inputs ``start`` to ``stop``, which the dataset dropped (a read or a
+        decode raised in it; a TFRecord file's read ends at a corrupt record, dropping the rest
+        of its run): each read and decoded again by itself and predicted a batch at a time, so
+        only an input that fails alone too is a row that says why."""
         import tensorflow as tf
 
-        reason = inputs.failure(index, lambda encoded: self.decode(tf.constant(encoded)))
+        from hvdtrain.data.augment import center_cropped
+        from hvdtrain.errors import op_error_line
+        from hvdtrain.predict.inputs import InputFailure
+
+        rows = []
+        for begin in range(start, stop, self.batch_size):  # a batch of images held at a time
+            chunk = range(begin, min(begin + self.batch_size, stop))
+            images, reasons = {}, {}
+            for index in chunk:
+                try:
+                    encoded = inputs.read_alone(index)
+                except InputFailure as failure:
+                    reasons[index] = str(failure)
+                    continue
+                try:
+                    images[index] = self.decode(tf.constant(encoded))
+                except Exception as error:  # noqa: BLE001 - whatever TensorFlow's decoders raise
+                    reasons[index] = f"not an image hvdtrain decodes: {op_error_line(error)}"
+            predicted = {}
+            if images:
+                batch = tf.stack(list(images.values()))
+                if self.augment:  # cropped by the stream's own function (on a batch: the same)
+                    batch = center_cropped(tf.data.Dataset.from_tensors((batch,)),
+                                           self.image_shape).get_single_element()[0]
+                first, second = (values.numpy() for values in self.infer(batch))
+                predicted = {index: self.row(inputs.key(index), first[place], second[place])
+                             for place, index in enumerate(images)}
+            rows += [predicted[index] if index in predicted
+                     else self.failed(inputs.key(index), reasons[index]) for index in chunk]
+        return rows
+
+    def failed(self, key: str, reason: str) -> dict:
         if self.classes is None:
-            return {"input": inputs.key(index), "output": None, "error": reason}
-        return {"input": inputs.key(index), **dict.fromkeys(_class_columns(self.top_k)),
-                "error": reason}
+            return {"input": key, "output": None, "error": reason}
+        return {"input": key, **dict.fromkeys(_class_columns(self.top_k)), "error": reason}
 
 
 def _rows_of_one_range(stream) -> Iterator[list[dict]]:

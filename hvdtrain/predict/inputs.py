@@ -20,12 +20,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hvdtrain.data.images import IMAGE_EXTENSIONS
-from hvdtrain.errors import UserError, op_error_line
+from hvdtrain.errors import UserError
 
 STAT_THREADS = 16
 
 if TYPE_CHECKING:
     import tensorflow as tf
+
+
+class InputFailure(Exception):
+    """An input that gives no image read alone; its message is the row's ``error``."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,10 @@ class Inputs:
         cannot be read raises inside it (the caller drops it and notices the gap)."""
         raise NotImplementedError
 
-    def failure(self, index: int, decode) -> str:
-        """Why input ``index`` gave no image, for its row (asked only for the ones that
-        failed). ``decode``: encoded bytes -> pixels, as the dataset decodes them."""
+    def read_alone(self, index: int) -> bytes:
+        """Input ``index``'s encoded image bytes, read by itself, or ``InputFailure`` saying why
+        it cannot be. Asked only for the inputs ``encoded`` dropped: the caller reads them
+        again one by one, so a failure costs no other input its prediction."""
         raise NotImplementedError
 
 
@@ -122,19 +127,15 @@ class FileInputs(Inputs):
         except OSError:
             return False
 
-    def failure(self, index: int, decode) -> str:
+    def read_alone(self, index: int) -> bytes:
+        path = self.path(index)
         try:
-            if not stat.S_ISREG(os.stat(self.path(index)).st_mode):
-                return "not a regular file"
-            with open(self.path(index), "rb") as file:
-                encoded = file.read()
+            if stat.S_ISREG(os.stat(path).st_mode):
+                with open(path, "rb") as file:
+                    return file.read()
         except OSError as error:
-            return f"cannot read: {error.strerror or error}"
-        try:
-            decode(encoded)
-        except Exception as error:  # noqa: BLE001 - whatever TensorFlow's decoders raise
-            return f"not an image hvdtrain decodes: {op_error_line(error)}"
-        return "not decoded"  # it decodes alone: the read failed the first time
+            raise InputFailure(f"cannot read: {error.strerror or error}") from None
+        raise InputFailure("not a regular file")
 
     def __getstate__(self) -> dict:
         # A folder of 1.28 M files: ~60 MB of names, a tenth of it compressed, sent once.

@@ -1,7 +1,12 @@
 """TFRecord shards as `hvdtrain predict`'s inputs: every record of every shard, the shards in
 name order and each file's records in file order; a row's key is ``SHARD:N``, the record's
 place in its file (SHARD the file's name, or its path from the folder holding every shard when
-they lie in several)."""
+they lie in several).
+
+A run of records in one file is read by one ``TFRecordDataset``, which ends at the first record
+it cannot read (a corrupt one): the records it dropped are read again one by one
+(``RecordInputs.read_alone``, at offsets found by walking the file's framing), so only the
+corrupt record's row says it cannot be read."""
 from __future__ import annotations
 
 import functools
@@ -14,10 +19,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hvdtrain.errors import UserError
-from hvdtrain.predict.inputs import Inputs
+from hvdtrain.predict.inputs import InputFailure, Inputs
 
 if TYPE_CHECKING:
     import tensorflow as tf
+
+RECORD_FRAMING = 16
+"""Bytes a TFRecord adds to its data: its length (8, little-endian), the length's masked CRC
+(4) before the data, the data's (4) after it."""
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,9 @@ class RecordInputs(Inputs):
         files = tf.constant(self.files)
 
         def piece(file, begin, end, first):
-            # Numbered as read, before anything can fail: a record that does not parse or
-            # decode is dropped downstream, and its number's gap makes its row.
+            # Numbered as read, before anything can fail: a record that does not read, parse
+            # or decode is dropped downstream (a corrupt one ends its piece's read, dropping
+            # the rest of the piece too), and its number's gap makes its row (read_alone).
             records = tf.data.TFRecordDataset(tf.gather(files, file)).skip(begin - first) \
                 .take(end - begin)
             return tf.data.Dataset.zip(tf.data.Dataset.range(begin, end), records)
@@ -89,9 +99,40 @@ class RecordInputs(Inputs):
         return (tf.data.Dataset.from_tensor_slices(tuple(columns)).flat_map(piece)
                 .map(lambda index, record: (index, parse_example(record)[0])))
 
-    def failure(self, index: int, decode) -> str:
+    def read_alone(self, index: int) -> bytes:
+        import tensorflow as tf
+        from tensorflow.python.lib.io.tf_record import tf_record_random_reader
+
+        from hvdtrain.data.records import parse_example
+        from hvdtrain.errors import op_error_line
+
         file, record = self.where(index)
-        return f"record {record} of {self.files[file]} could not be read or decoded"
+        path = self.files[file]
+        cannot = f"record {record} of {path} cannot be read"
+        try:
+            if file not in self._offsets:
+                self._offsets[file] = _record_offsets(path, int(self.counts[file]))
+            offsets = self._offsets[file]
+            if record >= len(offsets):
+                raise InputFailure(f"{cannot}: the file ends before the record does (cut "
+                                   "short)")
+            # Both CRCs checked: a record whose bytes changed is DataLossError, never read.
+            data, _ = tf_record_random_reader(path).read(offsets[record])
+        except OSError as error:
+            raise InputFailure(f"{cannot}: {error.strerror or error}") from None
+        except (tf.errors.OpError, IndexError) as error:  # IndexError: past the file's end
+            raise InputFailure(f"{cannot}: {op_error_line(error)}") from None
+        try:
+            return parse_example(data)[0].numpy()
+        except tf.errors.OpError as error:
+            raise InputFailure(f"record {record} of {path} is not an Example with an image: "
+                               f"{op_error_line(error)}") from None
+
+    @functools.cached_property
+    def _offsets(self) -> dict[int, list[int]]:
+        """Where each record starts, by file: walked when a record of it is first read alone,
+        once per file in a process."""
+        return {}
 
 
 def list_records(location: str) -> RecordInputs:
@@ -122,6 +163,27 @@ def list_records(location: str) -> RecordInputs:
                                     f"{len(files)} file(s)",
                         notes=tuple(note for _, note in counted if note), files=tuple(files),
                         counts=counts, class_names=names.pop() if len(names) == 1 else None)
+
+
+def _record_offsets(path: str, count: int) -> list[int]:
+    """Where each of the first ``count`` records of a TFRecord file starts, as far as they lie
+    whole in the file: its framing walked from header to header (a seek and an 8-byte read a
+    record; the CRCs are the reader's to check)."""
+    offsets: list[int] = []
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        offset = 0
+        while len(offsets) < count:
+            file.seek(offset)
+            length = file.read(8)
+            if len(length) < 8:
+                break
+            end = offset + RECORD_FRAMING + int.from_bytes(length, "little")
+            if end > size:
+                break
+            offsets.append(offset)
+            offset = end
+    return offsets
 
 
 def _count(path: str, metadata: dict | None) -> tuple[int, str | None]:
