@@ -675,3 +675,28 @@ def test_a_resume_under_another_precision_or_keras_names_the_flag(tmp_path):
                              env=clean_env()), "hvdtrain train")
     assert f"were written by Keras {this} and this run is Keras {other}" in line, line
     assert f"resume with --keras {this}" in line, line
+
+
+def test_a_profile_is_of_the_runs_steps_once_however_many_fits_the_run_makes(tmp_path):
+    """--profile-steps 2:3 of a run that fits twice (a resume inside an epoch fits the epoch's
+    rest, then the epochs after): steps 2-3 of the run, in its first fit, and no second profile
+    from the second (Keras counts each fit's batches from 1). With 2 steps per call, steps 5-6
+    are the third call."""
+    import keras  # the Keras conftest's hvdtrain import selected, as hvdtrain.training.callbacks'
+    import numpy as np
+
+    from hvdtrain.training.callbacks import TensorBoardLog
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    features, targets = np.ones((16, 3), "float32"), np.ones((16, 1), "float32")
+    board = TensorBoardLog(str(tmp_path / "tensorboard"), (2, 3))
+    for fit in range(2):
+        # A profile's folder is named by the second it ends in: a second one apart.
+        time.sleep(1.1 * fit)
+        model.fit(features, targets, batch_size=4, epochs=1, verbose=0, callbacks=[board])
+    profiles = list((tmp_path / "tensorboard").rglob("*.xplane.pb"))
+    assert len(profiles) == 1, profiles
+    assert board.batches_before == 8
+    per_call = TensorBoardLog(str(tmp_path / "other"), (5, 6), steps_per_call=2)
+    assert (per_call._start_batch, per_call._stop_batch) == (3, 3)  # Keras' own profile range

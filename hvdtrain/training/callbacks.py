@@ -99,20 +99,44 @@ class BatchNormStatistics(keras.callbacks.Callback):
     and 0.046 on two. Recomputing them ("precise BN", Wu & Johnson 2021) gives N ranks the
     statistics of the weights they validate and save. A collective (every rank gathers every
     rank's sums), so it runs on every rank or none.
+
+    The batches are the training stream's from its start, ``num_batches`` an epoch; a run
+    resumed at epoch E (``data_start``: hvdtrain's image data) reads them on from E x
+    ``num_batches``, as the run never stopped would, so it saves the same statistics.
     """
 
-    def __init__(self, runtime, layers: list, batches, num_batches: int):
+    def __init__(self, runtime, layers: list, batches, num_batches: int, data_start=None):
         super().__init__()
         self.runtime = runtime
         self.layers = layers
         self.batches = batches
         self.num_batches = num_batches
+        self.data_start = data_start
         self._iterator = None
         self._forward = None
         self._done_this_epoch = False
+        self._epoch = 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self._done_this_epoch = False
+        self._epoch = epoch
+
+    def _stream_after(self, consumed: int):
+        """An iterator of the training stream after its first ``consumed`` batches (from the
+        start without ``data_start``). The stream reads its position when its first batch is
+        made, so that batch is taken before the training's position is put back."""
+        import itertools
+
+        if self.data_start is None:
+            return iter(self.batches)
+        training_position = [variable.numpy() for variable in self.data_start.variables()]
+        self.data_start.at_step(consumed)
+        try:
+            iterator = iter(self.batches)
+            return itertools.chain([next(iterator)], iterator)
+        finally:
+            for variable, value in zip(self.data_start.variables(), training_position):
+                variable.assign(value)
 
     def on_test_begin(self, logs=None):
         if not self._done_this_epoch:  # fit's validation: recompute before it
@@ -128,7 +152,7 @@ class BatchNormStatistics(keras.callbacks.Callback):
 
         self._done_this_epoch = True
         if self._iterator is None:
-            self._iterator = iter(self.batches)
+            self._iterator = self._stream_after(self._epoch * self.num_batches)
         momentums = [layer.momentum for layer in self.layers]
         for layer in self.layers:
             # Momentum 0: one training-mode pass leaves exactly that batch's statistics.
@@ -166,7 +190,8 @@ def batch_norm_layers(model) -> list:
 
 
 class TensorBoardLog(keras.callbacks.TensorBoard):
-    """Keras' TensorBoard callback, with its two one-time costs moved out of the first batch.
+    """Keras' TensorBoard callback, with its two one-time costs moved out of the first batch, and
+    its batches counted over the run rather than each ``fit``.
 
     Keras' callback pays them in the first ``on_train_batch_end``: its first ``tf.summary`` call
     imports TensorBoard's summary package (~50 ms here), and it writes the training graph. tf_keras
@@ -174,11 +199,25 @@ class TensorBoardLog(keras.callbacks.TensorBoard):
     warns on every job that the callbacks are slow (it did in `make train`). Here the import
     happens when the callback is made and the graph is written at the end of the first epoch:
     the same graph (the training function is traced at the first step), off the timed hooks.
+
+    Keras counts the batches it profiles (``profile_batch``) and logs from 1 in every ``fit``; a
+    run resumed inside an epoch fits twice (``train_epochs``), and profiled the same steps
+    twice. Here the count goes on from the fits before. A batch is one call of the training
+    function: ``steps_per_call`` steps (``--steps-per-execution``), so the profile of steps
+    ``profile_steps`` is that of the calls holding them.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, log_dir: str, profile_steps: tuple[int, int] | None,
+                 steps_per_call: int = 1):
+        calls = tuple(-(-step // steps_per_call) for step in profile_steps or (0, 0))
+        super().__init__(log_dir, profile_batch=calls)
         import tensorboard.summary.v2  # noqa: F401  (what tf.summary imports at its first call)
+        self.batches_before = 0
+        """Batches of the run's earlier fits."""
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)  # Keras' count starts at 0 here
+        self._global_train_batch = self.batches_before
 
     def set_model(self, model):
         super().set_model(model)
@@ -197,6 +236,7 @@ class TensorBoardLog(keras.callbacks.TensorBoard):
     def on_train_end(self, logs=None):
         self._write_pending_graph()  # a run stopped inside its first epoch
         super().on_train_end(logs)
+        self.batches_before = self._global_train_batch
 
 
 class Throughput(keras.callbacks.Callback):

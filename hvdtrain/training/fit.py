@@ -3,6 +3,7 @@ epoch first after a resume inside one), and how the run ends: exported, or stopp
 checkpoint."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -105,7 +106,8 @@ def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan
     if world.size > 1 and norm_layers and config.bn_recompute_batches:
         # Before validation and the checkpoint, which read the statistics (see the callback).
         callbacks.append(BatchNormStatistics(runtime, norm_layers, train,
-                                             config.bn_recompute_batches))
+                                             config.bn_recompute_batches,
+                                             getattr(datasets, "start", None)))
     decode_failures = getattr(datasets, "decode_failures", ())
     if decode_failures:
         callbacks.append(DecodeFailureReport(runtime, decode_failures, config.on_bad_image))
@@ -125,9 +127,9 @@ def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan
                       TrackEpochs(tracker, start.rows, request)]
         profile = config.profile_step_range()
         if config.tensorboard or profile:
-            # Keras' profile_batch counts the steps of this fit call from 1.
-            callbacks.append(TensorBoardLog(start.run_dir.tensorboard,
-                                            profile_batch=profile or 0))
+            callbacks.append(TensorBoardLog(
+                start.run_dir.tensorboard, profile,
+                config.steps_per_execution or runtime.default_steps_per_execution()))
     # Last: it holds back a stop the job's callbacks set on one rank until all agree.
     callbacks.append(PreemptionCheck(runtime, request, config.signal_check_every_steps,
                                      SaveOnStop(start.checkpoints, request, world.is_chief),
@@ -193,18 +195,35 @@ def train_epochs(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, mode
     if start.initial_step:
         spans = [(initial_epoch, initial_epoch + 1, plan.steps_per_epoch - start.initial_step,
                   start.initial_step), (initial_epoch + 1, config.epochs, plan.steps_per_epoch, 0)]
+    spans = [span for span in spans if span[0] < span[1]]
     with tracking.failure_marked(tracker), disk_cache_failures_in_one_line():
-        for first, last, steps, steps_done in spans:
-            if first >= last or request.agreed or request.by_job:
+        for index, (first, last, steps, steps_done) in enumerate(spans):
+            if request.agreed or request.by_job:
                 break
             if data_start is not None:
                 data_start.at_step(first * plan.steps_per_epoch + steps_done)
             request.steps_before = steps_done  # the checkpoints' step within the epoch
-            model.fit(train, epochs=last, initial_epoch=first, steps_per_epoch=steps,
-                      validation_data=validation, callbacks=callbacks,
-                      verbose=_verbosity(runtime.world),
-                      shuffle=False)  # the pipelines shuffle (Keras 3 warns that it cannot)
+            with _finalized_only_if(index == len(spans) - 1, model.optimizer):
+                model.fit(train, epochs=last, initial_epoch=first, steps_per_epoch=steps,
+                          validation_data=validation, callbacks=callbacks,
+                          verbose=_verbosity(runtime.world),
+                          shuffle=False)  # the pipelines shuffle (Keras 3 warns that it cannot)
     return trains
+
+
+@contextlib.contextmanager
+def _finalized_only_if(last_fit: bool, optimizer):
+    """Keras ends every ``fit`` with ``optimizer.finalize_variable_values`` (an optimizer with
+    ``use_ema`` copies its moving averages into the weights there): only the run's last fit may,
+    or a run resumed inside an epoch would go on from the averages, not the weights."""
+    if last_fit:
+        yield
+        return
+    optimizer.finalize_variable_values = lambda var_list: None  # this object's, for this fit
+    try:
+        yield
+    finally:
+        del optimizer.finalize_variable_values
 
 
 def finish_run(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, datasets: Datasets,

@@ -1,7 +1,9 @@
 """hvdtrain.cnn's classifier, rank 0 SIGKILLed right after global step HVDTRAIN_TEST_KILL_AT
 (unset: an uninterrupted run), in the launcher's first attempt only (its restarts run to the
-end); ``build`` is a model without dropout, whose masks a resumed run would draw anew (Keras
-keeps their generators' state out of checkpoints)."""
+end). ``build`` is a model with batch norm (whose statistics two ranks recompute from training
+batches at every epoch's end) and without dropout, whose masks a resumed run would draw anew
+(Keras keeps their generators' state out of checkpoints); the optimizer keeps a moving average
+of the weights (use_ema), which Keras copies into them as a fit ends."""
 import dataclasses
 import os
 import signal
@@ -29,14 +31,16 @@ class KillAt(keras.callbacks.Callback):
 def build(input_shape, num_classes):
     inputs = keras.Input(input_shape)
     x = keras.layers.Rescaling(1 / 255)(inputs)
-    x = keras.layers.Conv2D(8, 3, activation="relu")(x)
+    x = keras.layers.Conv2D(8, 3, use_bias=False)(x)
+    x = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(x))
     x = keras.layers.Flatten()(x)
     return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
 
 
 def task(config):
     made = classifier(config.model, config.label_smoothing)
-    return dataclasses.replace(made, callbacks=(lambda: [KillAt()]) if KILL_AT else None)
+    return dataclasses.replace(made, callbacks=(lambda: [KillAt()]) if KILL_AT else None,
+                               optimizer=lambda rate: keras.optimizers.Adam(rate, use_ema=True))
 
 
 if __name__ == "__main__":
