@@ -257,3 +257,41 @@ def test_a_task_dataset_of_the_wrong_elements_is_one_line(elements, described):
         check_elements(hvdtrain.Datasets(pairs, elements().batch(2)))
     triples = tf.data.Dataset.from_tensor_slices((tf.zeros((8, 4)), tf.zeros(8), tf.ones(8)))
     check_elements(hvdtrain.Datasets(pairs, triples.batch(2)))
+
+
+def test_a_step_checkpoint_of_a_jobs_own_datasets_reruns_its_epoch_and_says_so(tmp_path,
+                                                                              capsys):
+    """A job's own datasets cannot start part-way: a checkpoint written inside an epoch (every 2
+    steps; the job's callback stopped it in its 4th step) resumes at that epoch's first step,
+    and the resume line says so, why, and that the weights trained on those steps already."""
+    import keras  # the Keras conftest's hvdtrain import selected
+
+    class StopInEpoch2(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 10 + 4:
+                self.model.stop_training = True
+
+    def datasets(shard: hvdtrain.Shard) -> hvdtrain.Datasets:
+        features = tf.random.stateless_normal((40, 4), seed=(1, 2))
+        train = tf.data.Dataset.from_tensor_slices((features, tf.reduce_sum(features, 1)))
+        return hvdtrain.Datasets(train.batch(4), description="sums")
+
+    run_dir = str(tmp_path / "run")
+    argv = ["--run-dir", run_dir, "--epochs", "3", "--checkpoint-every-steps", "2",
+            "--signal-check-every-steps", "1", "--no-tensorboard"]
+
+    def task(callbacks):
+        return hvdtrain.Task(
+            build_model=lambda data: keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+            loss=lambda: "mse", datasets=datasets, callbacks=callbacks)
+
+    assert hvdtrain.run(task(lambda: [StopInEpoch2()]), argv, name="sums") == 0
+    first = capsys.readouterr().out
+    assert "stopped in epoch 2: the job's callbacks asked to stop" in first, first
+    assert hvdtrain.run(task(None), argv, name="sums") == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"resuming from \S+/ckpt-\d+: 1 epoch\(s\) done; it was written after 2 "
+                     r"step\(s\) of epoch 2, which starts again from its first step \(a job's "
+                     r"own datasets cannot start part-way\): its weights trained on those "
+                     r"step\(s\) already", printed), printed
+    assert "done: 3 epoch(s)" in printed, printed

@@ -220,32 +220,42 @@ class StartPoint:
     """The checkpoint it came from, or None for a fresh start."""
     written_under: dict | None = None
     """The checkpoint's ``ckpt-N.json`` (the plan's facts when it was written), or None."""
+    rerun_steps: int = 0
+    """Steps of the epoch the checkpoint was written after that run again: its epoch starts
+    again from its first step, with weights that trained on them (``rerun_because``)."""
+    rerun_because: str | None = None
 
 
 def restore_or_start(checkpoints: Checkpoints, runtime, state_variables: list,
                       steps_per_epoch: int,
                       written_otherwise: Callable[[], str | None] = lambda: None,
-                      exact_position: bool = False) -> StartPoint:
+                      starts_anywhere_but: str | None = "the data cannot start part-way"
+                      ) -> StartPoint:
     """Where to start, the same on every rank, and every rank holding the state to start from:
     rank 0's restored (or freshly initialised) variables.
 
     A checkpoint written within an epoch (every N steps, or at a stop) says at which step
-    (``ckpt-N.json``): with ``exact_position`` (the data can start at any step) and the plan it
-    was written under (the same steps per epoch, workers and batch per worker: the same passes
-    on every rank), the run goes on at the next step; otherwise that epoch starts again. The
-    optimizer's step count is set to match, so the schedule follows the epochs (and a resume on
-    another world size stays right)."""
+    (``ckpt-N.json``): when the data can start at any step (``starts_anywhere_but`` None, else
+    why not) and under the plan it was written under (the same steps per epoch, workers and
+    batch per worker: the same passes on every rank), the run goes on at the next step;
+    otherwise that epoch starts again, and the StartPoint says why. The optimizer's step count is
+    set to match, so the schedule follows the epochs (and a resume on another world size stays
+    right)."""
     def restore() -> StartPoint:
         epoch, path = checkpoints.restore_latest(written_otherwise)
         facts = checkpoints.written_under(path) if path else {}
         step = int(facts.get("step", 0)) if facts.get("epoch") == epoch else 0
-        if not (exact_position and 0 < step < steps_per_epoch
-                and all(facts.get(name) == value
-                        for name, value in (checkpoints.plan_facts or {}).items()
-                        if name != "learning_rate")):
-            step = 0
+        rerun, because = 0, None
+        if 0 < step < steps_per_epoch:
+            changed = [name for name, value in (checkpoints.plan_facts or {}).items()
+                       if name != "learning_rate" and facts.get(name) != value]
+            because = starts_anywhere_but or (
+                f"the plan changed since ({', '.join(changed).replace('_', ' ')})"
+                if changed else None)
+            if because:
+                rerun, step = step, 0
         checkpoints.model.optimizer.iterations.assign(epoch * steps_per_epoch + step)
-        return StartPoint(epoch, step, path, facts or None)
+        return StartPoint(epoch, step, path, facts or None, rerun, because)
 
     # Rank 0 alone reads the checkpoint; everyone learns where to start, and the broadcast hands
     # its weights and optimizer state to every rank (fresh random initialisations differ per

@@ -81,7 +81,7 @@ def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: R
     point = restore_or_start(
         checkpoints, runtime, state_variables, plan.steps_per_epoch,
         lambda: written_otherwise(run_dir, config, precision),
-        exact_position=starts_anywhere(config, runtime, plan, datasets))
+        starts_anywhere_but(config, runtime, plan, datasets))
     initial_epoch, restored_from = point.epoch, point.checkpoint
     # Rank 0 keeps the metrics of the epochs a resumed run already has (and drops any later
     # rows an interrupted run wrote after its last checkpoint).
@@ -101,21 +101,33 @@ def resume(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, run_dir: R
                        + (f" and {point.step} of {plan.steps_per_epoch} steps" if point.step
                           else "") + " done"
                        + (f"; resized: {', '.join(resized)} (the schedule follows the epochs)"
-                          if resized else ""))
+                          if resized else "")
+                       + (f"; it was written after {point.rerun_steps} step(s) of epoch "
+                          f"{initial_epoch + 1}, which starts again from its first step "
+                          f"({point.rerun_because}): its weights trained on those step(s) "
+                          "already" if point.rerun_steps else ""))
     return RunStart(run_dir, checkpoints, initial_epoch, point.step, restored_from, rows)
 
 
-def starts_anywhere(config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
-                    datasets: Datasets) -> bool:
-    """Whether a checkpoint written within an epoch can resume at its step, with every batch
-    trained once: the data can start at any step (hvdtrain's image data: its passes are
-    functions of their index, ``data.pipeline.TrainingStart``; a job's own datasets re-run the
-    epoch), no accumulated gradients were lost with the checkpoint, and every epoch consumes
-    exactly its steps' batches (steps_per_execution dividing them)."""
+def starts_anywhere_but(config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
+                        datasets: Datasets) -> str | None:
+    """None when a checkpoint written within an epoch can resume at its step, with every batch
+    trained once, else why not: the data can start at any step (hvdtrain's image data: its
+    passes are functions of their index, ``data.pipeline.TrainingStart``), no accumulated
+    gradients were lost with the checkpoint, and every epoch consumes exactly its steps'
+    batches (steps_per_execution dividing them)."""
     start = getattr(datasets, "start", None)
     per_call = config.steps_per_execution or runtime.default_steps_per_execution()
-    return (start is not None and start.exact and config.grad_accum_steps == 1
-            and plan.steps_per_epoch % per_call == 0)
+    if start is None:
+        return "a job's own datasets cannot start part-way"
+    if not start.exact:
+        return "TFRecords read through a cache cannot start part-way"
+    if config.grad_accum_steps > 1:
+        return "its accumulated gradients were not kept (--grad-accum-steps)"
+    if plan.steps_per_epoch % per_call:
+        return (f"--steps-per-execution {per_call} does not divide the {plan.steps_per_epoch} "
+                "steps per epoch")
+    return None
 
 
 def written_otherwise(run_dir: RunDir, config: TrainConfig, precision: str) -> str | None:
