@@ -259,6 +259,20 @@ def test_a_task_dataset_of_the_wrong_elements_is_one_line(elements, described):
     check_elements(hvdtrain.Datasets(pairs, triples.batch(2)))
 
 
+def sums_task(callbacks=None) -> hvdtrain.Task:
+    """A job of its own: a linear model learning the sums of 4 numbers, 10 batches an epoch."""
+    import keras  # the Keras conftest's hvdtrain import selected
+
+    def datasets(shard: hvdtrain.Shard) -> hvdtrain.Datasets:
+        features = tf.random.stateless_normal((40, 4), seed=(1, 2))
+        train = tf.data.Dataset.from_tensor_slices((features, tf.reduce_sum(features, 1)))
+        return hvdtrain.Datasets(train.batch(4), description="sums")
+
+    return hvdtrain.Task(
+        build_model=lambda data: keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+        loss=lambda: "mse", datasets=datasets, callbacks=callbacks)
+
+
 def test_a_step_checkpoint_of_a_jobs_own_datasets_reruns_its_epoch_and_says_so(tmp_path,
                                                                               capsys):
     """A job's own datasets cannot start part-way: a checkpoint written inside an epoch (every 2
@@ -271,27 +285,31 @@ def test_a_step_checkpoint_of_a_jobs_own_datasets_reruns_its_epoch_and_says_so(t
             if int(self.model.optimizer.iterations.numpy()) == 10 + 4:
                 self.model.stop_training = True
 
-    def datasets(shard: hvdtrain.Shard) -> hvdtrain.Datasets:
-        features = tf.random.stateless_normal((40, 4), seed=(1, 2))
-        train = tf.data.Dataset.from_tensor_slices((features, tf.reduce_sum(features, 1)))
-        return hvdtrain.Datasets(train.batch(4), description="sums")
-
-    run_dir = str(tmp_path / "run")
-    argv = ["--run-dir", run_dir, "--epochs", "3", "--checkpoint-every-steps", "2",
-            "--signal-check-every-steps", "1", "--no-tensorboard"]
-
-    def task(callbacks):
-        return hvdtrain.Task(
-            build_model=lambda data: keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
-            loss=lambda: "mse", datasets=datasets, callbacks=callbacks)
-
-    assert hvdtrain.run(task(lambda: [StopInEpoch2()]), argv, name="sums") == 0
+    argv = ["--run-dir", str(tmp_path / "run"), "--epochs", "3", "--checkpoint-every-steps",
+            "2", "--signal-check-every-steps", "1", "--no-tensorboard"]
+    assert hvdtrain.run(sums_task(lambda: [StopInEpoch2()]), argv, name="sums") == 0
     first = capsys.readouterr().out
     assert "stopped in epoch 2: the job's callbacks asked to stop" in first, first
-    assert hvdtrain.run(task(None), argv, name="sums") == 0
+    assert hvdtrain.run(sums_task(), argv, name="sums") == 0
     printed = capsys.readouterr().out
     assert re.search(r"resuming from \S+/ckpt-\d+: 1 epoch\(s\) done; it was written after 2 "
                      r"step\(s\) of epoch 2, which starts again from its first step \(a job's "
                      r"own datasets cannot start part-way\): its weights trained on those "
                      r"step\(s\) already", printed), printed
     assert "done: 3 epoch(s)" in printed, printed
+
+
+def test_checkpoints_every_few_minutes_are_written_inside_the_epoch(tmp_path):
+    """--checkpoint-every-minutes on rank 0's clock: at a minute's billionth, after every step
+    of the epoch (9 inside it, then the epoch's own), each saying where it resumes."""
+    run_dir = tmp_path / "run"
+    assert hvdtrain.run(sums_task(), ["--run-dir", str(run_dir), "--epochs", "1",
+                                      "--checkpoint-every-minutes", "1e-9", "--no-tensorboard"],
+                        name="sums") == 0
+    written = sorted(int(path.stem.split("-")[1])
+                     for path in (run_dir / "checkpoints").glob("ckpt-*.index"))
+    assert written[-1] == 10, written
+    positions = [json.loads((run_dir / "checkpoints" / f"ckpt-{number}.json").read_text())
+                 for number in written]
+    assert [(where["epoch"], where["step"]) for where in positions] == [
+        (0, number) if number < 10 else (1, 0) for number in written]

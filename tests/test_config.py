@@ -238,3 +238,47 @@ def test_a_jobs_own_optimizer_refuses_the_flags_that_shape_the_built_in_one():
         build_optimizer(parse(), 0.1, model, task_optimizer=lambda rate: "sgd")
     assert isinstance(build_optimizer(parse(), 0.1, model, task_optimizer=keras.optimizers.SGD),
                       keras.optimizers.SGD)
+
+
+@pytest.mark.parametrize("flags, decay", [
+    (["--optimizer", "adam"], 0.0),
+    (["--optimizer", "adamw"], 0.004),  # Keras' default
+    (["--optimizer", "sgd", "--weight-decay", "0.01"], 0.01),
+    (["--optimizer", "rmsprop", "--weight-decay", "0.01"], 0.01),
+])
+@pytest.mark.parametrize("decay_all", [False, True])
+def test_each_optimizer_decays_the_weights_it_is_told_to(flags, decay, decay_all):
+    """A step of zero gradients leaves only the decoupled weight decay: every weight of two or
+    more dimensions shrinks by rate x decay, a bias (or norm scale) only with
+    --decay-all-weights."""
+    import keras
+    import numpy as np
+
+    from hvdtrain.training.optimizers import build_optimizer
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, bias_initializer="ones")])
+    config = parse(*flags, *(["--decay-all-weights"] if decay_all else []))
+    optimizer = build_optimizer(config, 0.5, model)
+    assert type(optimizer).__name__ == {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD",
+                                        "rmsprop": "RMSprop"}[config.optimizer]
+    kernel, bias = (variable.numpy() for variable in model.trainable_variables)
+    optimizer.apply_gradients([(np.zeros(variable.shape, "float32"), variable)
+                               for variable in model.trainable_variables])
+    shrunk = 1 - 0.5 * decay
+    np.testing.assert_allclose(model.trainable_variables[0].numpy(), kernel * shrunk, rtol=1e-6)
+    np.testing.assert_allclose(model.trainable_variables[1].numpy(),
+                               bias * (shrunk if decay_all else 1), rtol=1e-6)
+
+
+def test_early_stopping_watches_the_validation_loss_or_the_loss_without_one():
+    import keras
+
+    from hvdtrain.cnn import CLASSIFIER
+    from hvdtrain.training.fit import make_job_callbacks
+
+    config = parse("--early-stopping", "3")
+    for has_validation, monitor in ((True, "val_loss"), (False, "loss")):
+        [stopping] = make_job_callbacks(config, CLASSIFIER, has_validation)
+        assert isinstance(stopping, keras.callbacks.EarlyStopping)
+        assert (stopping.monitor, stopping.patience) == (monitor, 3)
+    assert make_job_callbacks(parse(), CLASSIFIER, True) == []
