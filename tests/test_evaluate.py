@@ -1,9 +1,11 @@
-"""hvdtrain evaluate's arguments, its output's name and place, and its summary, in process. A
-trained run scored on 1 and 2 ranks against Keras' own evaluate is test_jobs.py's."""
+"""hvdtrain evaluate's arguments, its output's name and place, its summary, what it sums and what
+it refuses, in process. A trained run scored on 1 and 2 ranks against Keras' own evaluate is
+test_jobs.py's."""
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -119,3 +121,17 @@ def test_other_data_is_decoded_to_the_images_the_run_trained_on(tmp_path):
                    {"tfrecords": "shards"})
     assert (files.tfrecords, files.data_dir, files.image_size, files.channels) == (
         "shards", None, 32, 3)
+
+
+def test_images_the_model_was_not_built_for_are_one_line(tmp_path):
+    import keras
+
+    request = evaluate.parse(["--run-dir", str(tmp_path / "run")])
+    scoring = evaluate.Evaluation(request, {}, ClassifierConfig(), runtime=None)
+    inputs = keras.Input((8, 8, 1))
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(inputs)))
+    scoring.check_image_shape(model, (8, 8, 1))  # the run's own
+    with pytest.raises(UserError, match=re.escape(
+            "the model takes 8x8x1 images and this data decodes to 8x8x3 at the run's "
+            "--image-size and --channels: score images of the kind the run trained on")):
+        scoring.check_image_shape(model, (8, 8, 3))
