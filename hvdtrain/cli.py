@@ -26,8 +26,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "slurm": ("hvdtrain.slurm", "write an sbatch script (or the shipped templates)"),
     "examples": ("hvdtrain.shipped", "write the shipped examples (a model file, a job through "
                                      "the API) into a directory"),
-    "evaluate": ("hvdtrain.evaluate", "score a run's classifier over its validation split or "
-                                      "other data, every sample once, on any number of ranks"),
+    "evaluate": ("hvdtrain.evaluate", "score a run's model (classifier, autoencoder) over its "
+                                      "validation split or other data, every sample once, on "
+                                      "any number of ranks"),
     "predict": ("hvdtrain.predict", "a run's model over an image folder, a list of files or "
                                     "TFRecords: one row per input, in order, on any number of "
                                     "ranks"),

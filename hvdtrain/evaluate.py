@@ -1,5 +1,6 @@
-"""`hvdtrain evaluate --run-dir RUN`: a trained classifier scored over a split of its data (or other
-data), every sample exactly once, on any number of ranks.
+"""`hvdtrain evaluate --run-dir RUN`: a run of hvdtrain's own jobs (the classifier, the
+autoencoder) scored over a split of its data (or other data), every sample exactly once, on any
+number of ranks.
 
 Launched like a job (``horovodrun -np 4 python -m hvdtrain.evaluate --run-dir RUN``, the
 launcher, an sbatch template's program) or as one process. The model is the run's
@@ -9,11 +10,12 @@ flags name other data, and ``--split all`` every sample of it.
 
 How every sample counts once: each rank reads its share of the split exactly as validation
 during training does (``build_pipelines``' validation side: every size-th sample, the last batch
-partial, no cache), and sums the per-sample loss and a confusion matrix over it; rank 0 adds the
-ranks' sums. No collective runs per batch, so shares a sample apart need no padding. A file that
-does not decode is counted as skipped, never scored, never a crash. The loss is the job's (the run's
-``--label-smoothing`` included, and the penalties of the model's own regularizers) and accuracy the
-argmax's, as Keras' ``evaluate`` of the compiled classifier computes them in one process.
+partial, no cache), and sums the per-sample loss (and a classifier's confusion matrix) over it;
+rank 0 adds the ranks' sums. No collective runs per batch, so shares a sample apart need no
+padding. A file that does not decode is counted as skipped, never scored, never a crash. The loss
+is the job's (the run's ``--label-smoothing`` included, and the penalties of the model's own
+regularizers) and a classifier's accuracy the argmax's, as Keras' ``evaluate`` of the compiled
+model computes them in one process.
 
 Rank 0 writes ``evaluation-NAME.json`` into the run directory (or ``--output``) atomically and
 prints one summary line.
@@ -24,18 +26,40 @@ import dataclasses
 import os
 import re
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import hvdtrain
 from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import UserError, as_one_line, leave, reported
 from hvdtrain.flags import OneLineParser
 from hvdtrain.rundir import COPY_IT_DOWN, COPY_IT_UP, RunDir, require_file_system_path
-from hvdtrain.runmodel import (check_model_flags, check_writable, classifier_config, few_names,
-                               require_model_file, scored_model)
+from hvdtrain.runmodel import (check_model_flags, check_writable, few_names, require_model_file,
+                               run_config, scored_model)
 
 PROGRAM = "hvdtrain.evaluate"
 SPLITS = ("validation", "train", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredJob:
+    """What evaluate takes from a job it scores: its flags and its Task (model, loss, pairs)."""
+
+    config_class: type
+    task: Callable
+    """config -> the job's Task."""
+    classifies: bool
+    """Its outputs are class logits: accuracy, per class, and the confusion matrix."""
+
+
+def scored_jobs() -> dict[str, ScoredJob]:
+    """The jobs evaluate scores, by the program config.json names (TensorFlow-free imports)."""
+    from hvdtrain import autoencoder, cnn
+
+    return {cnn.PROGRAM: ScoredJob(cnn.ClassifierConfig,
+                                   lambda config: cnn.classifier(config.model,
+                                                                 config.label_smoothing), True),
+            autoencoder.PROGRAM: ScoredJob(autoencoder.ImageConfig,
+                                           lambda config: autoencoder.RECONSTRUCTOR, False)}
 #: Seconds between rank 0's progress lines on a long evaluation.
 PROGRESS_SECONDS = 30.0
 
@@ -62,10 +86,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 def parse(argv: Sequence[str] | None) -> Request:
     parser = OneLineParser(
         prog=usage_name(PROGRAM),
-        description="Score a run directory's classifier over its validation split (or other "
-                    "data): loss, accuracy, per-class accuracy and the confusion matrix, every "
-                    "sample exactly once on any number of ranks. docs/after-training.md.")
-    parser.add_argument("--run-dir", required=True, help="the run directory of a classifier job")
+        description="Score a run directory's model (the classifier's or the autoencoder's) "
+                    "over its validation split (or other data): the loss, and a classifier's "
+                    "accuracy, per-class accuracy and confusion matrix, every sample exactly "
+                    "once on any number of ranks. docs/after-training.md.")
+    parser.add_argument("--run-dir", required=True,
+                        help="the run directory of a classifier or autoencoder job")
     parser.add_argument("--checkpoint", metavar="latest|N",
                         help="score the weights of this checkpoint (its number, or the newest) "
                              "instead of the run's model.keras")
@@ -103,35 +129,39 @@ def parse(argv: Sequence[str] | None) -> Request:
 
 def run(request: Request) -> int:
     """Score the run's model as ``request`` asks, on every rank; rank 0 writes and prints."""
-    from hvdtrain.cnn import PROGRAM as CLASSIFIER
     from hvdtrain.export import read_run_config
 
     recorded = read_run_config(request.run_dir)
-    if recorded.get("program") != CLASSIFIER:
+    jobs = scored_jobs()
+    job = jobs.get(recorded.get("program"))
+    if job is None:
         raise UserError(f"{request.run_dir} is a run of {recorded.get('program')}; evaluate "
-                        f"scores runs of the classifier ({CLASSIFIER}, `hvdtrain train`)")
-    require_model_file(request.run_dir, request.checkpoint, classifier=True)
-    config = classifier_config(request.run_dir, recorded, request.data_flags)
+                        f"scores runs of hvdtrain's own jobs ({', '.join(jobs)}): score a job "
+                        "of your own with its model.keras in your own script")
+    require_model_file(request.run_dir, request.checkpoint, checkpoints_load=True)
+    config = run_config(request.run_dir, recorded, job.config_class, request.data_flags)
     from hvdtrain.training import train  # TensorFlow: after the arguments and the run are read
 
     runtime = train.start_runtime(config)
-    return Evaluation(request, recorded, config, runtime).run()
+    return Evaluation(request, recorded, config, runtime, job).run()
 
 
 class Evaluation:
-    def __init__(self, request: Request, recorded: dict, config, runtime):
+    def __init__(self, request: Request, recorded: dict, config, runtime, job: ScoredJob):
         self.request, self.recorded, self.config, self.runtime = request, recorded, config, runtime
+        self.job, self.task = job, job.task(config)
 
     def run(self) -> int:
         from hvdtrain.data import load_listing
 
         started = time.monotonic()
         listing = load_listing(self.config, self.runtime)
-        self.check_classes(listing.class_names)
+        if self.job.classifies:
+            self.check_classes(listing.class_names)
         splits = self.splits(listing)
         model, model_source = scored_model(self.request.run_dir, self.request.checkpoint,
                                            self.recorded, self.config, self.runtime,
-                                           listing.image_shape, len(listing.class_names))
+                                           lambda: self.task.build_model(listing))
         self.check_image_shape(model, listing.image_shape)
         path = self.output_path(model_source)
         # Rank 0 writes the result: it checks where, before anyone scores (a refusal reaches
@@ -183,20 +213,19 @@ class Evaluation:
         import numpy as np
         import tensorflow as tf
 
-        from hvdtrain.cnn import classifier
         from hvdtrain.data import build_pipelines
         from hvdtrain.data.cache import CacheChoice
 
         world, config = self.runtime.world, self.config
-        sums = batch_sums(model, classifier(config.model, config.label_smoothing).loss(),
-                          len(listing.class_names))
+        classes = len(listing.class_names) if self.job.classifies else 0
+        sums = batch_sums(model, self.task.loss(), classes)
+        to_pairs = self.task.to_pairs or (lambda images, labels: (images, labels))
 
         # The run's batch per worker (under --batch-policy global, --batch-size is the job's).
         batch_size = (self.request.batch_size
                       or self.recorded.get("plan", {}).get("per_worker_batch_size")
                       or config.batch_size)
-        classes = len(listing.class_names)
-        loss_sum, confusion, samples = 0.0, np.zeros((classes, classes)), 0
+        loss_sum, scored, confusion, samples = 0.0, 0.0, np.zeros((classes, classes)), 0
         progress = Progress(self.runtime, sum(part.num_samples for part in splits))
         for split in splits:
             # Validation's own reading of a split (every size-th sample, the last batch partial),
@@ -209,26 +238,27 @@ class Evaluation:
                 threads=self.runtime.devices.threads)
             for batch in pipelines.validation:
                 images, labels = batch[0], batch[1]
-                weights = batch[2] if len(batch) == 3 else tf.ones_like(labels, tf.float32)
-                batch_loss, batch_confusion = sums(images, labels, weights)
+                weights = (batch[2] if len(batch) == 3
+                           else tf.ones(tf.shape(labels)[:1], tf.float32))
+                batch_loss, batch_scored, batch_confusion = sums(*to_pairs(images, labels),
+                                                                 weights)
                 loss_sum += float(batch_loss)
+                scored += float(batch_scored)
                 confusion += batch_confusion.numpy()
                 progress.advance(int(tf.shape(labels)[0]) * world.size)
             samples += pipelines.validation_samples
-        # A sample that did not decode is a blank of weight 0 (DecodeFailures): listed, in no
-        # cell of the confusion matrix.
-        return {"listed": samples, "loss_sum": loss_sum,
+        # A sample that did not decode is a blank of weight 0 (DecodeFailures): listed, not
+        # scored, in no cell of the confusion matrix.
+        return {"listed": samples, "scored": round(scored), "loss_sum": loss_sum,
                 "confusion": confusion.round().astype(np.int64).tolist()}
 
     # --- the result ------------------------------------------------------------------------------
     def result(self, everyone: list[dict], listing, model_source: str, seconds: float) -> dict:
         import numpy as np
 
-        confusion = np.sum([np.array(rank["confusion"]) for rank in everyone], axis=0)
-        scored = int(confusion.sum())
-        per_class_samples = confusion.sum(axis=1)
+        scored = sum(rank["scored"] for rank in everyone)
         request = self.request
-        return {
+        result = {
             "run_dir": os.path.abspath(request.run_dir),
             "model": model_source,
             "data": listing.description,
@@ -237,16 +267,21 @@ class Evaluation:
             "samples": scored,
             "skipped": sum(rank["listed"] for rank in everyone) - scored,
             "loss": sum(rank["loss_sum"] for rank in everyone) / scored if scored else None,
-            "accuracy": float(np.trace(confusion) / scored) if scored else None,
-            "per_class_accuracy": {
-                name: (float(confusion[index, index] / per_class_samples[index])
-                       if per_class_samples[index] else None)
-                for index, name in enumerate(listing.class_names)},
-            "class_names": list(listing.class_names),
-            "confusion_matrix": confusion.astype(int).tolist(),
-            "confusion_matrix_axes": "rows: true class, columns: predicted class",
-            "seconds": round(seconds, 2),
         }
+        if self.job.classifies:
+            confusion = np.sum([np.array(rank["confusion"]) for rank in everyone], axis=0)
+            per_class_samples = confusion.sum(axis=1)
+            result.update({
+                "accuracy": float(np.trace(confusion) / scored) if scored else None,
+                "per_class_accuracy": {
+                    name: (float(confusion[index, index] / per_class_samples[index])
+                           if per_class_samples[index] else None)
+                    for index, name in enumerate(listing.class_names)},
+                "class_names": list(listing.class_names),
+                "confusion_matrix": confusion.astype(int).tolist(),
+                "confusion_matrix_axes": "rows: true class, columns: predicted class",
+            })
+        return {**result, "seconds": round(seconds, 2)}
 
     def output_path(self, model_source: str) -> str:
         """--output, or RUN/evaluation-NAME.json: NAME the split, then the data's name when it
@@ -281,38 +316,46 @@ class Progress:
 
 
 def batch_sums(model, loss, classes: int):
-    """A function of a batch (images, labels, weights) to its summed loss and its confusion
-    matrix, counted as Keras' ``evaluate`` counts them: each sample's loss plus the penalties
-    the model's layers add themselves (weight and activity regularizers; Keras adds their sum to
-    each batch's mean loss and averages the batches by their sizes), for the samples of weight
-    1 only."""
+    """A function of a batch (inputs, targets, weights) to its summed loss, the samples it
+    scored and (``classes`` above 0) its confusion matrix, counted as Keras' ``evaluate`` counts
+    them: each sample's loss (its mean over the sample's values: an image's pixels) plus the
+    penalties the model's layers add themselves (weight and activity regularizers; Keras adds
+    their sum to each batch's mean loss and averages the batches by their sizes), for the
+    samples of weight 1 only."""
     import tensorflow as tf
 
     per_sample = loss.call if hasattr(loss, "call") else loss  # unreduced, as Keras has it
 
     @tf.function(reduce_retracing=True)
-    def sums(images, labels, weights):
-        logits = tf.cast(model(images, training=False), tf.float32)
+    def sums(inputs, targets, weights):
+        outputs = tf.cast(model(inputs, training=False), tf.float32)
         weights = tf.cast(weights, tf.float32)
-        losses = tf.cast(per_sample(labels, logits), tf.float32)
+        losses = tf.cast(per_sample(targets, outputs), tf.float32)
+        losses = tf.reduce_mean(tf.reshape(losses, [tf.shape(losses)[0], -1]), axis=1)
         # Read after the call, so the activity penalties are this batch's.
         penalty = tf.add_n([tf.cast(tf.reduce_sum(term), tf.float32) for term in model.losses]
                            or [tf.constant(0.0)])
-        confusion = tf.math.confusion_matrix(tf.reshape(labels, [-1]),
-                                             tf.argmax(logits, axis=-1), classes,
-                                             weights=weights, dtype=tf.float64)
-        return tf.reduce_sum(tf.cast((losses + penalty) * weights, tf.float64)), confusion
+        if classes:
+            confusion = tf.math.confusion_matrix(tf.reshape(targets, [-1]),
+                                                 tf.argmax(outputs, axis=-1), classes,
+                                                 weights=weights, dtype=tf.float64)
+        else:
+            confusion = tf.zeros((0, 0), tf.float64)
+        return (tf.reduce_sum(tf.cast((losses + penalty) * weights, tf.float64)),
+                tf.reduce_sum(weights), confusion)
 
     return sums
 
 
 def summary(result: dict) -> str:
-    per_class = {name: value for name, value in result["per_class_accuracy"].items()
+    per_class = {name: value for name, value in result.get("per_class_accuracy", {}).items()
                  if value is not None}
     lowest = min(per_class, key=per_class.get) if per_class else None
     skipped = f" ({result['skipped']} did not decode, not scored)" if result["skipped"] else ""
-    scores = (f"loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f}"
-              if result["samples"] else "nothing to score")
+    scores = "nothing to score"
+    if result["samples"]:
+        scores = f"loss {result['loss']:.4f}" + (
+            f", accuracy {result['accuracy']:.4f}" if "accuracy" in result else "")
     return (f"{result['samples']} samples{skipped} ({result['split']} of {result['data']}) on "
             f"{result['ranks']} rank(s): {scores}"
             + (f", lowest class {lowest} {per_class[lowest]:.4f}" if lowest is not None else ""))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Callable
 
 import hvdtrain
 from hvdtrain.errors import UserError
@@ -21,13 +22,13 @@ def check_model_flags(keras: str, checkpoint: str | None, program: str) -> None:
                         f"{checkpoint!r}")
 
 
-def require_model_file(run_dir: str, checkpoint: str | None, *, classifier: bool) -> None:
+def require_model_file(run_dir: str, checkpoint: str | None, *, checkpoints_load: bool) -> None:
     """Without ``checkpoint``, the run's model.keras must be there (checked before TensorFlow
-    loads)."""
+    loads); ``checkpoints_load``: the command can load a checkpoint instead, and says so."""
     if checkpoint is None and not os.path.isfile(os.path.join(run_dir, MODEL_FILE)):
         raise UserError(f"{run_dir} holds no {MODEL_FILE} (its job has not finished, ran with "
                         "--no-export, or its model could only be saved as weights)"
-                        + (": pass --checkpoint latest" if classifier else ""))
+                        + (": pass --checkpoint latest" if checkpoints_load else ""))
 
 
 def recorded_image_shape(recorded: dict) -> tuple[int, int, int] | None:
@@ -39,15 +40,15 @@ def recorded_image_shape(recorded: dict) -> tuple[int, int, int] | None:
     return height, width, channels
 
 
-def classifier_config(run_dir: str, recorded: dict, data_flags: dict | None = None):
-    """The classifier run's config (``data_flags`` naming other data), as a command that loads
-    its model runs it: in whatever world it was launched as (the run's accumulation, which
-    keeps horovod, and its strategy are training's)."""
-    from hvdtrain.cnn import ClassifierConfig
+def run_config(run_dir: str, recorded: dict, config_class: type,
+               data_flags: dict | None = None):
+    """The run's config (``config_class``: its job's; ``data_flags`` naming other data), as a
+    command that loads its model runs it: in whatever world it was launched as (the run's
+    accumulation, which keeps horovod, and its strategy are training's)."""
     from hvdtrain.training.config import read_config_file
 
     try:
-        fields = read_config_file(os.path.join(run_dir, "config.json"), ClassifierConfig)
+        fields = read_config_file(os.path.join(run_dir, "config.json"), config_class)
         if data_flags:
             fields.update({"data": "digits", "data_dir": None, "tfrecords": None, **data_flags})
             # A run on embedded data has no --image-size or --channels (its images come in
@@ -56,16 +57,16 @@ def classifier_config(run_dir: str, recorded: dict, data_flags: dict | None = No
             if shape and shape[0] == shape[1]:
                 fields["image_size"] = fields.get("image_size") or shape[0]
                 fields["channels"] = fields.get("channels") or shape[2]
-        return ClassifierConfig(**{**fields, "backend": "auto", "grad_accum_steps": 1})
+        return config_class(**{**fields, "backend": "auto", "grad_accum_steps": 1})
     except ValueError as error:
         raise UserError(str(error)) from None
 
 
 def scored_model(run_dir: str, checkpoint: str | None, recorded: dict, config, runtime,
-                 image_shape: tuple[int, int, int], num_classes: int):
+                 build: Callable):
     """(the run's model, what it is): its ``model.keras``, or with ``checkpoint`` ('latest' or a
-    number) that checkpoint's weights restored into the run's classifier, built for
-    ``image_shape`` and ``num_classes`` in the run's precision."""
+    number) that checkpoint's weights restored into the run's network, as ``build()`` makes it
+    for the data, in the run's precision."""
     if checkpoint is None:
         from hvdtrain.export import load_run_model
 
@@ -73,7 +74,6 @@ def scored_model(run_dir: str, checkpoint: str | None, recorded: dict, config, r
         return load_run_model(path, recorded), path
     import tensorflow as tf
 
-    from hvdtrain.models import build_classifier
     from hvdtrain.training.checkpoint import checkpoint_numbers
     from hvdtrain.training.model import seed_and_precision
 
@@ -89,7 +89,7 @@ def scored_model(run_dir: str, checkpoint: str | None, recorded: dict, config, r
                         f"(it holds {', '.join(map(str, kept)) or 'none'})")
     seed_and_precision(config, runtime)  # the run's precision policy
     try:
-        model = build_classifier(config.model, image_shape, num_classes)
+        model = build()
     except ValueError as error:
         raise UserError(str(error)) from None
     try:

@@ -13,6 +13,8 @@ from hvdtrain import evaluate, runmodel
 from hvdtrain.cnn import ClassifierConfig
 from hvdtrain.errors import UserError
 
+CLASSIFIER_JOB = evaluate.scored_jobs()["hvdtrain.cnn"]
+
 
 @pytest.mark.parametrize("argv, message", [
     (["--checkpoint", "newest"], "--checkpoint must be 'latest' or a checkpoint's number"),
@@ -32,7 +34,8 @@ def test_bad_arguments_are_one_line_before_anything_is_read(argv, message):
 def test_the_output_is_named_by_split_data_and_checkpoint_and_checked_before_scoring(tmp_path):
     def path(*argv, model="runs/x/model.keras", **config):
         request = evaluate.parse(["--run-dir", str(tmp_path / "run"), *argv])
-        found = evaluate.Evaluation(request, {}, ClassifierConfig(**config), runtime=None)
+        found = evaluate.Evaluation(request, {}, ClassifierConfig(**config), runtime=None,
+                                    job=CLASSIFIER_JOB)
         return os.path.relpath(found.output_path(model), tmp_path)
 
     assert path() == "run/evaluation-validation.json"
@@ -65,6 +68,11 @@ def test_the_summary_names_the_lowest_class_and_says_when_nothing_was_scored():
     assert evaluate.summary(result) == (
         "359 samples (2 did not decode, not scored) (validation of digits) on 2 rank(s): loss "
         "0.0612, accuracy 0.9861, lowest class 8 0.9459")
+    # A job that does not classify (the autoencoder): its loss alone.
+    reconstruction = {"samples": 359, "skipped": 0, "split": "validation", "data": "digits",
+                      "ranks": 1, "loss": 0.00412}
+    assert evaluate.summary(reconstruction) == (
+        "359 samples (validation of digits) on 1 rank(s): loss 0.0041")
     nothing = {**result, "samples": 0, "skipped": 3, "loss": None, "accuracy": None,
                "per_class_accuracy": {"0": None}}
     assert evaluate.summary(nothing).endswith("on 2 rank(s): nothing to score")
@@ -91,12 +99,14 @@ def test_a_batchs_sums_are_keras_evaluates_with_the_models_own_penalties():
     keras_says = model.evaluate(images, labels, batch_size=10, verbose=0, return_dict=True)
 
     sums = evaluate.batch_sums(model, loss, classes=3)
-    loss_sum, confusion = 0.0, np.zeros((3, 3))
+    loss_sum, scored, confusion = 0.0, 0.0, np.zeros((3, 3))
     for start in range(0, 103, 25):  # other batches than Keras': 25, 25, 25, 25, 3
-        batch_loss, batch_confusion = sums(images[start:start + 25], labels[start:start + 25],
-                                           np.ones(len(labels[start:start + 25]), "float32"))
+        batch_loss, batch_scored, batch_confusion = sums(
+            images[start:start + 25], labels[start:start + 25],
+            np.ones(len(labels[start:start + 25]), "float32"))
         loss_sum, confusion = loss_sum + float(batch_loss), confusion + batch_confusion.numpy()
-    assert confusion.sum() == 103
+        scored += float(batch_scored)
+    assert confusion.sum() == scored == 103
     assert loss_sum / 103 == pytest.approx(keras_says["loss"], rel=1e-5)
     assert np.trace(confusion) / 103 == pytest.approx(keras_says["accuracy"], abs=1e-6)
     # Without the penalties the loss is not Keras' by far more than the tolerance.
@@ -112,7 +122,7 @@ def test_other_data_is_decoded_to_the_images_the_run_trained_on(tmp_path):
         recorded = {"program": "hvdtrain.cnn", "config": recorded_config,
                     "fingerprint": {"images": images}}
         (tmp_path / "config.json").write_text(json.dumps(recorded))
-        return runmodel.classifier_config(str(tmp_path), recorded, data_flags)
+        return runmodel.run_config(str(tmp_path), recorded, ClassifierConfig, data_flags)
 
     scored = config({"data": "digits"}, "8x8x1", {"data_dir": "new"})
     assert (scored.data_dir, scored.image_size, scored.channels) == ("new", 8, 1)
@@ -127,7 +137,8 @@ def test_images_the_model_was_not_built_for_are_one_line(tmp_path):
     import keras
 
     request = evaluate.parse(["--run-dir", str(tmp_path / "run")])
-    scoring = evaluate.Evaluation(request, {}, ClassifierConfig(), runtime=None)
+    scoring = evaluate.Evaluation(request, {}, ClassifierConfig(), runtime=None,
+                                  job=CLASSIFIER_JOB)
     inputs = keras.Input((8, 8, 1))
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(inputs)))
     scoring.check_image_shape(model, (8, 8, 1))  # the run's own

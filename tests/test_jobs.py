@@ -506,12 +506,23 @@ def test_batch_norm_two_ranks_match_one_at_equal_epochs(autoencoder_runs):
 
 
 def test_the_autoencoder_under_horovodrun_two_ranks(autoencoder_runs):
+    """Trained on 2 ranks, and scored by hvdtrain evaluate (its newest checkpoint, restored into
+    the network the job builds, in one process): its reconstruction loss over the validation
+    digits is the last epoch's val_loss, which Keras' validation computed on the 2 ranks."""
     run_dir, stdout = autoencoder_runs[2]
     assert "backend horovod | 2 process(es)" in stdout
-    losses = [row["loss"] for row in json.loads((run_dir / "metrics.json").read_text())]
+    rows = json.loads((run_dir / "metrics.json").read_text())
+    losses = [row["loss"] for row in rows]
     assert losses[-1] < losses[0], losses
     pictures = sorted(p.name for p in run_dir.glob("*.png") if p.name != "curves.png")
     assert pictures == ["cpu.png"]  # one reconstruction picture, from rank 0 only
+    scored = run_job([sys.executable, "-m", "hvdtrain.evaluate", "--run-dir", str(run_dir),
+                      "--checkpoint", "latest", "--output", str(run_dir / "scores.json")],
+                     timeout=150)
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert scores["samples"] == 359 and "accuracy" not in scores, scores
+    assert scores["loss"] == pytest.approx(rows[-1]["val_loss"], rel=1e-5), (scores, rows[-1])
+    assert "359 samples (validation of " in scored.stdout, scored.stdout[-2000:]
 
 
 @pytest.mark.timeout(900)

@@ -34,8 +34,8 @@ from hvdtrain.cli import error_name, usage_name
 from hvdtrain.errors import UserError, as_one_line, leave, reported
 from hvdtrain.flags import OneLineParser
 from hvdtrain.rundir import COPY_IT_DOWN, COPY_IT_UP, MODEL_FILE, require_file_system_path
-from hvdtrain.runmodel import (check_model_flags, check_writable, classifier_config, few_names,
-                               recorded_image_shape, require_model_file, scored_model)
+from hvdtrain.runmodel import (check_model_flags, check_writable, few_names, recorded_image_shape,
+                               require_model_file, run_config, scored_model)
 
 PROGRAM = "hvdtrain.predict"
 DEFAULT_PART_SIZE = 10_000
@@ -129,7 +129,7 @@ def parse(argv: Sequence[str] | None) -> Request:
 
 def run(request: Request) -> int:
     """Predict as ``request`` asks, on every rank; rank 0 writes the output and prints."""
-    from hvdtrain.cnn import PROGRAM as CLASSIFIER
+    from hvdtrain.cnn import PROGRAM as CLASSIFIER, ClassifierConfig
     from hvdtrain.export import read_run_config
 
     recorded = read_run_config(request.run_dir)
@@ -140,8 +140,8 @@ def run(request: Request) -> int:
     if request.checkpoint is not None and not is_classifier:
         raise UserError("--checkpoint rebuilds the classifier's network; for a run of "
                         f"{recorded.get('program')}, predict with its {MODEL_FILE}")
-    require_model_file(request.run_dir, request.checkpoint, classifier=is_classifier)
-    config = classifier_config(request.run_dir, recorded) if is_classifier else None
+    require_model_file(request.run_dir, request.checkpoint, checkpoints_load=is_classifier)
+    config = run_config(request.run_dir, recorded, ClassifierConfig) if is_classifier else None
     from hvdtrain.runtime import make_runtime  # TensorFlow: after the arguments and the run
 
     threads = recorded.get("config", {}).get("threads_per_worker")
@@ -225,8 +225,11 @@ class Prediction:
             raise UserError(f"{self.request.run_dir}'s config.json does not say its images' "
                             "shape and classes (a run of an older hvdtrain): predict with its "
                             f"{MODEL_FILE}")
+        from hvdtrain.models import build_classifier
+
         return scored_model(self.request.run_dir, self.request.checkpoint, self.recorded,
-                            self.config, self.runtime, shape, len(classes or ()))
+                            self.config, self.runtime,
+                            lambda: build_classifier(self.config.model, shape, len(classes)))
 
     def image_shape(self, model) -> tuple[int, int, int]:
         """What every input is decoded to: the model's input (the run's images when the model
