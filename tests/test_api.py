@@ -313,3 +313,59 @@ def test_checkpoints_every_few_minutes_are_written_inside_the_epoch(tmp_path):
                  for number in written]
     assert [(where["epoch"], where["step"]) for where in positions] == [
         (0, number) if number < 10 else (1, 0) for number in written]
+
+
+def test_an_ema_run_resumed_inside_an_epoch_and_stopped_after_it_exports_the_averages(
+        tmp_path):
+    """A job optimizer keeping a moving average of the weights (use_ema), which Keras copies
+    into them as a fit ends: a run resumed inside epoch 2 fits the epoch's rest, and its job's
+    callback stops it at that epoch's end. It exports what the run never stopped exports, the
+    averages (the fit of the rest was not the run's last planned one: finalized after it)."""
+    import dataclasses
+
+    import keras  # the Keras conftest's hvdtrain import selected
+    import numpy as np
+
+    from hvdtrain.cnn import PRESETS, classifier
+    from hvdtrain.models.cnn import build_cnn
+
+    class StopAt(keras.callbacks.Callback):
+        """Stops after the given global step (inside an epoch) or at epoch 2's end."""
+
+        def __init__(self, step=None):
+            super().__init__()
+            self.step = step
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.step and int(self.model.optimizer.iterations.numpy()) == self.step:
+                self.model.stop_training = True
+
+        def on_epoch_end(self, epoch, logs=None):
+            if self.step is None and epoch == 1:
+                self.model.stop_training = True
+
+    def task(step=None):
+        return lambda config: dataclasses.replace(
+            classifier(config.model),
+            build_model=lambda data: build_cnn(data.image_shape, len(data.class_names),
+                                               dropout=0.0),  # masks a resume would redraw
+            optimizer=lambda rate: keras.optimizers.Adam(rate, use_ema=True),
+            callbacks=lambda: [StopAt(step)])
+
+    def weights(run_dir):
+        return keras.models.load_model(run_dir / "model.keras", compile=False).get_weights()
+
+    flags = ["--preset", "tiny", "--checkpoint-every-steps", "5", "--signal-check-every-steps",
+             "1"]
+    never, resumed = tmp_path / "never", tmp_path / "resumed"
+    assert hvdtrain.run(task(), [*flags, "--run-dir", str(never)], name="hvdtrain.cnn",
+                        presets=PRESETS) == 0
+    steps = json.loads((never / "config.json").read_text())["plan"]["steps_per_epoch"]
+    # Stopped in epoch 2 at its 12th step: its checkpoint after the 10th is kept.
+    hvdtrain.run(task(steps + 12), [*flags, "--run-dir", str(resumed)], name="hvdtrain.cnn",
+                 presets=PRESETS)
+    assert not (resumed / "model.keras").exists()
+    assert hvdtrain.run(task(), [*flags, "--run-dir", str(resumed)], name="hvdtrain.cnn",
+                        presets=PRESETS) == 0
+    for mine, theirs in zip(weights(resumed), weights(never), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-5)

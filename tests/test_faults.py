@@ -71,6 +71,7 @@ def test_a_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, np_, victim):
         assert log.startswith(f"hvdtrain.cnn: rank {rank} of {np_} on "), log[:300]
     chief_log = (run_dir / "logs" / "rank-0.log").read_text()
     assert "placement: " in chief_log and "Epoch 1/200" in chief_log, chief_log[-2000:]
+    assert "\noptimizer: Adam\n" in chief_log, chief_log[:3000]  # the banner's last line
 
     # The same command again resumes from the last checkpoint, losing at most one epoch.
     rerun = mpirun_job(np_, "hvdtrain.cnn", "--preset", "tiny", "--epochs",

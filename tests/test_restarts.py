@@ -387,20 +387,20 @@ def test_a_damaged_checkpoint_index_is_rebuilt_from_the_checkpoints(four_checkpo
 def test_a_killed_rank_is_restarted_and_resumes_at_its_last_step_checkpoint_as_if_never_stopped(
         tmp_path):
     """The launcher with --max-restarts 1 and --checkpoint-every-steps 5: rank 0 SIGKILLed after
-    step 11 (epoch 1's 11th of 22), saying nothing; the launcher names it, restarts the job, and
-    the restart loses one step: it resumes at step 10 of epoch 1 with the data where it stopped
+    step 33 (epoch 2's 11th of 22), saying nothing; the launcher names it, restarts the job, and
+    the restart loses one step: it resumes at step 10 of epoch 2 with the data where it stopped
     (its pass, in its order, from the next batch), the schedule and the optimizer state, fits the
-    epoch's rest and then epoch 2, and ends with every epoch once and the weights of a run never
+    epoch's rest and then epoch 3, and ends with every epoch once and the weights of a run never
     stopped (deterministic ops; no dropout, whose masks Keras draws from generators no checkpoint
     holds). Those include the batch-norm statistics, which 2 ranks recompute from training
-    batches at each epoch's end (they were taken from other batches after a resume: 1.3e-3
-    apart), and the optimizer's moving average of the weights (use_ema), which Keras copies into
-    them as a fit ends (the fit of the resumed epoch's rest did, and epoch 2 trained on from
-    the averages)."""
+    batches at each epoch's end, read on from epoch x batches (they were taken from other
+    batches after a resume: 1.3e-3 apart), and the optimizer's moving average of the weights
+    (use_ema), which Keras copies into them as a fit ends (the fit of the resumed epoch's rest
+    did, and epoch 3 trained on from the averages)."""
     import numpy as np
 
     script = SCRIPTS / "killed_at_step.py"
-    flags = ["--preset", "tiny", "--epochs", "2", "--checkpoint-every-steps", "5",
+    flags = ["--preset", "tiny", "--epochs", "3", "--checkpoint-every-steps", "5",
              "--model", f"{script}:build"]
     env = clean_env(TF_DETERMINISTIC_OPS="1")
     never_stopped, killed = tmp_path / "never-stopped", tmp_path / "killed"
@@ -413,7 +413,7 @@ def test_a_killed_rank_is_restarted_and_resumes_at_its_last_step_checkpoint_as_i
     restarted = run_job(
         [*LAUNCH, "--np", "2", "--via", "mpirun", "--max-restarts", "1", "--skip-preflight",
          "--", str(script), *flags, "--run-dir", str(killed)], timeout=300, check=False,
-        env={**env, "HVDTRAIN_RUN_DIR": str(killed), "HVDTRAIN_TEST_KILL_AT": "11"})
+        env={**env, "HVDTRAIN_RUN_DIR": str(killed), "HVDTRAIN_TEST_KILL_AT": "33"})
     output = restarted.stdout
     assert restarted.returncode == 0, output[-4000:]
     assert not ranks_of(killed, str(script)), "ranks outlived the job"
@@ -423,9 +423,9 @@ def test_a_killed_rank_is_restarted_and_resumes_at_its_last_step_checkpoint_as_i
     assert restarts == [("137", socket.gethostname(), "ended on SIGKILL (killed: the "
                          "out-of-memory killer, or by hand)", f"{killed}/logs/rank-0.log",
                          "1")], output[-4000:]
-    # It was killed in epoch 1, before any epoch's checkpoint, and the restart resumed at the
-    # last step checkpoint, not at the start.
-    assert re.search(r"resuming from \S+ckpt-\d+: 0 epoch\(s\) and 10 of 22 steps done",
+    # It was killed in epoch 2, and the restart resumed at the last step checkpoint, not at the
+    # last epoch's.
+    assert re.search(r"resuming from \S+ckpt-\d+: 1 epoch\(s\) and 10 of 22 steps done",
                      output), output[-3000:]
     assert len(re.findall(RESUMED, output)) == 1, output[-3000:]
 
@@ -448,7 +448,7 @@ def test_a_killed_rank_is_restarted_and_resumes_at_its_last_step_checkpoint_as_i
                 for row in json.loads((run_dir / "metrics.json").read_text())]
 
     # Every epoch once, none lost or logged twice, at the rate of the run never stopped.
-    assert [epoch for epoch, _ in rows(killed)] == [1, 2], rows(killed)
+    assert [epoch for epoch, _ in rows(killed)] == [1, 2, 3], rows(killed)
     assert rows(killed) == rows(never_stopped)
     expected, got = weights(never_stopped), weights(killed)
     assert len(got) == len(expected) > 0

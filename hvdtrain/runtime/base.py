@@ -259,6 +259,11 @@ class Runtime:
     def default_steps_per_execution(self) -> int:
         return 1
 
+    def steps_per_call(self, steps_per_execution: int | None) -> int:
+        """The steps one call of the compiled training function runs: ``--steps-per-execution``,
+        else this backend's default."""
+        return steps_per_execution or self.default_steps_per_execution()
+
     def default_precision(self) -> str:
         return "fp32"
 

@@ -224,13 +224,13 @@ class StartPoint:
     """Steps of the epoch the checkpoint was written after that run again: its epoch starts
     again from its first step, with weights that trained on them (``rerun_because``)."""
     rerun_because: str | None = None
+    """Why the data could not start at the checkpoint's step."""
 
 
 def restore_or_start(checkpoints: Checkpoints, runtime, state_variables: list,
                       steps_per_epoch: int,
-                      written_otherwise: Callable[[], str | None] = lambda: None,
-                      starts_anywhere_but: str | None = "the data cannot start part-way"
-                      ) -> StartPoint:
+                      written_otherwise: Callable[[], str | None],
+                      starts_anywhere_but: str | None) -> StartPoint:
     """Where to start, the same on every rank, and every rank holding the state to start from:
     rank 0's restored (or freshly initialised) variables.
 

@@ -26,7 +26,7 @@ from hvdtrain.task import Datasets, Task
 from hvdtrain.timeline import Timeline
 from hvdtrain.tracking import Tracker
 from hvdtrain.training.profile import InputWait
-from hvdtrain.training.optimizers import learning_rate_schedule, sets_the_rate
+from hvdtrain.training.optimizers import describe_optimizer, learning_rate_schedule, sets_the_rate
 from hvdtrain.training.inputs import model_data
 from hvdtrain.training.model import build_and_compile, export, exported, seed_and_precision
 from hvdtrain.training.start import (RunStart, claim_run_dir, fingerprint, record_start,
@@ -62,6 +62,9 @@ def fit(program: str, config: TrainConfig, runtime: Runtime, plan: TrainingPlan,
     experiment = fingerprint(program, config, datasets, plan)
     run_dir = claim_run_dir(program, config, runtime, experiment, state_variables, banner_text,
                             file_table=getattr(datasets, "identity", {}).get("files"))
+    # The banner's last line, once rank 0's log has started (its lines before are the log's
+    # header): the log holds it too.
+    runtime.print0(describe_optimizer(config, model, own=task.optimizer is not None))
     start = resume(config, runtime, plan, run_dir, model, state_variables, precision, schedule,
                    datasets)
     tracker = record_start(program, config, runtime, plan, start, precision, experiment,
@@ -129,7 +132,7 @@ def training_callbacks(config: TrainConfig, runtime: Runtime, plan: TrainingPlan
         if config.tensorboard or profile:
             callbacks.append(TensorBoardLog(
                 start.run_dir.tensorboard, profile,
-                config.steps_per_execution or runtime.default_steps_per_execution()))
+                runtime.steps_per_call(config.steps_per_execution)))
     # Last: it holds back a stop the job's callbacks set on one rank until all agree.
     callbacks.append(PreemptionCheck(runtime, request, config.signal_check_every_steps,
                                      SaveOnStop(start.checkpoints, request, world.is_chief),
@@ -196,6 +199,7 @@ def train_epochs(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, mode
         spans = [(initial_epoch, initial_epoch + 1, plan.steps_per_epoch - start.initial_step,
                   start.initial_step), (initial_epoch + 1, config.epochs, plan.steps_per_epoch, 0)]
     spans = [span for span in spans if span[0] < span[1]]
+    finalize_pending = False
     with tracking.failure_marked(tracker), disk_cache_failures_in_one_line():
         for index, (first, last, steps, steps_done) in enumerate(spans):
             if request.agreed or request.by_job:
@@ -203,20 +207,23 @@ def train_epochs(config: TrainConfig, runtime: Runtime, plan: TrainingPlan, mode
             if data_start is not None:
                 data_start.at_step(first * plan.steps_per_epoch + steps_done)
             request.steps_before = steps_done  # the checkpoints' step within the epoch
-            with _finalized_only_if(index == len(spans) - 1, model.optimizer):
+            finalize_pending = index < len(spans) - 1
+            with _not_finalized_if(finalize_pending, model.optimizer):
                 model.fit(train, epochs=last, initial_epoch=first, steps_per_epoch=steps,
                           validation_data=validation, callbacks=callbacks,
                           verbose=_verbosity(runtime.world),
                           shuffle=False)  # the pipelines shuffle (Keras 3 warns that it cannot)
+    if finalize_pending:  # a stop ended the run after a fit that was not to be its last
+        model.optimizer.finalize_variable_values(model.trainable_variables)
     return trains
 
 
 @contextlib.contextmanager
-def _finalized_only_if(last_fit: bool, optimizer):
+def _not_finalized_if(more_fits: bool, optimizer):
     """Keras ends every ``fit`` with ``optimizer.finalize_variable_values`` (an optimizer with
     ``use_ema`` copies its moving averages into the weights there): only the run's last fit may,
     or a run resumed inside an epoch would go on from the averages, not the weights."""
-    if last_fit:
+    if not more_fits:
         yield
         return
     optimizer.finalize_variable_values = lambda var_list: None  # this object's, for this fit

@@ -11,7 +11,7 @@ from hvdtrain.errors import UserError, as_one_line
 from hvdtrain.rundir import MODEL_FILE, WEIGHTS_FILE, RunDir
 from hvdtrain.runtime import Runtime
 from hvdtrain.task import Datasets, Task
-from hvdtrain.training.optimizers import build_optimizer, describe_optimizer
+from hvdtrain.training.optimizers import build_optimizer
 
 
 #: --jit-compile as each Keras' compile takes it. "auto" is Keras 3's own rule (XLA where
@@ -34,7 +34,6 @@ def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, dataset
                             f"{type(model).__name__}")
         create_variables(model, element_spec[0])
         optimizer = build_optimizer(config, schedule, model, task.optimizer)
-        runtime.print0(describe_optimizer(config, model, own=task.optimizer is not None))
         if KERAS == "3" and keras.mixed_precision.global_policy().name == "mixed_float16":
             # Keras 3's compile would wrap the distributed optimizer in a LossScaleOptimizer,
             # whose inf/NaN check would then come before the ranks' average (see
@@ -50,8 +49,7 @@ def build_and_compile(config: TrainConfig, runtime: Runtime, task: Task, dataset
         model.compile(optimizer=optimizer, loss=task.loss(),
                       metrics=None if weighted else task.metrics(),
                       weighted_metrics=task.metrics() if weighted else None,
-                      steps_per_execution=(config.steps_per_execution
-                                           or runtime.default_steps_per_execution()),
+                      steps_per_execution=runtime.steps_per_call(config.steps_per_execution),
                       jit_compile=KERAS_JIT_COMPILE[KERAS][config.jit_compile])
         if config.jit_compile == "on" and not model.jit_compile:
             # Keras only warns, and trains without XLA.

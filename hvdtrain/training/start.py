@@ -117,7 +117,7 @@ def starts_anywhere_but(config: TrainConfig, runtime: Runtime, plan: TrainingPla
     gradients were lost with the checkpoint, and every epoch consumes exactly its steps'
     batches (steps_per_execution dividing them)."""
     start = getattr(datasets, "start", None)
-    per_call = config.steps_per_execution or runtime.default_steps_per_execution()
+    per_call = runtime.steps_per_call(config.steps_per_execution)
     if start is None:
         return "a job's own datasets cannot start part-way"
     if not start.exact:
