@@ -187,7 +187,9 @@ def test_a_corrupt_record_is_the_only_row_it_costs_whatever_the_part_size(tmp_pa
     TFRecordDataset reading its run of records: the records it dropped are read again alone, so
     its row alone says so and every other record's prediction is the clean shards' (issue 62:
     a corrupt file is a row that says so; each input once, as one process predicts it). A
-    shard cut short that its dataset.json still counts: the missing record's row says so."""
+    shard cut short that its dataset.json still counts: the missing record's row says so; one
+    whose record's length is damaged: that record's row and those after it (no header past it
+    can be found) say so."""
     import keras
     import tensorflow as tf
 
@@ -202,13 +204,13 @@ def test_a_corrupt_record_is_the_only_row_it_costs_whatever_the_part_size(tmp_pa
     clean, damaged = tmp_path / "clean", tmp_path / "damaged"
     for folder in (clean, damaged):
         folder.mkdir()
-        for shard, paths in enumerate((images[:6], images[6:])):
+        for shard, paths in enumerate((images[:4], images[4:8], images[8:])):
             with tf.io.TFRecordWriter(str(folder / f"train-{shard}.tfrecord")) as writer:
                 for path in paths:
                     writer.write(serialize_example(path.read_bytes(), 0))
         names = [path.name for path in sorted(folder.glob("*.tfrecord"))]
         (folder / METADATA).write_text(json.dumps({  # as the converter counts them
-            "counts": dict.fromkeys(names, 6),
+            "counts": dict.fromkeys(names, 4),
             "bytes": {name: os.path.getsize(folder / name) for name in names}}))
     corrupt = damaged / "train-0.tfrecord"
     data = bytearray(corrupt.read_bytes())
@@ -217,6 +219,13 @@ def test_a_corrupt_record_is_the_only_row_it_costs_whatever_the_part_size(tmp_pa
     corrupt.write_bytes(data)
     cut = damaged / "train-1.tfrecord"
     cut.write_bytes(cut.read_bytes()[:-10])  # its last record's end is lost
+    lengths = damaged / "train-2.tfrecord"
+    data = bytearray(lengths.read_bytes())
+    header = 0
+    for _ in range(2):  # record 2's header: past two records' framing and data
+        header += 16 + int.from_bytes(data[header:header + 8], "little")
+    data[header] ^= 0x01  # its length, off by one
+    lengths.write_bytes(data)
 
     inputs = keras.Input((8, 8, 3), dtype="uint8")
     model = keras.Model(inputs, keras.layers.Dense(3)(
@@ -237,11 +246,16 @@ def test_a_corrupt_record_is_the_only_row_it_costs_whatever_the_part_size(tmp_pa
         got = rows(damaged, ranges)
         assert [row["input"] for row in got] == [row["input"] for row in expected]
         errors = {row["input"]: row["error"] for row in got if row["error"]}
-        assert sorted(errors) == ["train-0.tfrecord:2", "train-1.tfrecord:5"], (ranges, errors)
+        assert sorted(errors) == ["train-0.tfrecord:2", "train-1.tfrecord:3",
+                                  "train-2.tfrecord:2", "train-2.tfrecord:3"], (ranges, errors)
         assert errors["train-0.tfrecord:2"].startswith(
             f"record 2 of {corrupt} cannot be read: corrupted record at ")
-        assert errors["train-1.tfrecord:5"] == (f"record 5 of {cut} cannot be read: the file ends "
+        assert errors["train-1.tfrecord:3"] == (f"record 3 of {cut} cannot be read: the file ends "
                                                 "before the record does (cut short)")
+        for record in (2, 3):
+            assert errors[f"train-2.tfrecord:{record}"] == (
+                f"record {record} of {lengths} cannot be read: the length of record 2 is "
+                "damaged, so no record from it on can be found")
         for row, clean_row in zip(got, expected):
             if not row["error"]:
                 assert row["output"] == pytest.approx(clean_row["output"], abs=1e-6), row

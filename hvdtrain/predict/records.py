@@ -112,10 +112,9 @@ class RecordInputs(Inputs):
         try:
             if file not in self._offsets:
                 self._offsets[file] = _record_offsets(path, int(self.counts[file]))
-            offsets = self._offsets[file]
+            offsets, walk_ended = self._offsets[file]
             if record >= len(offsets):
-                raise InputFailure(f"{cannot}: the file ends before the record does (cut "
-                                   "short)")
+                raise InputFailure(f"{cannot}: {walk_ended}")
             # Both CRCs checked: a record whose bytes changed is DataLossError, never read.
             data, _ = tf_record_random_reader(path).read(offsets[record])
         except OSError as error:
@@ -129,7 +128,7 @@ class RecordInputs(Inputs):
                                f"{op_error_line(error)}") from None
 
     @functools.cached_property
-    def _offsets(self) -> dict[int, list[int]]:
+    def _offsets(self) -> dict[int, tuple[list[int], str | None]]:
         """Where each record starts, by file: walked when a record of it is first read alone,
         once per file in a process."""
         return {}
@@ -165,25 +164,52 @@ def list_records(location: str) -> RecordInputs:
                         counts=counts, class_names=names.pop() if len(names) == 1 else None)
 
 
-def _record_offsets(path: str, count: int) -> list[int]:
-    """Where each of the first ``count`` records of a TFRecord file starts, as far as they lie
-    whole in the file: its framing walked from header to header (a seek and an 8-byte read a
-    record; the CRCs are the reader's to check)."""
+def _record_offsets(path: str, count: int) -> tuple[list[int], str | None]:
+    """Where each of the first ``count`` records of a TFRecord file starts, as far as they can
+    be found, and why the rest cannot (None: all found): its framing walked from header to
+    header (a seek and a 12-byte read a record: the length and its checksum, which says whether
+    the next header's place can be trusted; the data's checksum is the reader's to check)."""
     offsets: list[int] = []
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
         offset = 0
         while len(offsets) < count:
             file.seek(offset)
-            length = file.read(8)
-            if len(length) < 8:
-                break
-            end = offset + RECORD_FRAMING + int.from_bytes(length, "little")
+            header = file.read(12)
+            if len(header) < 12:
+                return offsets, "the file ends before the record does (cut short)"
+            if _masked_crc32c(header[:8]) != int.from_bytes(header[8:], "little"):
+                return offsets, (f"the length of record {len(offsets)} is damaged, so no "
+                                 "record from it on can be found")
+            end = offset + RECORD_FRAMING + int.from_bytes(header[:8], "little")
             if end > size:
-                break
+                return offsets, "the file ends before the record does (cut short)"
             offsets.append(offset)
             offset = end
-    return offsets
+    return offsets, None
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1  # Castagnoli, reflected
+        table.append(crc)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def _masked_crc32c(data: bytes) -> int:
+    """A TFRecord header's checksum of its length: CRC-32C, rotated and offset as TensorFlow's
+    crc32c::Mask does."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def _count(path: str, metadata: dict | None) -> tuple[int, str | None]:
