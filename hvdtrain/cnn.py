@@ -86,10 +86,14 @@ def _logits_crossentropy(label_smoothing: float = 0.0):
 CLASSIFIER = classifier()
 
 
+def classifier_of(config: ClassifierConfig) -> Task:
+    """The classifier the flags choose: its network and its label smoothing."""
+    return classifier(config.model, config.label_smoothing)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     # The flags choose the network, so the task is made from the parsed config.
-    job.main(lambda config: classifier(config.model, config.label_smoothing), argv,
-             name=PROGRAM, presets=PRESETS)
+    job.main(classifier_of, argv, name=PROGRAM, presets=PRESETS)
 
 
 if __name__ == "__main__":

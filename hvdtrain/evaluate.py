@@ -45,6 +45,7 @@ class ScoredJob:
     """What evaluate takes from a job it scores: its flags and its Task (model, loss, pairs)."""
 
     config_class: type
+    """Its flags, as config.json records them."""
     task: Callable
     """config -> the job's Task."""
     classifies: bool
@@ -55,9 +56,7 @@ def scored_jobs() -> dict[str, ScoredJob]:
     """The jobs evaluate scores, by the program config.json names (TensorFlow-free imports)."""
     from hvdtrain import autoencoder, cnn
 
-    return {cnn.PROGRAM: ScoredJob(cnn.ClassifierConfig,
-                                   lambda config: cnn.classifier(config.model,
-                                                                 config.label_smoothing), True),
+    return {cnn.PROGRAM: ScoredJob(cnn.ClassifierConfig, cnn.classifier_of, True),
             autoencoder.PROGRAM: ScoredJob(autoencoder.ImageConfig,
                                            lambda config: autoencoder.RECONSTRUCTOR, False)}
 #: Seconds between rank 0's progress lines on a long evaluation.
@@ -138,7 +137,7 @@ def run(request: Request) -> int:
         raise UserError(f"{request.run_dir} is a run of {recorded.get('program')}; evaluate "
                         f"scores runs of hvdtrain's own jobs ({', '.join(jobs)}): score a job "
                         "of your own with its model.keras in your own script")
-    require_model_file(request.run_dir, request.checkpoint, checkpoints_load=True)
+    require_model_file(request.run_dir, request.checkpoint, can_load_checkpoint=True)
     config = run_config(request.run_dir, recorded, job.config_class, request.data_flags)
     from hvdtrain.training import train  # TensorFlow: after the arguments and the run are read
 
@@ -209,7 +208,8 @@ class Evaluation:
 
     # --- scoring ---------------------------------------------------------------------------------
     def score(self, model, listing, splits) -> dict:
-        """This rank's sums over its share of ``splits``: samples, skipped, loss, confusion."""
+        """This rank's sums over its share of ``splits``: the samples listed and scored, the
+        loss summed over them and (a classifier's) the confusion matrix."""
         import numpy as np
         import tensorflow as tf
 

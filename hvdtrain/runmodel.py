@@ -22,13 +22,14 @@ def check_model_flags(keras: str, checkpoint: str | None, program: str) -> None:
                         f"{checkpoint!r}")
 
 
-def require_model_file(run_dir: str, checkpoint: str | None, *, checkpoints_load: bool) -> None:
+def require_model_file(run_dir: str, checkpoint: str | None, *,
+                       can_load_checkpoint: bool) -> None:
     """Without ``checkpoint``, the run's model.keras must be there (checked before TensorFlow
-    loads); ``checkpoints_load``: the command can load a checkpoint instead, and says so."""
+    loads); ``can_load_checkpoint``: the command can load a checkpoint instead, and says so."""
     if checkpoint is None and not os.path.isfile(os.path.join(run_dir, MODEL_FILE)):
         raise UserError(f"{run_dir} holds no {MODEL_FILE} (its job has not finished, ran with "
                         "--no-export, or its model could only be saved as weights)"
-                        + (": pass --checkpoint latest" if checkpoints_load else ""))
+                        + (": pass --checkpoint latest" if can_load_checkpoint else ""))
 
 
 def recorded_image_shape(recorded: dict) -> tuple[int, int, int] | None:

@@ -140,7 +140,7 @@ def run(request: Request) -> int:
     if request.checkpoint is not None and not is_classifier:
         raise UserError("--checkpoint rebuilds the classifier's network; for a run of "
                         f"{recorded.get('program')}, predict with its {MODEL_FILE}")
-    require_model_file(request.run_dir, request.checkpoint, checkpoints_load=is_classifier)
+    require_model_file(request.run_dir, request.checkpoint, can_load_checkpoint=is_classifier)
     config = run_config(request.run_dir, recorded, ClassifierConfig) if is_classifier else None
     from hvdtrain.runtime import make_runtime  # TensorFlow: after the arguments and the run
 
