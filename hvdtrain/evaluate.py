@@ -59,6 +59,8 @@ def scored_jobs() -> dict[str, ScoredJob]:
     return {cnn.PROGRAM: ScoredJob(cnn.ClassifierConfig, cnn.classifier_of, True),
             autoencoder.PROGRAM: ScoredJob(autoencoder.ImageConfig,
                                            lambda config: autoencoder.RECONSTRUCTOR, False)}
+
+
 #: Seconds between rank 0's progress lines on a long evaluation.
 PROGRESS_SECONDS = 30.0
 

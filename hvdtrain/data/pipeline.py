@@ -13,9 +13,10 @@ decode it; it does not know which source that is.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from hvdtrain.data.augment import (augmented, center_cropped, decode_random_crop, decoded_shape,
                                    pixel_decoder, seed_stream)
@@ -87,6 +88,19 @@ class TrainingStart:
         self.first_pass.assign(where[0])
         self.skip_samples.assign(where[1] * self.batch_size)
         return where
+
+    def iterator_at(self, stream: tf.data.Dataset, steps_done: int) -> Iterator:
+        """An iterator of ``stream`` (one this start positions) after its first ``steps_done``
+        batches, leaving where the next iterator starts as it was. The position is read when the
+        iterator makes its first batch, so that batch is made before it is put back."""
+        next_start = [variable.numpy() for variable in self.variables()]
+        self.at_step(steps_done)
+        try:
+            iterator = iter(stream)
+            return itertools.chain([next(iterator)], iterator)
+        finally:
+            for variable, value in zip(self.variables(), next_start):
+                variable.assign(value)
 
     def stream(self, from_start: Callable) -> tf.data.Dataset:
         """``from_start(first_pass, skip_samples)``, the stream from where it starts, with both

@@ -121,23 +121,6 @@ class BatchNormStatistics(keras.callbacks.Callback):
         self._done_this_epoch = False
         self._epoch = epoch
 
-    def _stream_after(self, consumed: int):
-        """An iterator of the training stream after its first ``consumed`` batches (from the
-        start without ``data_start``). The stream reads its position when its first batch is
-        made, so that batch is taken before the training's position is put back."""
-        import itertools
-
-        if self.data_start is None:
-            return iter(self.batches)
-        training_position = [variable.numpy() for variable in self.data_start.variables()]
-        self.data_start.at_step(consumed)
-        try:
-            iterator = iter(self.batches)
-            return itertools.chain([next(iterator)], iterator)
-        finally:
-            for variable, value in zip(self.data_start.variables(), training_position):
-                variable.assign(value)
-
     def on_test_begin(self, logs=None):
         if not self._done_this_epoch:  # fit's validation: recompute before it
             self.recompute()
@@ -152,7 +135,9 @@ class BatchNormStatistics(keras.callbacks.Callback):
 
         self._done_this_epoch = True
         if self._iterator is None:
-            self._iterator = self._stream_after(self._epoch * self.num_batches)
+            self._iterator = (iter(self.batches) if self.data_start is None else
+                              self.data_start.iterator_at(self.batches,
+                                                          self._epoch * self.num_batches))
         momentums = [layer.momentum for layer in self.layers]
         for layer in self.layers:
             # Momentum 0: one training-mode pass leaves exactly that batch's statistics.
